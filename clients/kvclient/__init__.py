@@ -1,0 +1,24 @@
+"""kvclient: the library inference engines embed to read and write the kvstore pool.
+
+Pure parts need no server: :func:`block_hashes`, :func:`encode_chunk`,
+:func:`decode_chunk`. Every error raised is a :class:`kvclient.errors.KVStoreError`.
+"""
+
+from __future__ import annotations
+
+from kvstore.core.codec import ChunkKey, decode_chunk, encode_chunk
+from kvstore.core.hashing import BlockHash, Namespace, block_hashes
+
+from . import errors
+from .errors import KVStoreError
+
+__all__ = [
+    "BlockHash",
+    "ChunkKey",
+    "KVStoreError",
+    "Namespace",
+    "block_hashes",
+    "decode_chunk",
+    "encode_chunk",
+    "errors",
+]

@@ -1,0 +1,133 @@
+"""The one exception tree of kvstore; ``kvclient.errors`` re-exports it.
+
+Every error the server, the client library or the core raises is a subclass of
+:class:`KVStoreError`. Foreign exceptions (grpc, OSError, redis, NIXL) are translated at
+the boundary with ``raise ... from exc`` so callers catch one family::
+
+    KVStoreError
+    ├── InvalidArgument          bad call: wrong shape, dtype, size string, flag ...
+    │   ├── BadShape             tensor shape/dtype does not fit the namespace
+    │   └── NamespaceMismatch    chunk or request belongs to another namespace
+    ├── ChunkError               a buffer is not a valid chunk (never decoded)
+    │   ├── ChunkFormatError     garbage, truncated, inconsistent header
+    │   ├── ChunkVersionError    magic right, version unknown
+    │   ├── ChecksumError        payload bits flipped
+    │   └── ChunkKeyMismatch     chunk carries another (block, layer, shard)
+    ├── CapacityError            pool full, oversized put, allocator exhausted
+    ├── TransportError           data or control plane failure
+    │   ├── Unreachable          cannot connect (refused, unknown host, no live node)
+    │   ├── PeerDisconnected     peer went away mid-exchange
+    │   ├── ProtocolError        garbage, oversized or truncated frame
+    │   └── UnknownScheme        address scheme with no registered backend
+    ├── KVTimeout                a deadline passed (also a ``TimeoutError``)
+    ├── Miss                     requested KV is not (or no longer) in the pool
+    ├── Cancelled                the operation's handle was cancelled
+    └── Closed                   the client or server was closed
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BadShape",
+    "CapacityError",
+    "Cancelled",
+    "ChecksumError",
+    "ChunkError",
+    "ChunkFormatError",
+    "ChunkKeyMismatch",
+    "ChunkVersionError",
+    "Closed",
+    "InvalidArgument",
+    "KVStoreError",
+    "KVTimeout",
+    "Miss",
+    "NamespaceMismatch",
+    "PeerDisconnected",
+    "ProtocolError",
+    "TransportError",
+    "UnknownScheme",
+    "Unreachable",
+]
+
+
+class KVStoreError(Exception):
+    """Base of every error kvstore raises."""
+
+
+class InvalidArgument(KVStoreError, ValueError):
+    """A call's arguments are invalid; nothing was changed."""
+
+
+class BadShape(InvalidArgument):
+    """A tensor's shape or dtype does not match the namespace or the call."""
+
+
+class NamespaceMismatch(InvalidArgument):
+    """A chunk, slot or request belongs to a different namespace."""
+
+
+class ChunkError(KVStoreError):
+    """A buffer is not a valid chunk; it was not decoded."""
+
+
+class ChunkFormatError(ChunkError):
+    """Garbage, a truncated buffer or an inconsistent header."""
+
+
+class ChunkVersionError(ChunkError):
+    """The magic matches but the format version is not one this build reads."""
+
+
+class ChecksumError(ChunkError):
+    """The chunk's checksum does not match its contents (bits flipped in flight or at rest)."""
+
+
+class ChunkKeyMismatch(ChunkError):
+    """The chunk is valid but carries another (block hash, layer, shard) than expected."""
+
+
+class CapacityError(KVStoreError):
+    """No room: the pool or a slab is full, or a value exceeds the configured maximum."""
+
+
+class TransportError(KVStoreError):
+    """A data-plane or control-plane exchange failed."""
+
+
+class Unreachable(TransportError, ConnectionError):
+    """The peer cannot be reached (refused, unresolvable, no live node)."""
+
+
+class PeerDisconnected(TransportError, ConnectionError):
+    """The peer closed or died in the middle of an exchange."""
+
+
+class ProtocolError(TransportError):
+    """The peer sent something that is not a valid frame or message."""
+
+
+class UnknownScheme(TransportError, ValueError):
+    """An address uses a scheme that has no registered transport backend."""
+
+
+class KVTimeout(KVStoreError, TimeoutError):
+    """A deadline passed before the operation completed."""
+
+
+class Miss(KVStoreError):
+    """Requested KV is not in the pool. ``layer`` and ``blocks`` say what was missing."""
+
+    def __init__(
+        self, message: str, *, layer: int | None = None, blocks: list[int] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.layer = layer
+        self.blocks = list(blocks or [])
+
+
+class Cancelled(KVStoreError):
+    """The operation's handle was cancelled before it completed."""
+
+
+class Closed(KVStoreError):
+    """The client, connection or server has been closed."""
