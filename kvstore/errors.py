@@ -29,8 +29,8 @@ from __future__ import annotations
 
 __all__ = [
     "BadShape",
-    "CapacityError",
     "Cancelled",
+    "CapacityError",
     "ChecksumError",
     "ChunkError",
     "ChunkFormatError",
