@@ -1,0 +1,536 @@
+"""The data-plane seam: :class:`Connection`, :class:`Listener` and :class:`Backend`.
+
+A connection carries *frames* (see :mod:`kvstore.transport.framing`): a small JSON-able
+header dict plus zero or more raw payload buffers. Receiving is split in two so that the
+receiver decides where the payload goes only after it has seen the header::
+
+    frame = await conn.recv_header(timeout=5)          # header + payload sizes
+    view = arena.allocate(frame.sizes[0])              # e.g. a slot in a storage arena
+    await conn.recv_payload_into([view], timeout=5)    # bytes land straight in the slot
+
+The public methods of :class:`Connection` and :class:`Listener` are written once, here, and
+carry the whole contract (state checks, timeouts, closing on a broken stream, byte counts).
+A backend implements a handful of private primitives (``_write_frame``, ``_read_prefix``,
+``_read_payload``, ``_buffered``, ``_abort`` and a listener's ``_bind``/``_unbind``), so
+every backend behaves alike and one conformance suite tests them all.
+
+Rules shared by every backend:
+
+* One frame at a time in each direction. Concurrent :meth:`Connection.send` calls are
+  serialised; only one task may receive on a connection at a time.
+* A timeout or cancellation in the middle of a frame leaves the byte stream unframed, so the
+  connection is closed before :class:`~kvstore.errors.KVTimeout` (or the cancellation)
+  propagates. The one exception is :meth:`Connection.recv_header`: it keeps whatever part of
+  the next frame has arrived, so a header wait that times out leaves the connection usable.
+* After the peer closed, receives raise :class:`~kvstore.errors.PeerDisconnected` (frames the
+  peer sent before closing are still delivered). After a local :meth:`Connection.close`,
+  every call raises :class:`~kvstore.errors.Closed`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from kvstore.errors import (
+    Closed,
+    InvalidArgument,
+    KVStoreError,
+    KVTimeout,
+    PeerDisconnected,
+    ProtocolError,
+)
+from kvstore.transport.framing import DEFAULT_LIMITS, Frame, FrameLimits, encode_prefix
+
+__all__ = [
+    "DEFAULT_MAX_CONNECTIONS",
+    "Backend",
+    "Connection",
+    "Handler",
+    "Listener",
+    "as_byte_view",
+    "with_timeout",
+]
+
+logger = logging.getLogger("kvstore.transport")
+
+T = TypeVar("T")
+
+DEFAULT_MAX_CONNECTIONS = 1024
+"""Default bound on the connections one listener serves at once."""
+
+Handler = Callable[["Connection"], Awaitable[None]]
+"""``async def handler(conn)``: serves one accepted connection, in its own task."""
+
+Buffer = Any
+"""bytes, bytearray, memoryview, a C-contiguous numpy array or a contiguous CPU torch tensor."""
+
+
+def as_byte_view(buf: Buffer, *, writable: bool = False) -> memoryview:
+    """View ``buf``'s memory as a flat unsigned-byte memoryview, without copying.
+
+    Accepts anything exposing the buffer protocol (bytes, bytearray, memoryview, numpy) and
+    CPU torch tensors (through ``.numpy()``). Never blocks. Raises
+    :class:`~kvstore.errors.InvalidArgument` for objects without a buffer, non-contiguous
+    memory, device tensors, or a read-only buffer when ``writable`` is set.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(buf, torch.Tensor):
+        buf = _tensor_as_numpy(buf)
+    try:
+        view = memoryview(buf)
+    except TypeError as exc:
+        raise InvalidArgument(f"{type(buf).__name__} does not expose a byte buffer") from exc
+    if writable and view.readonly:
+        raise InvalidArgument(f"cannot receive into a read-only {type(buf).__name__}")
+    if not view.c_contiguous:
+        raise InvalidArgument(f"{type(buf).__name__} buffer is not C-contiguous")
+    if view.ndim == 1 and view.format == "B":
+        return view
+    if view.nbytes == 0:
+        return memoryview(b"") if not writable else memoryview(bytearray())
+    try:
+        return view.cast("B")
+    except TypeError as exc:
+        raise InvalidArgument(f"cannot view {type(buf).__name__} as bytes: {exc}") from exc
+
+
+def _tensor_as_numpy(tensor: Any) -> Any:
+    """A numpy array sharing the memory of a contiguous CPU tensor, viewed as uint8."""
+    if tensor.device.type != "cpu":
+        raise InvalidArgument(
+            f"a {tensor.device.type} tensor cannot be sent or received as host memory"
+        )
+    if not tensor.is_contiguous():
+        raise InvalidArgument("tensor is not contiguous")
+    flat = tensor.detach().reshape(-1)
+    try:
+        if flat.dtype != sys.modules["torch"].uint8:
+            flat = flat.view(sys.modules["torch"].uint8)
+        return flat.numpy()
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidArgument(f"cannot view a {tensor.dtype} tensor as bytes: {exc}") from exc
+
+
+async def with_timeout(aw: Awaitable[T], timeout: float | None, what: str) -> T:
+    """Await ``aw`` for at most ``timeout`` seconds (``None``: no limit).
+
+    Raises :class:`~kvstore.errors.KVTimeout` naming ``what`` when the time runs out; the
+    awaited operation is cancelled first.
+    """
+    if timeout is None:
+        return await aw
+    try:
+        if sys.version_info >= (3, 11):
+            async with asyncio.timeout(timeout):
+                return await aw
+        return await asyncio.wait_for(aw, timeout)
+    except (TimeoutError, asyncio.TimeoutError) as exc:  # distinct classes before 3.11
+        if isinstance(exc, KVTimeout):
+            raise
+        raise KVTimeout(f"{what} timed out after {timeout:g} s") from exc
+
+
+class Connection(abc.ABC):
+    """One framed, bidirectional, ordered connection to a peer.
+
+    ``bytes_sent`` and ``bytes_received`` count every byte of every complete frame (prefix
+    and payload) for metrics. ``limits`` bound the frames this side accepts and sends. Not
+    thread-safe: use a connection only from the event loop that created it.
+    """
+
+    def __init__(self, *, peer: str, limits: FrameLimits = DEFAULT_LIMITS) -> None:
+        self.limits = limits
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._peer = peer
+        self._pending: Frame | None = None
+        self._reading = False
+        self._awaiting_header = False
+        self._draining = False
+        self._send_lock = asyncio.Lock()
+        self._closed_as: tuple[type[KVStoreError], str] | None = None
+
+    @property
+    def peer(self) -> str:
+        """The peer's address as a URI (e.g. ``tcp://10.0.0.7:50052``); never blocks."""
+        return self._peer
+
+    @property
+    def closed(self) -> bool:
+        """True once the connection was closed, by either side or after a failure."""
+        return self._closed_as is not None
+
+    async def send(
+        self,
+        header: dict[str, Any],
+        buffers: Sequence[Buffer] = (),
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Send one frame: ``header`` (a JSON-able dict) and ``buffers`` as its payload.
+
+        Buffers are sent without copying (see :func:`as_byte_view` for what is accepted);
+        once the call returns they may be reused. Blocks until every byte is handed to the
+        backend, at most ``timeout`` seconds. Raises
+        :class:`~kvstore.errors.InvalidArgument` (bad header or buffer, frame over
+        ``limits``; nothing sent), :class:`~kvstore.errors.PeerDisconnected`,
+        :class:`~kvstore.errors.Closed`, or :class:`~kvstore.errors.KVTimeout`. A send that
+        fails, times out or is cancelled after it began closes the connection.
+        """
+        self._raise_if_closed()
+        views = [as_byte_view(b) for b in buffers]
+        prefix = encode_prefix(header, [v.nbytes for v in views], self.limits)
+        await with_timeout(self._locked_send(prefix, views), timeout, f"send to {self._peer}")
+
+    async def recv_header(self, timeout: float | None = None) -> Frame:
+        """Wait for the next frame and return its header and payload sizes.
+
+        Blocks up to ``timeout`` seconds. The payload, if any, must then be consumed with
+        :meth:`recv_payload_into`, :meth:`recv_payload` or :meth:`discard_payload` before
+        the next header. Raises :class:`~kvstore.errors.KVTimeout` (the connection stays
+        usable), :class:`~kvstore.errors.PeerDisconnected`,
+        :class:`~kvstore.errors.ProtocolError` (garbage or a frame over ``limits``; the
+        connection is closed), :class:`~kvstore.errors.Closed`, or
+        :class:`~kvstore.errors.InvalidArgument` when the previous payload is unread.
+        """
+        self._begin_read(header=True)
+        try:
+            if self._draining and self._buffered() == 0:
+                self._shut(Closed, "the listener is stopping")
+                self._raise_if_closed()
+            self._awaiting_header = True
+            frame, nbytes = await with_timeout(
+                self._read_prefix(), timeout, f"recv_header from {self._peer}"
+            )
+        except (KVTimeout, asyncio.CancelledError):
+            raise
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        finally:
+            self._reading = False
+            self._awaiting_header = False
+        self.bytes_received += nbytes
+        self._pending = frame if frame.sizes else None
+        return frame
+
+    async def recv_payload_into(
+        self, views: Sequence[Buffer | None], timeout: float | None = None
+    ) -> None:
+        """Receive the pending frame's payload straight into caller-provided ``views``.
+
+        One writable view per payload buffer, each exactly that buffer's size; a ``None``
+        entry discards that buffer. Blocks up to ``timeout`` seconds. Raises
+        :class:`~kvstore.errors.ProtocolError` when the count or a size differs from the
+        frame's (nothing is read; the payload stays pending),
+        :class:`~kvstore.errors.InvalidArgument` for a non-writable view or when no payload
+        is pending, and otherwise like :meth:`recv_header` — except that a timeout here
+        closes the connection.
+        """
+        self._raise_if_closed()
+        frame = self._pending
+        if frame is None:
+            if views:
+                raise InvalidArgument("no frame payload is pending on this connection")
+            return
+        targets = _payload_targets(views, frame.sizes)
+        self._begin_read(header=False)
+        try:
+            await with_timeout(
+                self._read_payload(targets, frame.sizes), timeout, f"recv from {self._peer}"
+            )
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        finally:
+            self._reading = False
+        self._pending = None
+        self.bytes_received += frame.payload_bytes
+
+    async def recv_payload(self, timeout: float | None = None) -> list[bytearray]:
+        """Receive the pending frame's payload into fresh bytearrays, one per buffer.
+
+        Returns ``[]`` when no payload is pending. Blocks and raises like
+        :meth:`recv_payload_into`.
+        """
+        if self._pending is None:
+            self._raise_if_closed()
+            return []
+        buffers = [bytearray(size) for size in self._pending.sizes]
+        await self.recv_payload_into(buffers, timeout)
+        return buffers
+
+    async def discard_payload(self, timeout: float | None = None) -> None:
+        """Read and drop the pending frame's payload (no-op when none is pending).
+
+        Blocks and raises like :meth:`recv_payload_into`.
+        """
+        if self._pending is not None:
+            await self.recv_payload_into([None] * len(self._pending.sizes), timeout)
+
+    async def recv(self, timeout: float | None = None) -> tuple[dict[str, Any], list[bytearray]]:
+        """Receive one whole frame: its header and its payload in fresh bytearrays.
+
+        ``timeout`` bounds the whole frame. Raises like :meth:`recv_header` and
+        :meth:`recv_payload_into`.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        frame = await self.recv_header(timeout)
+        rest = None if deadline is None else max(0.0, deadline - loop.time())
+        return frame.header, await self.recv_payload(rest)
+
+    async def close(self) -> None:
+        """Close the connection; idempotent, never raises, wakes any blocked call.
+
+        Blocked and later calls raise :class:`~kvstore.errors.Closed`.
+        """
+        self._shut(Closed, "the connection was closed locally")
+
+    async def __aenter__(self) -> Connection:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<{type(self).__name__} peer={self._peer} {state}>"
+
+    # -- primitives each backend implements -----------------------------------------------
+
+    @abc.abstractmethod
+    async def _write_frame(self, prefix: bytes, views: list[memoryview]) -> None:
+        """Write ``prefix`` then every view, in order, as one frame; raise on failure."""
+
+    @abc.abstractmethod
+    async def _read_prefix(self) -> tuple[Frame, int]:
+        """Read and parse the next prefix (with ``self.limits``); return it and its length.
+
+        Must keep partial progress when cancelled so that a later call resumes.
+        """
+
+    @abc.abstractmethod
+    async def _read_payload(self, targets: list[memoryview | None], sizes: list[int]) -> None:
+        """Read the payload buffers into ``targets`` (``None``: discard ``sizes[i]`` bytes)."""
+
+    @abc.abstractmethod
+    def _buffered(self) -> int:
+        """Bytes of the next frame already received; 0 means the connection is idle."""
+
+    @abc.abstractmethod
+    def _abort(self, exc: KVStoreError) -> None:
+        """Release the backend's resources at once and fail blocked waits with ``exc``."""
+
+    # -- shared machinery -----------------------------------------------------------------
+
+    async def _locked_send(self, prefix: bytes, views: list[memoryview]) -> None:
+        async with self._send_lock:
+            self._raise_if_closed()
+            try:
+                await self._write_frame(prefix, views)
+            except BaseException as exc:
+                self._fail(exc)  # a frame may be half written: the stream is unframed now
+                raise
+        self.bytes_sent += len(prefix) + sum(v.nbytes for v in views)
+
+    def _begin_read(self, *, header: bool) -> None:
+        self._raise_if_closed()
+        if self._reading:
+            raise InvalidArgument("another task is already receiving on this connection")
+        if header and self._pending is not None:
+            raise InvalidArgument(
+                "the previous frame's payload is unread: receive or discard it first"
+            )
+        self._reading = True
+
+    def _raise_if_closed(self) -> None:
+        if self._closed_as is not None:
+            cls, message = self._closed_as
+            raise cls(f"{self._peer}: {message}")
+
+    def _fail(self, exc: BaseException) -> None:
+        """Close after ``exc`` broke the connection, remembering how it ended."""
+        if isinstance(exc, PeerDisconnected):
+            self._shut(PeerDisconnected, "the peer closed the connection")
+        elif isinstance(exc, ProtocolError):
+            self._shut(Closed, f"closed after a protocol error: {exc}")
+        else:
+            self._shut(Closed, f"closed after {type(exc).__name__} mid-frame")
+
+    def _shut(self, cls: type[KVStoreError], message: str) -> None:
+        if self._closed_as is not None:
+            return
+        self._closed_as = (cls, message)
+        self._pending = None
+        self._abort(cls(f"{self._peer}: {message}"))
+
+    def _drain(self) -> None:
+        """Listener stop: close now if idle, else after the frame exchange in progress."""
+        self._draining = True
+        if self._awaiting_header and self._buffered() == 0:
+            self._shut(Closed, "the listener is stopping")
+
+
+def _payload_targets(views: Sequence[Buffer | None], sizes: list[int]) -> list[memoryview | None]:
+    """Validate receive views against a frame's sizes; raise ProtocolError on mismatch."""
+    if len(views) != len(sizes):
+        raise ProtocolError(f"frame has {len(sizes)} payload buffers, got {len(views)} views")
+    targets: list[memoryview | None] = []
+    for i, (view, size) in enumerate(zip(views, sizes, strict=True)):
+        if view is None:
+            targets.append(None)
+            continue
+        target = as_byte_view(view, writable=True)
+        if target.nbytes != size:
+            raise ProtocolError(f"payload buffer {i} is {size} bytes, view is {target.nbytes}")
+        targets.append(target)
+    return targets
+
+
+class Listener(abc.ABC):
+    """Accepts connections and runs ``handler(conn)`` for each, in its own task.
+
+    An exception escaping a handler is logged and closes only that connection; the
+    connection is closed when its handler returns. At most ``max_connections`` are served at
+    once; one more is accepted and closed at once (the client sees
+    :class:`~kvstore.errors.PeerDisconnected`) and counted in ``rejected``.
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        limits: FrameLimits = DEFAULT_LIMITS,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    ) -> None:
+        if not isinstance(max_connections, int) or max_connections < 1:
+            raise InvalidArgument(f"max_connections must be >= 1, got {max_connections!r}")
+        self.limits = limits
+        self.max_connections = max_connections
+        self.rejected = 0
+        self._handler = handler
+        self._tasks: dict[Connection, asyncio.Task[None]] = {}
+        self._state = "new"
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """The URI clients connect to, with the real port after binding port 0.
+
+        Raises :class:`~kvstore.errors.InvalidArgument` before :meth:`start`.
+        """
+
+    @property
+    def connections(self) -> int:
+        """Connections being served now."""
+        return len(self._tasks)
+
+    async def start(self) -> None:
+        """Bind and start accepting; returns once the address is bound (blocks briefly).
+
+        Raises :class:`~kvstore.errors.TransportError` when the address cannot be bound and
+        :class:`~kvstore.errors.InvalidArgument` when called twice.
+        """
+        if self._state != "new":
+            raise InvalidArgument(f"listener already {self._state}")
+        await self._bind()
+        self._state = "started"
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting, then close every connection; idempotent, never raises.
+
+        Idle connections (a handler waiting for a header with nothing received) are closed at
+        once — their ``recv_header`` raises :class:`~kvstore.errors.Closed`. Handlers busy
+        with a frame exchange get up to ``grace`` seconds to finish (their next header wait
+        raises ``Closed``); then the rest are cancelled. Blocks until all handlers ended.
+        """
+        if self._state != "started":
+            self._state = "stopped"
+            return
+        self._state = "stopped"
+        await self._unbind()
+        for conn in list(self._tasks):
+            conn._drain()
+        tasks = list(self._tasks.values())
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, grace))
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def __aenter__(self) -> Listener:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    # -- primitives each backend implements -----------------------------------------------
+
+    @abc.abstractmethod
+    async def _bind(self) -> None:
+        """Bind the address and start accepting, calling :meth:`_accepted` per connection."""
+
+    @abc.abstractmethod
+    async def _unbind(self) -> None:
+        """Stop accepting and release the address."""
+
+    # -- shared machinery -----------------------------------------------------------------
+
+    def _accepted(self, conn: Connection) -> None:
+        """Serve ``conn`` in a new task, or close it when stopping or at the bound."""
+        if self._state != "started":
+            conn._shut(Closed, "the listener is stopping")
+            return
+        if len(self._tasks) >= self.max_connections:
+            self.rejected += 1
+            logger.warning(
+                "rejecting %s: %d connections already served", conn.peer, self.max_connections
+            )
+            conn._shut(Closed, "the listener is at its connection limit")
+            return
+        task = asyncio.get_running_loop().create_task(self._serve(conn), name=f"serve {conn.peer}")
+        self._tasks[conn] = task
+
+    async def _serve(self, conn: Connection) -> None:
+        try:
+            await self._handler(conn)
+        except (PeerDisconnected, Closed) as exc:
+            logger.debug("connection %s ended: %s", conn.peer, exc)
+        except KVStoreError as exc:
+            logger.warning("connection %s closed: %s: %s", conn.peer, type(exc).__name__, exc)
+        except Exception:
+            logger.exception("handler for %s failed; closing that connection", conn.peer)
+        finally:
+            await conn.close()
+            self._tasks.pop(conn, None)
+
+
+class Backend(abc.ABC):
+    """One address scheme's implementation, found through the registry in
+    :mod:`kvstore.transport`. Each backend module exposes one as ``BACKEND``."""
+
+    @abc.abstractmethod
+    async def connect(
+        self, uri: str, *, timeout: float | None, limits: FrameLimits, **options: Any
+    ) -> Connection:
+        """Open a connection to ``uri``. Raises ``Unreachable``, ``KVTimeout``,
+        ``InvalidArgument`` (malformed address or unknown option)."""
+
+    @abc.abstractmethod
+    def listener(
+        self,
+        uri: str,
+        handler: Handler,
+        *,
+        limits: FrameLimits,
+        max_connections: int,
+        **options: Any,
+    ) -> Listener:
+        """Build an unstarted listener for ``uri``; raises ``InvalidArgument`` when malformed."""

@@ -1,0 +1,719 @@
+"""Transport conformance: every backend behaves alike (framing, views, limits, errors, stop).
+
+Each case runs over every entry of ``CASES``; a new backend (``ucx``) is one more entry.
+Cases that need to put raw, partial or garbage bytes on the wire run where the backend can
+(``raw_bytes``): the in-process twin moves whole frames only, so it cannot be handed half a
+frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstore.errors import (
+    Closed,
+    InvalidArgument,
+    KVTimeout,
+    PeerDisconnected,
+    ProtocolError,
+    TransportError,
+    UnknownScheme,
+    Unreachable,
+)
+from kvstore.transport import (
+    BACKENDS,
+    Connection,
+    FrameLimits,
+    Listener,
+    as_byte_view,
+    connect,
+    listen,
+)
+from kvstore.transport.framing import (
+    FIXED_SIZE,
+    MAGIC,
+    encode_prefix,
+    parse_fixed,
+    parse_prefix,
+)
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Case:
+    """How to exercise one backend."""
+
+    name: str
+    any_address: str
+    """Listen here to get a fresh address (port 0, generated name)."""
+    raw_bytes: bool
+    """Raw bytes can be written to a listener (partial frames, garbage)."""
+
+    def nowhere(self) -> str:
+        """An address where nothing listens."""
+        if self.name == "tcp":
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        return f"{self.name}://nobody-listens-here"
+
+
+CASES = {
+    "tcp": Case("tcp", "tcp://127.0.0.1:0", raw_bytes=True),
+    "inproc": Case("inproc", "inproc://", raw_bytes=False),
+}
+
+
+@pytest.fixture(params=sorted(CASES))
+def case(request: pytest.FixtureRequest) -> Case:
+    return CASES[request.param]
+
+
+@pytest.fixture
+def raw_case(case: Case) -> Case:
+    if not case.raw_bytes:
+        pytest.skip(f"{case.name}:// moves whole frames only; no raw bytes to inject")
+    return case
+
+
+@pytest.fixture(autouse=True)
+async def no_leaks() -> AsyncIterator[None]:
+    """Every test ends with no task of ours running and no file descriptor left open."""
+    fds = len(os.listdir("/proc/self/fd"))
+    yield
+    await asyncio.sleep(0)
+    current = asyncio.current_task()
+    alive = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+    assert alive == []
+    assert len(os.listdir("/proc/self/fd")) <= fds
+
+
+async def echo(conn: Connection) -> None:
+    """Send every frame back, header and payload."""
+    while True:
+        frame = await conn.recv_header()
+        await conn.send(frame.header, await conn.recv_payload())
+
+
+@contextlib.asynccontextmanager
+async def serving(case: Case, handler: Any = echo, **kw: Any) -> AsyncIterator[Listener]:
+    listener = listen(case.any_address, handler, **kw)
+    await listener.start()
+    try:
+        yield listener
+    finally:
+        await listener.stop(grace=1)
+
+
+@contextlib.asynccontextmanager
+async def accepted(case: Case, **kw: Any) -> AsyncIterator[tuple[Listener, asyncio.Queue]]:
+    """A listener whose handler hands each server-side connection to the test."""
+    conns: asyncio.Queue[Connection] = asyncio.Queue()
+    done = asyncio.Event()
+
+    async def handler(conn: Connection) -> None:
+        await conns.put(conn)
+        await done.wait()
+
+    async with serving(case, handler, **kw) as listener:
+        try:
+            yield listener, conns
+        finally:
+            done.set()
+
+
+@contextlib.asynccontextmanager
+async def pair(case: Case, **kw: Any) -> AsyncIterator[tuple[Connection, Connection]]:
+    """(client, server) connections of one link."""
+    client_limits = kw.pop("client_limits", FrameLimits())
+    async with accepted(case, **kw) as (listener, conns):
+        client = await connect(listener.address, timeout=5, limits=client_limits)
+        try:
+            yield client, await asyncio.wait_for(conns.get(), 5)
+        finally:
+            await client.close()
+
+
+@contextlib.asynccontextmanager
+async def raw_socket(address: str) -> AsyncIterator[tuple[asyncio.StreamReader, Any]]:
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+async def read_until_eof(reader: asyncio.StreamReader) -> bytes:
+    with contextlib.suppress(ConnectionError):
+        return await asyncio.wait_for(reader.read(), 5)
+    return b""
+
+
+# -- frames ----------------------------------------------------------------------------------
+
+
+async def test_header_only_frames_both_ways(case: Case) -> None:
+    async with pair(case) as (client, server):
+        header = {"op": "ping", "n": 1, "text": "grüße", "list": [1, 2.5, None, True]}
+        await client.send(header)
+        frame = await server.recv_header(timeout=5)
+        assert frame.header == header and frame.sizes == []
+        assert await server.recv_payload() == []
+        await server.send({"op": "pong"})
+        assert await client.recv(timeout=5) == ({"op": "pong"}, [])
+        assert client.bytes_sent == server.bytes_received > 0
+        assert server.bytes_sent == client.bytes_received > 0
+
+
+async def test_multi_buffer_frame_of_every_buffer_kind(case: Case) -> None:
+    tensor = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    buffers = [
+        b"bytes",
+        bytearray(b"bytearray"),
+        memoryview(b"0123456789")[2:7],
+        np.arange(10, dtype=np.uint8),
+        np.arange(6, dtype=np.float32).reshape(2, 3),
+        torch.arange(7, dtype=torch.uint8),
+        tensor,
+        b"",
+    ]
+    async with pair(case) as (client, server):
+        await client.send({"op": "put"}, buffers)
+        header, payload = await server.recv(timeout=5)
+        assert header == {"op": "put"}
+        assert [bytes(p) for p in payload] == [bytes(as_byte_view(b)) for b in buffers]
+        assert bytes(payload[6]) == tensor.view(torch.uint8).numpy().tobytes()
+        assert all(isinstance(p, bytearray) for p in payload)
+
+
+async def test_recv_into_numpy_torch_and_slot_views(case: Case) -> None:
+    rng = np.random.default_rng(1)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in (100, 4096, 70_000, 3)]
+    arena = bytearray(200_000)  # e.g. slots of a storage arena, received into in place
+    slot = memoryview(arena)[1000:71_000]
+    np_out = np.zeros(100, dtype=np.uint8)
+    torch_out = torch.zeros(1024, dtype=torch.float32)  # 4096 bytes, a non-uint8 tensor
+    tiny = torch.zeros(3, dtype=torch.uint8)
+    async with pair(case) as (client, server):
+        send = asyncio.create_task(client.send({"op": "data"}, parts))
+        frame = await server.recv_header(timeout=5)
+        assert frame.sizes == [100, 4096, 70_000, 3]
+        await server.recv_payload_into([np_out, torch_out, slot, tiny], timeout=5)
+        await send
+    assert np.array_equal(np_out, parts[0])
+    assert torch_out.view(torch.uint8).numpy().tobytes() == parts[1].tobytes()
+    assert bytes(slot) == parts[2].tobytes()
+    assert arena[:1000] == bytes(1000) and arena[71_000:] == bytes(200_000 - 71_000)
+    assert tiny.numpy().tobytes() == parts[3].tobytes()
+
+
+async def test_none_views_discard_and_stream_stays_in_sync(case: Case) -> None:
+    async with pair(case) as (client, server):
+        await client.send({"i": 0}, [b"a" * 10, b"b" * 100_000, b"c" * 5])
+        await client.send({"i": 1}, [b"d" * 70_000])
+        await client.send({"i": 2}, [b"e"])
+        frame = await server.recv_header(timeout=5)
+        keep = bytearray(100_000)
+        await server.recv_payload_into([None, keep, None], timeout=5)
+        assert frame.header == {"i": 0} and keep == b"b" * 100_000
+        assert (await server.recv_header(timeout=5)).header == {"i": 1}
+        await server.discard_payload(timeout=5)
+        assert await server.recv(timeout=5) == ({"i": 2}, [bytearray(b"e")])
+        assert server.bytes_received == client.bytes_sent
+
+
+async def test_wrong_views_raise_protocol_error_and_keep_payload(case: Case) -> None:
+    async with pair(case) as (client, server):
+        await client.send({"op": "data"}, [b"x" * 10, b"y" * 20])
+        await server.recv_header(timeout=5)
+        with pytest.raises(ProtocolError, match="buffer 1 is 20 bytes"):
+            await server.recv_payload_into([bytearray(10), bytearray(21)], timeout=5)
+        with pytest.raises(ProtocolError, match="2 payload buffers"):
+            await server.recv_payload_into([bytearray(10)], timeout=5)
+        with pytest.raises(InvalidArgument, match="read-only"):
+            await server.recv_payload_into([bytearray(10), b"z" * 20], timeout=5)
+        with pytest.raises(InvalidArgument, match="unread"):
+            await server.recv_header(timeout=5)
+        assert await server.recv_payload(timeout=5) == [b"x" * 10, b"y" * 20]
+        assert not server.closed
+
+
+async def test_large_payload_integrity(case: Case) -> None:
+    data = np.random.default_rng(2).integers(0, 256, 64 * MiB, dtype=np.uint8)
+    out = np.empty_like(data)
+    async with pair(case) as (client, server):
+        send = asyncio.create_task(client.send({"op": "big"}, [data[: 40 * MiB], data[40 * MiB :]]))
+        frame = await server.recv_header(timeout=10)
+        assert frame.payload_bytes == 64 * MiB
+        await server.recv_payload_into([out[: 40 * MiB], out[40 * MiB :]], timeout=30)
+        await send
+    assert np.array_equal(out, data)
+
+
+async def test_many_concurrent_connections(case: Case) -> None:
+    async def one_client(address: str, i: int) -> bytes:
+        async with await connect(address, timeout=5) as conn:
+            payload = [os.urandom(1000 + i), bytes([i]) * (i * 997)]
+            for round_ in range(3):
+                await conn.send({"client": i, "round": round_}, payload)
+                header, back = await conn.recv(timeout=10)
+                assert header == {"client": i, "round": round_}
+                assert back == payload
+            return payload[0]
+
+    async with serving(case) as listener:
+        firsts = await asyncio.gather(*(one_client(listener.address, i) for i in range(64)))
+    assert len(set(firsts)) == 64
+
+
+async def test_concurrent_sends_on_one_connection_do_not_interleave(case: Case) -> None:
+    async with pair(case) as (client, server):
+        payloads = {i: os.urandom(50_000 + i) for i in range(20)}
+        sends = [client.send({"i": i}, [payloads[i], b"tail"]) for i in payloads]
+        sending = asyncio.gather(*sends)
+        for _ in payloads:
+            header, back = await server.recv(timeout=10)
+            assert back == [payloads[header["i"]], b"tail"]
+        await sending
+
+
+async def test_second_concurrent_reader_is_refused(case: Case) -> None:
+    async with pair(case) as (client, server):
+        first = asyncio.create_task(server.recv_header(timeout=5))
+        await asyncio.sleep(0.01)
+        with pytest.raises(InvalidArgument, match="already receiving"):
+            await server.recv_header(timeout=5)
+        await client.send({"op": "x"})
+        assert (await first).header == {"op": "x"}
+
+
+# -- disconnects and timeouts ----------------------------------------------------------------
+
+
+async def test_peer_close_delivers_sent_frames_then_disconnects(case: Case) -> None:
+    async with pair(case) as (client, server):
+        await client.send({"last": True}, [b"payload"])
+        await client.close()
+        assert await server.recv(timeout=5) == ({"last": True}, [b"payload"])
+        with pytest.raises(PeerDisconnected):
+            await server.recv_header(timeout=5)
+        assert server.closed
+        with pytest.raises(PeerDisconnected):
+            await server.recv_header(timeout=5)
+
+
+async def test_peer_close_wakes_a_blocked_recv(case: Case) -> None:
+    async with pair(case) as (client, server):
+        waiting = asyncio.create_task(server.recv_header(timeout=5))
+        await asyncio.sleep(0.01)
+        await client.close()
+        with pytest.raises(PeerDisconnected):
+            await waiting
+
+
+async def test_local_close_is_idempotent_and_wakes_recv(case: Case) -> None:
+    async with pair(case) as (client, _server):
+        waiting = asyncio.create_task(client.recv_header(timeout=5))
+        await asyncio.sleep(0.01)
+        await client.close()
+        await client.close()
+        assert client.closed
+        with pytest.raises(Closed):
+            await waiting
+        with pytest.raises(Closed):
+            await client.send({"op": "late"})
+
+
+async def test_peer_close_mid_frame(raw_case: Case) -> None:
+    async with accepted(raw_case) as (listener, conns), raw_socket(listener.address) as (_, w):
+        w.write(encode_prefix({"op": "data"}, [MiB]) + b"x" * 1000)
+        await w.drain()
+        server = await asyncio.wait_for(conns.get(), 5)
+        assert (await server.recv_header(timeout=5)).sizes == [MiB]
+        w.close()
+        with pytest.raises(PeerDisconnected, match="mid-frame"):
+            await server.recv_payload(timeout=5)
+        assert server.closed
+
+
+async def test_header_timeout_leaves_connection_usable(case: Case) -> None:
+    async with pair(case) as (client, server):
+        with pytest.raises(KVTimeout):
+            await server.recv_header(timeout=0.05)
+        with pytest.raises(KVTimeout):
+            await server.recv(timeout=0.05)
+        assert not server.closed
+        await client.send({"op": "after"}, [b"late"])
+        assert await server.recv(timeout=5) == ({"op": "after"}, [b"late"])
+
+
+async def test_cancelled_header_wait_leaves_connection_usable(case: Case) -> None:
+    async with pair(case) as (client, server):
+        waiting = asyncio.create_task(server.recv_header())
+        await asyncio.sleep(0.01)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await client.send({"op": "after"})
+        assert (await server.recv_header(timeout=5)).header == {"op": "after"}
+
+
+async def test_header_timeout_mid_prefix_resumes(raw_case: Case) -> None:
+    frame = encode_prefix({"op": "split"}, [4]) + b"abcd"
+    async with accepted(raw_case) as (listener, conns), raw_socket(listener.address) as (_, w):
+        w.write(frame[:5])
+        await w.drain()
+        server = await asyncio.wait_for(conns.get(), 5)
+        with pytest.raises(KVTimeout):
+            await server.recv_header(timeout=0.05)
+        w.write(frame[5:])
+        await w.drain()
+        assert await server.recv(timeout=5) == ({"op": "split"}, [b"abcd"])
+
+
+async def test_payload_timeout_closes_the_connection(raw_case: Case) -> None:
+    async with accepted(raw_case) as (listener, conns), raw_socket(listener.address) as (r, w):
+        w.write(encode_prefix({"op": "data"}, [1000]) + b"x" * 10)
+        await w.drain()
+        server = await asyncio.wait_for(conns.get(), 5)
+        await server.recv_header(timeout=5)
+        with pytest.raises(KVTimeout):
+            await server.recv_payload(timeout=0.05)
+        assert server.closed
+        assert await read_until_eof(r) == b""
+        with pytest.raises(Closed):
+            await server.recv_header(timeout=5)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+async def test_garbage_closes_only_that_connection(raw_case: Case) -> None:
+    seen: list[type[BaseException]] = []
+
+    async def recording_echo(conn: Connection) -> None:
+        try:
+            await echo(conn)
+        except Exception as exc:
+            seen.append(type(exc))
+            raise
+
+    async with serving(raw_case, recording_echo) as listener:
+        async with await connect(listener.address, timeout=5) as good:
+            async with raw_socket(listener.address) as (r, w):
+                w.write(os.urandom(64 * 1024))
+                with contextlib.suppress(ConnectionError):
+                    await w.drain()
+                assert await read_until_eof(r) == b""
+            await good.send({"op": "still"}, [b"alive"])
+            assert await good.recv(timeout=5) == ({"op": "still"}, [b"alive"])
+        async with await connect(listener.address, timeout=5) as fresh:
+            await fresh.send({"op": "new"})
+            assert await fresh.recv(timeout=5) == ({"op": "new"}, [])
+    assert ProtocolError in seen
+
+
+@pytest.mark.parametrize(
+    ("header", "sizes", "match"),
+    [
+        ({"pad": "x" * 2000}, [], "header"),
+        ({"op": "data"}, [600_000, 600_000], "payload"),
+        ({"op": "data"}, [1] * 9, "buffers"),
+    ],
+    ids=["header", "payload", "buffers"],
+)
+async def test_frame_over_receiver_limits_is_refused(
+    case: Case, header: dict, sizes: list[int], match: str
+) -> None:
+    small = FrameLimits(max_header_bytes=1024, max_buffers=8, max_payload_bytes=MiB)
+    async with pair(case, limits=small) as (client, server):
+        buffers = [bytes(n) for n in sizes]
+        with contextlib.suppress(PeerDisconnected):
+            sending = asyncio.create_task(client.send(header, buffers))
+            with pytest.raises(ProtocolError, match=match):
+                await server.recv_header(timeout=5)
+            assert server.closed
+            await sending
+        with pytest.raises(PeerDisconnected):
+            await client.recv_header(timeout=5)
+
+
+async def test_huge_declared_sizes_are_refused_before_allocation(raw_case: Case) -> None:
+    lying = FrameLimits(max_buffer_bytes=2**62, max_payload_bytes=2**62)
+    async with accepted(raw_case) as (listener, conns), raw_socket(listener.address) as (r, w):
+        w.write(encode_prefix({"op": "data"}, [2**61], lying))
+        await w.drain()
+        server = await asyncio.wait_for(conns.get(), 5)
+        with pytest.raises(ProtocolError, match="limits"):
+            await server.recv_header(timeout=5)
+        assert await read_until_eof(r) == b""
+
+
+async def test_sender_refuses_frames_over_its_own_limits(case: Case) -> None:
+    async with pair(case, client_limits=FrameLimits(max_payload_bytes=100)) as (client, server):
+        with pytest.raises(InvalidArgument, match="limits"):
+            await client.send({"op": "data"}, [bytes(101)])
+        with pytest.raises(InvalidArgument, match="JSON"):
+            await client.send({"op": object()})
+        with pytest.raises(InvalidArgument, match="buffer"):
+            await client.send({"op": "data"}, ["not bytes"])
+        assert not client.closed
+        await client.send({"op": "fine"}, [bytes(100)])
+        assert (await server.recv(timeout=5))[0] == {"op": "fine"}
+
+
+# -- addresses, registry, listener lifecycle ---------------------------------------------------
+
+
+async def test_unknown_scheme_lists_known_schemes() -> None:
+    for uri in ("foo://somewhere:1", "127.0.0.1:50052"):
+        with pytest.raises(UnknownScheme) as info:
+            await connect(uri, timeout=1)
+        assert all(f"{scheme}://" in str(info.value) for scheme in BACKENDS)
+    with pytest.raises(UnknownScheme, match="tcp://"):
+        listen("udp://127.0.0.1:0", echo)
+
+
+async def test_connect_where_nothing_listens_is_unreachable(case: Case) -> None:
+    with pytest.raises(Unreachable):
+        await connect(case.nowhere(), timeout=5)
+
+
+async def test_connect_timeout(raw_case: Case) -> None:
+    with socket.socket() as full:  # backlog 0, never accepting: the second SYN is dropped
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        address = f"tcp://127.0.0.1:{full.getsockname()[1]}"
+        first = await connect(address, timeout=5)
+        try:
+            with pytest.raises(KVTimeout, match="connect"):
+                await connect(address, timeout=0.2)
+        finally:
+            await first.close()
+
+
+async def test_unresolvable_host_is_unreachable() -> None:
+    with pytest.raises(Unreachable):
+        await connect("tcp://no-such-host.invalid:50052", timeout=5)
+
+
+async def test_malformed_tcp_addresses() -> None:
+    for uri in ("tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://127.0.0.1:99999", "tcp://:80"):
+        with pytest.raises(InvalidArgument):
+            await connect(uri, timeout=1)
+
+
+async def test_port_zero_gives_a_real_address(case: Case) -> None:
+    async with serving(case) as listener:
+        assert listener.address != case.any_address
+        assert listener.address.startswith(f"{case.name}://")
+        if case.name == "tcp":
+            assert int(listener.address.rsplit(":", 1)[1]) > 0
+        async with await connect(listener.address, timeout=5) as conn:
+            await conn.send({"op": "hello"})
+            assert (await conn.recv(timeout=5))[0] == {"op": "hello"}
+
+
+async def test_address_in_use_is_a_transport_error(case: Case) -> None:
+    async with serving(case) as first:
+        second = listen(first.address, echo)
+        with pytest.raises(TransportError):
+            await second.start()
+
+
+async def test_listener_stop_closes_idle_connections(case: Case) -> None:
+    ended: list[type[BaseException]] = []
+
+    async def handler(conn: Connection) -> None:
+        try:
+            await echo(conn)
+        except BaseException as exc:
+            ended.append(type(exc))
+            raise
+
+    listener = listen(case.any_address, handler)
+    await listener.start()
+    clients = [await connect(listener.address, timeout=5) for _ in range(3)]
+    for conn in clients:
+        await conn.send({"op": "warm"})
+        await conn.recv(timeout=5)
+    await asyncio.wait_for(listener.stop(grace=30), 10)  # idle: closed without the grace
+    assert ended == [Closed] * 3 and listener.connections == 0
+    for conn in clients:
+        with pytest.raises(PeerDisconnected):
+            await conn.recv_header(timeout=5)
+        await conn.close()
+    with pytest.raises(Unreachable):
+        await connect(listener.address, timeout=5)
+
+
+async def test_listener_stop_lets_a_busy_exchange_finish(case: Case) -> None:
+    busy = asyncio.Event()
+
+    async def slow_echo(conn: Connection) -> None:
+        while True:
+            header, payload = await conn.recv(timeout=5)
+            busy.set()
+            await asyncio.sleep(0.2)  # e.g. the master commit of a put
+            await conn.send(header, payload)
+
+    listener = listen(case.any_address, slow_echo)
+    await listener.start()
+    async with await connect(listener.address, timeout=5) as client:
+        await client.send({"op": "put"}, [b"chunk"])
+        await busy.wait()
+        stopping = asyncio.create_task(listener.stop(grace=10))
+        assert await client.recv(timeout=5) == ({"op": "put"}, [b"chunk"])
+        with pytest.raises(PeerDisconnected):
+            await client.recv_header(timeout=5)
+        await stopping
+
+
+async def test_listener_stop_cancels_handlers_after_grace(case: Case) -> None:
+    async def stuck(conn: Connection) -> None:
+        await asyncio.sleep(3600)
+
+    listener = listen(case.any_address, stuck)
+    await listener.start()
+    async with await connect(listener.address, timeout=5) as client:
+        await asyncio.sleep(0.01)
+        assert listener.connections == 1
+        await listener.stop(grace=0.05)
+        assert listener.connections == 0
+        with pytest.raises(PeerDisconnected):
+            await client.recv_header(timeout=5)
+
+
+async def test_connection_bound_rejects_extra_connections(case: Case) -> None:
+    async with serving(case, max_connections=2) as listener:
+        first = await connect(listener.address, timeout=5)
+        second = await connect(listener.address, timeout=5)
+        for conn in (first, second):
+            await conn.send({"op": "ping"})
+            await conn.recv(timeout=5)
+        third = await connect(listener.address, timeout=5)
+        with pytest.raises(PeerDisconnected):
+            await third.recv_header(timeout=5)
+        assert listener.rejected == 1 and listener.connections == 2
+        for conn in (first, second, third):
+            await conn.close()
+
+
+async def test_handler_exception_closes_only_its_connection(case: Case) -> None:
+    async def picky(conn: Connection) -> None:
+        while True:
+            header, payload = await conn.recv(timeout=5)
+            if header.get("boom"):
+                raise RuntimeError("handler bug")
+            await conn.send(header, payload)
+
+    async with serving(case, picky) as listener:
+        victim = await connect(listener.address, timeout=5)
+        bystander = await connect(listener.address, timeout=5)
+        async with victim, bystander:
+            await victim.send({"boom": True})
+            with pytest.raises(PeerDisconnected):
+                await victim.recv_header(timeout=5)
+            await bystander.send({"op": "ok"}, [b"1"])
+            assert await bystander.recv(timeout=5) == ({"op": "ok"}, [b"1"])
+
+
+async def test_peer_and_byte_counters(case: Case) -> None:
+    async with pair(case) as (client, server):
+        assert client.peer.startswith(f"{case.name}://")
+        assert server.peer.startswith(f"{case.name}://")
+        await client.send({"op": "x"}, [bytes(1000)])
+        await server.recv(timeout=5)
+        assert server.bytes_received == client.bytes_sent
+        assert client.bytes_sent == len(encode_prefix({"op": "x"}, [1000])) + 1000
+
+
+# -- framing (pure) ----------------------------------------------------------------------------
+
+
+def test_prefix_layout_matches_the_documented_bytes() -> None:
+    prefix = encode_prefix({"a": 1}, [5, 2**29])
+    body = b'{"a":1}'
+    assert prefix[:4] == MAGIC and prefix[4:6] == b"\0\0"
+    assert struct.unpack("<HI", prefix[6:12]) == (2, len(body))
+    assert struct.unpack("<2Q", prefix[12:28]) == (5, 2**29)
+    assert prefix[28:] == body and FIXED_SIZE == 12
+
+
+@given(
+    header=st.dictionaries(
+        st.text(max_size=8),
+        st.one_of(st.integers(), st.text(max_size=20), st.booleans(), st.none()),
+        max_size=6,
+    ),
+    sizes=st.lists(st.integers(min_value=0, max_value=MiB), max_size=20),
+)
+def test_prefix_round_trip(header: dict, sizes: list[int]) -> None:
+    prefix = encode_prefix(header, sizes)
+    frame, length = parse_prefix(prefix + b"payload follows")
+    assert (frame.header, frame.sizes, length) == (header, sizes, len(prefix))
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"KVF1\0\0", "truncated"),
+        (b"HTTP/1.1 200 OK\r\n", "magic"),
+        (b"KVF1\x01\0\0\0\2\0\0\0{}", "flags"),
+        (b"KVF1\0\0\0\0\0\0\0\0", "header"),
+        (b"KVF1\0\0\0\0\2\0\0\0[]", "JSON object"),
+        (b"KVF1\0\0\0\0\2\0\0\0\xff\xfe", "UTF-8 JSON"),
+        (b"KVF1\0\0\0\0\5\0\0\0{}", "truncated"),
+    ],
+)
+def test_parse_rejects_garbage(data: bytes, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        parse_prefix(data)
+
+
+def test_parse_fixed_checks_limits_before_allocating() -> None:
+    limits = FrameLimits(max_header_bytes=64, max_buffers=2)
+    with pytest.raises(ProtocolError, match="3 buffers"):
+        parse_fixed(b"KVF1\0\0\3\0\2\0\0\0", limits)
+    with pytest.raises(ProtocolError, match="65-byte header"):
+        parse_fixed(b"KVF1\0\0\0\0\x41\0\0\0", limits)
+    assert parse_fixed(b"KVF1\0\0\2\0\x40\0\0\0", limits) == 16 + 64
+
+
+def test_frame_limits_validate() -> None:
+    for bad in ({"max_buffers": 70_000}, {"max_header_bytes": 0}, {"max_payload_bytes": -1}):
+        with pytest.raises(InvalidArgument):
+            FrameLimits(**bad)
+
+
+def test_byte_views() -> None:
+    assert as_byte_view(np.zeros((2, 3), dtype=np.float32)).nbytes == 24
+    assert as_byte_view(torch.zeros(4, dtype=torch.float16)).nbytes == 8
+    assert as_byte_view(np.zeros((0, 3))).nbytes == 0
+    with pytest.raises(InvalidArgument, match="contiguous"):
+        as_byte_view(np.zeros((4, 4), dtype=np.uint8)[:, 1])
+    with pytest.raises(InvalidArgument, match="contiguous"):
+        as_byte_view(torch.zeros(4, 4).t())
+    with pytest.raises(InvalidArgument, match="read-only"):
+        as_byte_view(b"abc", writable=True)
+    with pytest.raises(InvalidArgument):
+        as_byte_view(12345)
+    view = as_byte_view(torch.zeros(4, dtype=torch.uint8), writable=True)
+    view[0] = 7
