@@ -21,6 +21,7 @@ the boundary with ``raise ... from exc`` so callers catch one family::
     │   └── UnknownScheme        address scheme with no registered backend
     ├── KVTimeout                a deadline passed (also a ``TimeoutError``)
     ├── Miss                     requested KV is not (or no longer) in the pool
+    ├── StaleEpoch               a node spoke with a dead epoch: it must re-register
     ├── Cancelled                the operation's handle was cancelled
     └── Closed                   the client or server was closed
 """
@@ -44,6 +45,7 @@ __all__ = [
     "NamespaceMismatch",
     "PeerDisconnected",
     "ProtocolError",
+    "StaleEpoch",
     "TransportError",
     "UnknownScheme",
     "Unreachable",
@@ -123,6 +125,13 @@ class Miss(KVStoreError):
         super().__init__(message)
         self.layer = layer
         self.blocks = list(blocks or [])
+
+
+class StaleEpoch(KVStoreError):
+    """A node spoke with an epoch that is not its current live one: it must re-register.
+
+    On the wire this is gRPC ``FAILED_PRECONDITION``.
+    """
 
 
 class Cancelled(KVStoreError):

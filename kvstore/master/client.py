@@ -1,0 +1,293 @@
+"""Async client of the master (``kvstore.v1.Master``), used by storage nodes, the client
+library and ``kvctl``.
+
+Every call has a deadline (its ``timeout=`` or the client's ``timeout_s``) and raises only
+``kvstore.errors`` types; gRPC statuses are translated by :func:`error_from_rpc`:
+
+    UNAVAILABLE -> Unreachable          DEADLINE_EXCEEDED -> KVTimeout
+    INVALID_ARGUMENT -> InvalidArgument FAILED_PRECONDITION -> StaleEpoch (re-register)
+    NOT_FOUND -> Miss                   RESOURCE_EXHAUSTED -> CapacityError
+    CANCELLED -> PeerDisconnected       UNIMPLEMENTED -> ProtocolError
+    anything else -> TransportError
+
+Create the client inside the event loop that uses it; ``close()`` (or ``async with``)
+releases the channel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from kvstore.errors import (
+    CapacityError,
+    InvalidArgument,
+    KVStoreError,
+    KVTimeout,
+    Miss,
+    PeerDisconnected,
+    ProtocolError,
+    StaleEpoch,
+    TransportError,
+    Unreachable,
+)
+from kvstore.master import wire
+from kvstore.master.records import (
+    CommitBatch,
+    HeartbeatReply,
+    Holder,
+    MasterStats,
+    NodeInfo,
+    ObjectHolder,
+    PrefixMatch,
+    Registration,
+    Tier,
+    WatchEvent,
+)
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+__all__ = ["MasterClient", "error_from_rpc"]
+
+_ERRORS: dict[grpc.StatusCode, type[KVStoreError]] = {
+    grpc.StatusCode.UNAVAILABLE: Unreachable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: KVTimeout,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.FAILED_PRECONDITION: StaleEpoch,
+    grpc.StatusCode.NOT_FOUND: Miss,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
+    grpc.StatusCode.CANCELLED: PeerDisconnected,
+    grpc.StatusCode.UNIMPLEMENTED: ProtocolError,
+}
+
+
+def error_from_rpc(exc: grpc.RpcError, method: str) -> KVStoreError:
+    """The ``kvstore.errors`` exception for a failed call of ``method`` (raise it ``from``
+    ``exc``)."""
+    code_of = getattr(exc, "code", None)
+    details_of = getattr(exc, "details", None)
+    code = code_of() if callable(code_of) else None
+    details = details_of() if callable(details_of) else str(exc)
+    if not isinstance(code, grpc.StatusCode):
+        return TransportError(f"master {method}: {details or exc!r}")
+    cls = _ERRORS.get(code, TransportError)
+    return cls(f"master {method}: {details or code.name} ({code.name})")
+
+
+class MasterClient:
+    """One gRPC channel to a master. Methods are coroutines that block only their caller
+    (each waits at most its deadline); errors are ``kvstore.errors`` types (see module doc).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float = 10.0,
+        max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
+    ) -> None:
+        if not target:
+            raise InvalidArgument("master address must not be empty")
+        if not timeout_s > 0:
+            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
+        self.target = target
+        self.timeout_s = float(timeout_s)
+        self._channel = grpc.aio.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+                # Reconnect quickly after a master restart instead of the 1 s..120 s default.
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 2000),
+            ],
+        )
+        self._stub = pb_grpc.MasterStub(self._channel)
+
+    async def close(self) -> None:
+        """Close the channel; in-flight calls fail. Idempotent."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> MasterClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def _call(self, method: str, request: Any, timeout: float | None) -> Any:
+        try:
+            return await getattr(self._stub, method)(request, timeout=timeout or self.timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, method) from exc
+
+    # -- nodes ----------------------------------------------------------------------------
+
+    async def register(
+        self,
+        node_id: str,
+        data_uri: str,
+        *,
+        transport: str = "tcp",
+        nixl_metadata: bytes = b"",
+        tiers: Sequence[Tier] = (),
+        version: str = "",
+        host: str = "",
+        timeout: float | None = None,
+    ) -> Registration:
+        """Register (or re-register) a node; returns its new epoch and the lease."""
+        req = pb.RegisterRequest(
+            node_id=node_id,
+            data_uri=data_uri,
+            transport=transport,
+            nixl_metadata=nixl_metadata,
+            tiers=wire.tiers_to_pb(tiers),
+            version=version,
+            host=host,
+        )
+        resp = await self._call("Register", req, timeout)
+        return Registration(resp.epoch, resp.lease_s)
+
+    async def heartbeat(
+        self,
+        node_id: str,
+        epoch: int,
+        *,
+        tiers: Sequence[Tier] = (),
+        counters: Mapping[str, int] | None = None,
+        timeout: float | None = None,
+    ) -> HeartbeatReply:
+        """Renew the lease; ``reregister=True`` means register again (new epoch)."""
+        req = pb.HeartbeatRequest(
+            node_id=node_id,
+            epoch=epoch,
+            tiers=wire.tiers_to_pb(tiers),
+            counters=dict(counters or {}),
+        )
+        resp = await self._call("Heartbeat", req, timeout)
+        return HeartbeatReply(resp.ok, resp.reregister)
+
+    async def commit(self, batch: CommitBatch, *, timeout: float | None = None) -> int:
+        """Apply a commit batch; returns the applied seq. Raises StaleEpoch if the epoch is
+        not live (re-register and re-report), InvalidArgument on bad input."""
+        resp = await self._call("Commit", wire.commit_to_pb(batch), timeout)
+        return int(resp.applied_seq)
+
+    async def nodes(self, *, timeout: float | None = None) -> list[NodeInfo]:
+        """Every known node, sorted by id (placement uses the ``placeable`` ones)."""
+        resp = await self._call("Nodes", pb.NodesRequest(), timeout)
+        return [wire.node_info_from_pb(n) for n in resp.nodes]
+
+    async def drain(
+        self, node_id: str, *, undrain: bool = False, timeout: float | None = None
+    ) -> bool:
+        """Mark (or with ``undrain`` unmark) a node draining; returns the new mark. Raises
+        Miss for an unknown node."""
+        resp = await self._call("Drain", pb.DrainRequest(node_id=node_id, undrain=undrain), timeout)
+        return bool(resp.draining)
+
+    # -- lookups ----------------------------------------------------------------------------
+
+    async def lookup(
+        self,
+        ns_id: bytes,
+        block_hashes: Sequence[bytes],
+        chunks_per_block: int = 0,
+        *,
+        timeout: float | None = None,
+    ) -> list[list[Holder]]:
+        """Live holders per block, in order; a block nobody holds gives ``[]``."""
+        req = pb.LookupRequest(
+            ns_id=ns_id, block_hashes=block_hashes, chunks_per_block=chunks_per_block
+        )
+        resp = await self._call("Lookup", req, timeout)
+        return [wire.holders_from_pb(b) for b in resp.blocks]
+
+    async def match_prefix(
+        self,
+        ns_id: bytes,
+        block_hashes: Sequence[bytes],
+        chunks_per_block: int,
+        *,
+        block_tokens: int = 0,
+        timeout: float | None = None,
+    ) -> PrefixMatch:
+        """Leading blocks whose every chunk is present (union of live holders) and their
+        holders; ``blocks, holders = await ...`` works. A miss is ``blocks == 0``.
+        ``block_tokens`` only feeds the master's hit-token counter."""
+        req = pb.MatchPrefixRequest(
+            ns_id=ns_id,
+            block_hashes=block_hashes,
+            chunks_per_block=chunks_per_block,
+            block_tokens=block_tokens,
+        )
+        resp = await self._call("MatchPrefix", req, timeout)
+        return PrefixMatch(resp.blocks, [wire.holders_from_pb(b) for b in resp.holders])
+
+    async def lookup_object(self, key: str, *, timeout: float | None = None) -> list[ObjectHolder]:
+        """Live holders of object ``key``; ``[]`` if none."""
+        resp = await self._call("LookupObject", pb.LookupObjectRequest(key=key), timeout)
+        return [wire.object_holder_from_pb(h) for h in resp.holders]
+
+    async def stats(self, *, timeout: float | None = None) -> MasterStats:
+        """Pool totals (the fields of ``kvctl status --json``)."""
+        r = await self._call("Stats", pb.StatsRequest(), timeout)
+        return MasterStats(
+            r.nodes,
+            r.live_nodes,
+            r.capacity_bytes,
+            r.used_bytes,
+            r.blocks,
+            r.objects,
+            r.hits,
+            r.misses,
+        )
+
+    # -- events -----------------------------------------------------------------------------
+
+    async def abort(
+        self,
+        ns_id: bytes,
+        block_hashes: Sequence[bytes],
+        reason: str = "",
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Tell the watchers of these blocks that their writer gave up."""
+        req = pb.AbortRequest(ns_id=ns_id, block_hashes=block_hashes, reason=reason)
+        await self._call("Abort", req, timeout)
+
+    async def watch(
+        self,
+        ns_id: bytes,
+        block_hashes: Sequence[bytes],
+        chunks_per_block: int = 0,
+        *,
+        timeout: float | None = None,
+    ) -> AsyncGenerator[list[WatchEvent], None]:
+        """Batches of events for these blocks, in order: the snapshot as COMMIT events,
+        SNAPSHOT_DONE, then live COMMIT / EVICT / ABORT (one batch per stream message, never
+        empty). ``timeout`` (default ``timeout_s``) bounds the whole stream: past it the
+        iterator raises KVTimeout. A watcher that falls too far behind gets CapacityError.
+        Close the iterator (``aclose()``, or ``async with contextlib.aclosing(...)``) to
+        end the stream early."""
+        req = pb.WatchRequest(
+            ns_id=ns_id, block_hashes=block_hashes, chunks_per_block=chunks_per_block
+        )
+        call = self._stub.Watch(req, timeout=timeout or self.timeout_s)
+        try:
+            async for msg in call:
+                if msg.events:
+                    yield [wire.watch_event_from_pb(e) for e in msg.events]
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "Watch") from exc
+        finally:
+            call.cancel()

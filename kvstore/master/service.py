@@ -1,0 +1,462 @@
+"""The ``kvstore.v1.Master`` gRPC servicer: validates, asks the index store and membership,
+answers. State lives in :class:`~kvstore.master.index.IndexStore` (the index, the node
+registry) and :class:`~kvstore.master.membership.Membership` (leases); this module only
+carries requests to them and keeps the counters.
+
+Errors: every ``KVStoreError`` a handler raises is answered with a typed status
+(:func:`status_for`): InvalidArgument -> INVALID_ARGUMENT, StaleEpoch ->
+FAILED_PRECONDITION, Miss -> NOT_FOUND, CapacityError -> RESOURCE_EXHAUSTED, KVTimeout ->
+DEADLINE_EXCEEDED, Closed -> UNAVAILABLE; anything else is INTERNAL.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import grpc
+
+from kvstore.errors import (
+    CapacityError,
+    Closed,
+    InvalidArgument,
+    KVStoreError,
+    KVTimeout,
+    Miss,
+    StaleEpoch,
+)
+from kvstore.master import wire
+from kvstore.master.index import IndexStore, Subscription
+from kvstore.master.membership import Membership
+from kvstore.master.records import NodeInfo, NodeRecord, WatchEvent
+from kvstore.master.watch import WatchView
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+__all__ = ["MasterCounters", "MasterService", "RpcObserver", "status_for"]
+
+log = logging.getLogger(__name__)
+
+RpcObserver = Callable[[str, float], None]
+"""``observer(method, seconds)``, called after every RPC (Watch: time to SNAPSHOT_DONE)."""
+
+_STATUS: tuple[tuple[type[KVStoreError], grpc.StatusCode], ...] = (
+    (StaleEpoch, grpc.StatusCode.FAILED_PRECONDITION),
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (Miss, grpc.StatusCode.NOT_FOUND),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (KVTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (Closed, grpc.StatusCode.UNAVAILABLE),
+)
+
+_SNAPSHOT_BATCH = 1024
+"""Watch events per stream message while sending a snapshot."""
+_LIVE_BATCH = 256
+"""Most index events turned into one stream message while live."""
+
+
+def status_for(exc: KVStoreError) -> grpc.StatusCode:
+    """The gRPC status code a handler answers ``exc`` with."""
+    for cls, code in _STATUS:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+@dataclass
+class MasterCounters:
+    """Plain counters of the master, for ``Stats()`` and for the metrics module to read.
+
+    Hits and misses are counted in blocks by MatchPrefix (the client converts them to
+    tokens; ``hit_tokens`` uses the request's ``block_tokens``) and per key by
+    LookupObject.
+    """
+
+    lookups: int = 0
+    lookup_blocks: int = 0
+    prefix_lookups: int = 0
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    hit_tokens: int = 0
+    """Matched blocks times the request's ``block_tokens`` (0 when a client omits it)."""
+    object_hits: int = 0
+    object_misses: int = 0
+    commits: int = 0
+    aborts: int = 0
+    watches: int = 0
+    watch_overflows: int = 0
+    nodes_expired: int = 0
+
+    @property
+    def hits(self) -> int:
+        """Prefix blocks found plus objects found."""
+        return self.hit_blocks + self.object_hits
+
+    @property
+    def misses(self) -> int:
+        """Prefix blocks not found plus objects not found."""
+        return self.miss_blocks + self.object_misses
+
+
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
+_Handler = Callable[[Any, _Req, grpc.aio.ServicerContext], Awaitable[_Resp]]
+
+
+def _unary(method: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
+    """Time the handler and answer our errors with typed statuses."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def handler(
+        self: MasterService, request: _Req, context: grpc.aio.ServicerContext
+    ) -> _Resp:
+        start = time.perf_counter()
+        try:
+            response = await method(self, request, context)
+        except KVStoreError as exc:
+            # Observe before abort: abort sends the status, the caller may already see it.
+            self._observe(name, time.perf_counter() - start)
+            await context.abort(status_for(exc), str(exc))
+            raise  # unreachable: abort raises
+        except BaseException:
+            self._observe(name, time.perf_counter() - start)
+            raise
+        self._observe(name, time.perf_counter() - start)
+        return response
+
+    return handler
+
+
+class MasterService(pb_grpc.MasterServicer):
+    """Servicer of ``kvstore.v1.Master``; every handler is ``async def`` and non-blocking.
+
+    ``clock`` (monotonic seconds) drives leases; tests may pass their own. Watches buffer at
+    most ``watch_queue`` events per subscriber and last at most ``watch_max_s`` seconds.
+    """
+
+    def __init__(
+        self,
+        store: IndexStore,
+        membership: Membership,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        watch_queue: int = 16384,
+        watch_max_s: float = 3600.0,
+    ) -> None:
+        self.store = store
+        self.membership = membership
+        self.counters = MasterCounters()
+        self.node_counters: dict[str, dict[str, int]] = {}
+        """Last counters each live node reported in its heartbeat."""
+        self.rpc_calls: dict[str, int] = {}
+        self.rpc_seconds: dict[str, float] = {}
+        self._observers: list[RpcObserver] = []
+        self._clock = clock
+        self._watch_queue = watch_queue
+        self._watch_max_s = watch_max_s
+        self._records: dict[str, NodeRecord] = {}
+        self._subs: set[Subscription] = set()
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def add_rpc_observer(self, observer: RpcObserver) -> None:
+        """Call ``observer(method, seconds)`` after every RPC (must not block or raise)."""
+        self._observers.append(observer)
+
+    async def restore(self) -> int:
+        """Give every node the store knows as alive one full lease of grace (after a master
+        restart); returns how many. Raises what the store raises."""
+        now = self._clock()
+        records = await self.store.nodes()
+        self._records = {r.node_id: r for r in records}
+        alive = [r for r in records if r.alive]
+        for rec in alive:
+            self.membership.restore(rec.node_id, rec.epoch, now)
+        return len(alive)
+
+    async def sweep(self) -> list[tuple[str, int]]:
+        """Expire nodes silent for a lease: their epochs are dropped from the index (watchers
+        get EVICT for the blocks they held). Returns the (node, epoch) pairs expired."""
+        dead = self.membership.sweep(self._clock())
+        for node_id, epoch in dead:
+            log.warning("node %s (epoch %d) missed its lease; dropping its entries", node_id, epoch)
+            await self.store.drop_node(node_id, epoch, "lease expired")
+            rec = self._records.get(node_id)
+            if rec is not None and rec.epoch == epoch:
+                self._records[node_id] = replace(rec, alive=False)
+            self.node_counters.pop(node_id, None)
+        self.counters.nodes_expired += len(dead)
+        return dead
+
+    def close_watches(self) -> None:
+        """End every open Watch stream (they finish with UNAVAILABLE). Never blocks."""
+        for sub in list(self._subs):
+            sub.close()
+
+    # -- membership -------------------------------------------------------------------------
+
+    @_unary
+    async def Register(
+        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterResponse:
+        """A node (re-)registers: new epoch, the old epoch's entries are dead."""
+        rec = await self.store.register_node(wire.record_from_register(request))
+        self.membership.register(rec.node_id, rec.epoch, self._clock())
+        self._records[rec.node_id] = rec
+        log.info("node %s registered: epoch %d, %s", rec.node_id, rec.epoch, rec.data_uri)
+        return pb.RegisterResponse(epoch=rec.epoch, lease_s=self.membership.lease_s)
+
+    @_unary
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        """Renew a lease; unknown node or epoch answers ``reregister``."""
+        node_id = wire.check_node_id(request.node_id)
+        tiers = wire.tiers_from_pb(request.tiers)
+        counters = wire.check_counters(request.counters)
+        if not self.membership.heartbeat(node_id, request.epoch, self._clock()):
+            return pb.HeartbeatResponse(ok=False, reregister=True)
+        if not await self.store.update_node(node_id, request.epoch, tiers=tiers):
+            return pb.HeartbeatResponse(ok=False, reregister=True)
+        rec = self._records.get(node_id)
+        if rec is not None and rec.epoch == request.epoch:
+            self._records[node_id] = replace(rec, tiers=tiers)
+        self.node_counters[node_id] = counters
+        return pb.HeartbeatResponse(ok=True, reregister=False)
+
+    @_unary
+    async def Nodes(
+        self, request: pb.NodesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NodesResponse:
+        """Every known node with its liveness."""
+        infos = await self._node_infos()
+        return pb.NodesResponse(nodes=[wire.node_info_to_pb(i) for i in infos])
+
+    @_unary
+    async def Drain(
+        self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DrainResponse:
+        """Set or clear a node's draining mark; unknown node -> NOT_FOUND."""
+        node_id = wire.check_node_id(request.node_id)
+        rec = await self._record(node_id)
+        if rec is None:
+            raise Miss(f"unknown node {node_id!r}")
+        draining = not request.undrain
+        if not await self.store.update_node(node_id, rec.epoch, draining=draining):
+            raise Miss(f"node {node_id!r} re-registered meanwhile; try again")
+        self._records[node_id] = replace(rec, draining=draining)
+        return pb.DrainResponse(draining=draining)
+
+    # -- index ------------------------------------------------------------------------------
+
+    @_unary
+    async def Commit(
+        self, request: pb.CommitRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CommitResponse:
+        """Apply a node's batch; stale epoch -> FAILED_PRECONDITION."""
+        batch = wire.commit_from_pb(request)
+        if not self.membership.is_live(batch.node_id, batch.epoch):
+            raise StaleEpoch(f"node {batch.node_id!r} epoch {batch.epoch} is not live; re-register")
+        applied = await self.store.apply(batch)
+        self.membership.heartbeat(batch.node_id, batch.epoch, self._clock())
+        self.counters.commits += 1
+        return pb.CommitResponse(applied_seq=applied)
+
+    @_unary
+    async def Lookup(
+        self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LookupResponse:
+        """Live holders of each block."""
+        ns_id = wire.check_ns_id(request.ns_id)
+        hashes = wire.check_block_hashes(request.block_hashes)
+        cpb = wire.check_chunks_per_block(request.chunks_per_block, required=False)
+        located = await self.store.locate(ns_id, hashes)
+        uris = await self._uris(n for holders in located for n in holders)
+        self.counters.lookups += 1
+        self.counters.lookup_blocks += len(hashes)
+        return pb.LookupResponse(blocks=[wire.block_holders_to_pb(h, uris, cpb) for h in located])
+
+    @_unary
+    async def MatchPrefix(
+        self, request: pb.MatchPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MatchPrefixResponse:
+        """Leading blocks whose every chunk is present in the union of live holders."""
+        ns_id = wire.check_ns_id(request.ns_id)
+        hashes = wire.check_block_hashes(request.block_hashes)
+        cpb = wire.check_chunks_per_block(request.chunks_per_block, required=True)
+        located = await self.store.locate(ns_id, hashes)
+        uris = await self._uris(n for holders in located for n in holders)
+        full = (1 << cpb) - 1
+        matched = 0
+        for holders in located:
+            union = 0
+            for node, holding in holders.items():
+                if node in uris:
+                    union |= holding.mask
+            if union & full != full:
+                break
+            matched += 1
+        self.counters.prefix_lookups += 1
+        self.counters.hit_blocks += matched
+        self.counters.hit_tokens += matched * request.block_tokens
+        self.counters.miss_blocks += len(hashes) - matched
+        return pb.MatchPrefixResponse(
+            blocks=matched,
+            holders=[wire.block_holders_to_pb(h, uris, cpb) for h in located[:matched]],
+        )
+
+    @_unary
+    async def LookupObject(
+        self, request: pb.LookupObjectRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LookupObjectResponse:
+        """Live holders of an object; none is a miss (empty list), not an error."""
+        key = wire.check_key(request.key)
+        holders = await self.store.locate_object(key)
+        uris = await self._uris(h.node_id for h in holders)
+        found = [
+            pb.ObjectHolder(
+                node_id=h.node_id, data_uri=uris[h.node_id], nbytes=h.nbytes, epoch=h.epoch
+            )
+            for h in holders
+            if h.node_id in uris
+        ]
+        if found:
+            self.counters.object_hits += 1
+        else:
+            self.counters.object_misses += 1
+        return pb.LookupObjectResponse(holders=found)
+
+    @_unary
+    async def Stats(
+        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatsResponse:
+        """Pool totals (capacity and usage over live nodes)."""
+        infos = await self._node_infos()
+        live = [i for i in infos if i.alive]
+        counts = await self.store.counts()
+        return pb.StatsResponse(
+            nodes=len(infos),
+            live_nodes=len(live),
+            capacity_bytes=sum(t.capacity_bytes for i in live for t in i.tiers),
+            used_bytes=sum(t.used_bytes for i in live for t in i.tiers),
+            blocks=counts.blocks,
+            objects=counts.objects,
+            hits=self.counters.hits,
+            misses=self.counters.misses,
+        )
+
+    # -- events -----------------------------------------------------------------------------
+
+    @_unary
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        """Publish ABORT for the blocks to their watchers."""
+        ns_id = wire.check_ns_id(request.ns_id)
+        hashes = wire.check_block_hashes(request.block_hashes, allow_empty=False)
+        reason = wire.check_text(request.reason, "reason")
+        await self.store.abort(ns_id, hashes, reason or "writer aborted")
+        self.counters.aborts += 1
+        return pb.AbortResponse()
+
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchResponse]:
+        """Snapshot as COMMIT events, SNAPSHOT_DONE, then live events, in batches."""
+        try:
+            async for batch in self._watch(request):
+                yield batch
+        except KVStoreError as exc:
+            if isinstance(exc, CapacityError):
+                self.counters.watch_overflows += 1
+            await context.abort(status_for(exc), str(exc))
+
+    async def _watch(self, request: pb.WatchRequest) -> AsyncIterator[pb.WatchResponse]:
+        start = time.perf_counter()
+        ns_id = wire.check_ns_id(request.ns_id)
+        hashes = wire.check_block_hashes(request.block_hashes, allow_empty=False)
+        cpb = wire.check_chunks_per_block(request.chunks_per_block, required=False)
+        deadline = self._clock() + self._watch_max_s
+        self.counters.watches += 1
+        async with self.store.subscribe(ns_id, hashes, self._watch_queue) as sub:
+            self._subs.add(sub)
+            try:
+                view = WatchView(hashes, cpb)
+                events = view.snapshot(sub.snapshot)
+                for i in range(0, len(events), _SNAPSHOT_BATCH):
+                    yield _batch(events[i : i + _SNAPSHOT_BATCH])
+                self._observe("Watch", time.perf_counter() - start)
+                while True:
+                    remaining = deadline - self._clock()
+                    if remaining <= 0:
+                        raise KVTimeout(f"watch ended after its {self._watch_max_s} s limit")
+                    live = [
+                        e for ev in await sub.read(_LIVE_BATCH, remaining) for e in view.apply(ev)
+                    ]
+                    if live:
+                        yield _batch(live)
+            finally:
+                self._subs.discard(sub)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _observe(self, method: str, seconds: float) -> None:
+        self.rpc_calls[method] = self.rpc_calls.get(method, 0) + 1
+        self.rpc_seconds[method] = self.rpc_seconds.get(method, 0.0) + seconds
+        for observer in self._observers:
+            try:
+                observer(method, seconds)
+            except Exception:  # an observer's bug must not fail the RPC
+                log.exception("rpc observer failed")
+
+    async def _record(self, node_id: str) -> NodeRecord | None:
+        rec = self._records.get(node_id)
+        if rec is None:
+            await self._refresh_records()
+            rec = self._records.get(node_id)
+        return rec
+
+    async def _refresh_records(self) -> None:
+        self._records = {r.node_id: r for r in await self.store.nodes()}
+
+    async def _uris(self, node_ids: Iterable[str]) -> dict[str, str]:
+        """Data URI of each node id (refreshing the registry cache once on a miss)."""
+        wanted = set(node_ids)
+        if not wanted <= self._records.keys():
+            await self._refresh_records()
+        return {n: self._records[n].data_uri for n in wanted if n in self._records}
+
+    async def _node_infos(self) -> list[NodeInfo]:
+        await self._refresh_records()
+        now = self._clock()
+        infos = []
+        for rec in self._records.values():
+            status = self.membership.status(rec.node_id, now)
+            current = status is not None and status.epoch == rec.epoch
+            alive = rec.alive and (status is None or (current and status.alive))
+            infos.append(
+                NodeInfo(
+                    node_id=rec.node_id,
+                    alive=alive,
+                    suspect=alive and status is not None and status.suspect,
+                    draining=rec.draining,
+                    lease_age_s=status.lease_age_s if status is not None and current else 0.0,
+                    epoch=rec.epoch,
+                    data_uri=rec.data_uri,
+                    transport=rec.transport,
+                    nixl_metadata=rec.nixl_metadata,
+                    tiers=rec.tiers,
+                    version=rec.version,
+                    host=rec.host,
+                )
+            )
+        return sorted(infos, key=lambda i: i.node_id)
+
+
+def _batch(events: list[WatchEvent]) -> pb.WatchResponse:
+    return pb.WatchResponse(events=[wire.watch_event_to_pb(e) for e in events])

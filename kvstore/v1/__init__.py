@@ -1,0 +1,1 @@
+"""Generated control-plane stubs (``scripts/gen_proto.py``); do not edit."""

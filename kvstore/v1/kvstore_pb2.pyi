@@ -1,0 +1,333 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(_message.Message):
+    __slots__ = ("name", "capacity_bytes", "used_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("node_id", "data_uri", "transport", "nixl_metadata", "tiers", "version", "host")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_URI_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    data_uri: str
+    transport: str
+    nixl_metadata: bytes
+    tiers: _containers.RepeatedCompositeFieldContainer[Tier]
+    version: str
+    host: str
+    def __init__(self, node_id: _Optional[str] = ..., data_uri: _Optional[str] = ..., transport: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., version: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("epoch", "lease_s")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    lease_s: float
+    def __init__(self, epoch: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "epoch", "tiers", "counters")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    tiers: _containers.RepeatedCompositeFieldContainer[Tier]
+    counters: _containers.ScalarMap[str, int]
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("ok", "reregister")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REREGISTER_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    reregister: bool
+    def __init__(self, ok: _Optional[bool] = ..., reregister: _Optional[bool] = ...) -> None: ...
+
+class BlockAdd(_message.Message):
+    __slots__ = ("ns_id", "block_hash", "chunks")
+    NS_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ns_id: bytes
+    block_hash: bytes
+    chunks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ns_id: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ..., chunks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockRef(_message.Message):
+    __slots__ = ("ns_id", "block_hash")
+    NS_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    ns_id: bytes
+    block_hash: bytes
+    def __init__(self, ns_id: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
+
+class ObjectAdd(_message.Message):
+    __slots__ = ("key", "nbytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    nbytes: int
+    def __init__(self, key: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("node_id", "epoch", "seq", "adds", "evicts", "object_adds", "object_removes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ADDS_FIELD_NUMBER: _ClassVar[int]
+    EVICTS_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_ADDS_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_REMOVES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    seq: int
+    adds: _containers.RepeatedCompositeFieldContainer[BlockAdd]
+    evicts: _containers.RepeatedCompositeFieldContainer[BlockRef]
+    object_adds: _containers.RepeatedCompositeFieldContainer[ObjectAdd]
+    object_removes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., adds: _Optional[_Iterable[_Union[BlockAdd, _Mapping]]] = ..., evicts: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., object_adds: _Optional[_Iterable[_Union[ObjectAdd, _Mapping]]] = ..., object_removes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("applied_seq",)
+    APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    applied_seq: int
+    def __init__(self, applied_seq: _Optional[int] = ...) -> None: ...
+
+class Holder(_message.Message):
+    __slots__ = ("node_id", "data_uri", "epoch", "mask")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_URI_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MASK_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    data_uri: str
+    epoch: int
+    mask: bytes
+    def __init__(self, node_id: _Optional[str] = ..., data_uri: _Optional[str] = ..., epoch: _Optional[int] = ..., mask: _Optional[bytes] = ...) -> None: ...
+
+class BlockHolders(_message.Message):
+    __slots__ = ("holders",)
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    holders: _containers.RepeatedCompositeFieldContainer[Holder]
+    def __init__(self, holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("ns_id", "block_hashes", "chunks_per_block")
+    NS_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    ns_id: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    chunks_per_block: int
+    def __init__(self, ns_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., chunks_per_block: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockHolders]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockHolders, _Mapping]]] = ...) -> None: ...
+
+class MatchPrefixRequest(_message.Message):
+    __slots__ = ("ns_id", "block_hashes", "chunks_per_block", "block_tokens")
+    NS_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ns_id: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    chunks_per_block: int
+    block_tokens: int
+    def __init__(self, ns_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., chunks_per_block: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
+
+class MatchPrefixResponse(_message.Message):
+    __slots__ = ("blocks", "holders")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    holders: _containers.RepeatedCompositeFieldContainer[BlockHolders]
+    def __init__(self, blocks: _Optional[int] = ..., holders: _Optional[_Iterable[_Union[BlockHolders, _Mapping]]] = ...) -> None: ...
+
+class NodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "alive", "suspect", "draining", "lease_age_s", "epoch", "data_uri", "transport", "nixl_metadata", "tiers", "version", "host")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LEASE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DATA_URI_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    alive: bool
+    suspect: bool
+    draining: bool
+    lease_age_s: float
+    epoch: int
+    data_uri: str
+    transport: str
+    nixl_metadata: bytes
+    tiers: _containers.RepeatedCompositeFieldContainer[Tier]
+    version: str
+    host: str
+    def __init__(self, node_id: _Optional[str] = ..., alive: _Optional[bool] = ..., suspect: _Optional[bool] = ..., draining: _Optional[bool] = ..., lease_age_s: _Optional[float] = ..., epoch: _Optional[int] = ..., data_uri: _Optional[str] = ..., transport: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., version: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
+
+class NodesResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("ns_id", "block_hashes", "chunks_per_block")
+    NS_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    ns_id: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    chunks_per_block: int
+    def __init__(self, ns_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., chunks_per_block: _Optional[int] = ...) -> None: ...
+
+class WatchEvent(_message.Message):
+    __slots__ = ("kind", "block_index", "chunks", "node_id", "reason", "epoch")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[WatchEvent.Kind]
+        COMMIT: _ClassVar[WatchEvent.Kind]
+        EVICT: _ClassVar[WatchEvent.Kind]
+        ABORT: _ClassVar[WatchEvent.Kind]
+        SNAPSHOT_DONE: _ClassVar[WatchEvent.Kind]
+    KIND_UNSPECIFIED: WatchEvent.Kind
+    COMMIT: WatchEvent.Kind
+    EVICT: WatchEvent.Kind
+    ABORT: WatchEvent.Kind
+    SNAPSHOT_DONE: WatchEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    kind: WatchEvent.Kind
+    block_index: int
+    chunks: _containers.RepeatedScalarFieldContainer[int]
+    node_id: str
+    reason: str
+    epoch: int
+    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., block_index: _Optional[int] = ..., chunks: _Optional[_Iterable[int]] = ..., node_id: _Optional[str] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class WatchResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[WatchEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[WatchEvent, _Mapping]]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("ns_id", "block_hashes", "reason")
+    NS_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ns_id: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    reason: str
+    def __init__(self, ns_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LookupObjectRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class ObjectHolder(_message.Message):
+    __slots__ = ("node_id", "data_uri", "nbytes", "epoch")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_URI_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    data_uri: str
+    nbytes: int
+    epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., data_uri: _Optional[str] = ..., nbytes: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class LookupObjectResponse(_message.Message):
+    __slots__ = ("holders",)
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    holders: _containers.RepeatedCompositeFieldContainer[ObjectHolder]
+    def __init__(self, holders: _Optional[_Iterable[_Union[ObjectHolder, _Mapping]]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("nodes", "live_nodes", "capacity_bytes", "used_bytes", "blocks", "objects", "hits", "misses")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_NODES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    nodes: int
+    live_nodes: int
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    objects: int
+    hits: int
+    misses: int
+    def __init__(self, nodes: _Optional[int] = ..., live_nodes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("node_id", "undrain")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    UNDRAIN_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    undrain: bool
+    def __init__(self, node_id: _Optional[str] = ..., undrain: _Optional[bool] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("draining",)
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    def __init__(self, draining: _Optional[bool] = ...) -> None: ...

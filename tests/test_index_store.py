@@ -1,0 +1,586 @@
+"""Conformance suite of :class:`kvstore.master.index.IndexStore`.
+
+Every implementation runs every test here: add it to ``STORE_FACTORIES`` (a Redis store
+would be one entry, skipped without ``KVSTORE_TEST_REDIS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstore.errors import CapacityError, Closed, KVTimeout, StaleEpoch
+from kvstore.master.index import IndexStore, MemoryIndexStore, Subscription
+from kvstore.master.records import (
+    BlockAdd,
+    BlockRef,
+    CommitBatch,
+    EventKind,
+    Holding,
+    IndexEvent,
+    NodeRecord,
+    ObjectAdd,
+    Tier,
+    mask_of,
+)
+
+NS = bytes(range(16))
+OTHER_NS = bytes(range(1, 17))
+
+
+async def _memory() -> IndexStore:
+    return MemoryIndexStore(epoch_base=1000, purge_step=3)
+
+
+STORE_FACTORIES: dict[str, Callable[[], Awaitable[IndexStore]]] = {"memory": _memory}
+
+
+@pytest.fixture(params=sorted(STORE_FACTORIES))
+def store_factory(request: pytest.FixtureRequest) -> Callable[[], Awaitable[IndexStore]]:
+    return STORE_FACTORIES[request.param]
+
+
+@pytest.fixture
+async def store(
+    store_factory: Callable[[], Awaitable[IndexStore]],
+) -> AsyncIterator[IndexStore]:
+    s = await store_factory()
+    try:
+        yield s
+        validate = getattr(s, "validate", None)
+        if validate is not None:
+            validate()
+    finally:
+        await s.close()
+
+
+def bh(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+async def reg(store: IndexStore, node_id: str = "a") -> int:
+    rec = await store.register_node(NodeRecord(node_id, f"tcp://{node_id}:7"))
+    return rec.epoch
+
+
+def adds(*items: tuple[int, tuple[int, ...]], ns: bytes = NS) -> tuple[BlockAdd, ...]:
+    return tuple(BlockAdd(ns, bh(i), chunks) for i, chunks in items)
+
+
+async def read_one(sub: Subscription) -> IndexEvent:
+    events = await sub.read(1, timeout=2)
+    assert len(events) == 1
+    return events[0]
+
+
+# -- registry ---------------------------------------------------------------------------------
+
+
+async def test_register_assigns_strictly_increasing_epochs(store: IndexStore) -> None:
+    rec = NodeRecord(
+        "b", "tcp://b:7", "ucx", b"agent-md", (Tier("host", 100, 5),), "0.1.0", "hostb"
+    )
+    first = await store.register_node(rec)
+    e2 = await reg(store, "a")
+    again = await store.register_node(rec)
+    assert first.epoch < e2 < again.epoch
+    assert again.alive and again.nixl_metadata == b"agent-md" and again.tiers == rec.tiers
+    nodes = await store.nodes()
+    assert [n.node_id for n in nodes] == ["a", "b"]
+    assert nodes[1].epoch == again.epoch and nodes[1].transport == "ucx"
+
+
+async def test_reregistration_kills_the_old_epoch(store: IndexStore) -> None:
+    old = await reg(store)
+    await store.apply(
+        CommitBatch(
+            "a",
+            old,
+            1,
+            adds(
+                (1, (0, 1)),
+            ),
+        )
+    )
+    async with store.subscribe(NS, [bh(1)], 16) as sub:
+        new = await reg(store)
+        event = await read_one(sub)
+    assert event.kind is EventKind.NODE_DEAD and (event.node_id, event.epoch) == ("a", old)
+    assert await store.locate(NS, [bh(1)]) == [{}]
+    with pytest.raises(StaleEpoch):
+        await store.apply(
+            CommitBatch(
+                "a",
+                old,
+                2,
+                adds(
+                    (2, (0,)),
+                ),
+            )
+        )
+    assert (
+        await store.apply(
+            CommitBatch(
+                "a",
+                new,
+                1,
+                adds(
+                    (2, (3,)),
+                ),
+            )
+        )
+        == 1
+    )
+    located = await store.locate(NS, [bh(1), bh(2)])
+    assert located[0] == {} and located[1]["a"].epoch == new and located[1]["a"].mask == 0b1000
+
+
+async def test_update_node_tiers_and_draining(store: IndexStore) -> None:
+    epoch = await reg(store)
+    assert await store.update_node("a", epoch, tiers=[Tier("gpu", 10, 4)])
+    assert await store.update_node("a", epoch, draining=True)
+    assert not await store.update_node("a", epoch + 1, draining=False)
+    assert not await store.update_node("nobody", epoch, draining=True)
+    (rec,) = await store.nodes()
+    assert rec.tiers == (Tier("gpu", 10, 4),) and rec.draining
+    await reg(store)
+    (rec,) = await store.nodes()
+    assert rec.draining, "the operator's draining mark survives re-registration"
+
+
+async def test_drop_node_filters_its_entries_and_objects(store: IndexStore) -> None:
+    ea, eb = await reg(store, "a"), await reg(store, "b")
+    await store.apply(
+        CommitBatch("a", ea, 1, adds((1, (0,)), (2, (0,))), object_adds=(ObjectAdd("k", 5),))
+    )
+    await store.apply(
+        CommitBatch(
+            "b",
+            eb,
+            1,
+            adds(
+                (1, (1,)),
+            ),
+            object_adds=(ObjectAdd("k", 5),),
+        )
+    )
+    assert not await store.drop_node("a", ea + 100, "wrong epoch")
+    assert await store.drop_node("a", ea, "lease expired")
+    assert not await store.drop_node("a", ea, "twice")
+    located = await store.locate(NS, [bh(1), bh(2)])
+    assert list(located[0]) == ["b"] and located[1] == {}
+    assert [h.node_id for h in await store.locate_object("k")] == ["b"]
+    counts = await store.counts()
+    assert (counts.blocks, counts.objects) == (1, 1)
+    nodes = {n.node_id: n for n in await store.nodes()}
+    assert not nodes["a"].alive and nodes["b"].alive
+    with pytest.raises(StaleEpoch):
+        await store.apply(
+            CommitBatch(
+                "a",
+                ea,
+                2,
+                adds(
+                    (3, (0,)),
+                ),
+            )
+        )
+
+
+# -- commits ------------------------------------------------------------------------------------
+
+
+async def test_apply_rejects_unknown_nodes_and_applies_nothing(store: IndexStore) -> None:
+    with pytest.raises(StaleEpoch):
+        await store.apply(
+            CommitBatch(
+                "ghost",
+                1,
+                1,
+                adds(
+                    (1, (0,)),
+                ),
+            )
+        )
+    epoch = await reg(store)
+    with pytest.raises(StaleEpoch):
+        await store.apply(
+            CommitBatch(
+                "a",
+                epoch + 1,
+                1,
+                adds(
+                    (1, (0,)),
+                ),
+            )
+        )
+    assert await store.locate(NS, [bh(1)]) == [{}]
+    assert (await store.counts()).blocks == 0
+
+
+async def test_seq_is_strictly_increasing_and_retries_are_idempotent(store: IndexStore) -> None:
+    epoch = await reg(store)
+    assert (
+        await store.apply(
+            CommitBatch(
+                "a",
+                epoch,
+                1,
+                adds(
+                    (1, (0,)),
+                ),
+            )
+        )
+        == 1
+    )
+    assert (
+        await store.apply(
+            CommitBatch(
+                "a",
+                epoch,
+                1,
+                adds(
+                    (1, (1,)),
+                ),
+            )
+        )
+        == 1
+    )
+    assert (
+        await store.apply(
+            CommitBatch(
+                "a",
+                epoch,
+                3,
+                adds(
+                    (1, (2,)),
+                ),
+            )
+        )
+        == 3
+    )
+    assert (
+        await store.apply(
+            CommitBatch(
+                "a",
+                epoch,
+                2,
+                adds(
+                    (1, (3,)),
+                ),
+            )
+        )
+        == 3
+    )
+    (located,) = await store.locate(NS, [bh(1)])
+    assert located["a"].mask == 0b101
+
+
+async def test_adds_merge_and_evicts_drop_the_whole_slot(store: IndexStore) -> None:
+    epoch = await reg(store)
+    await store.apply(CommitBatch("a", epoch, 1, adds((1, (0, 1)), (2, (5,)))))
+    await store.apply(
+        CommitBatch(
+            "a",
+            epoch,
+            2,
+            adds(
+                (1, (2, 2)),
+            ),
+        )
+    )
+    (located,) = await store.locate(NS, [bh(1)])
+    assert located["a"].chunks() == [0, 1, 2]
+    await store.apply(CommitBatch("a", epoch, 3, evicts=(BlockRef(NS, bh(1)), BlockRef(NS, bh(9)))))
+    assert await store.locate(NS, [bh(1), bh(2)]) == [{}, {"a": Holding(epoch, 1 << 5)}]
+    assert (await store.counts()).blocks == 1
+
+
+async def test_removals_apply_before_additions(store: IndexStore) -> None:
+    epoch = await reg(store)
+    await store.apply(
+        CommitBatch(
+            "a",
+            epoch,
+            1,
+            adds(
+                (1, (0, 1)),
+            ),
+            object_adds=(ObjectAdd("k", 3),),
+        )
+    )
+    await store.apply(
+        CommitBatch(
+            "a",
+            epoch,
+            2,
+            adds=adds((1, (7,))),
+            evicts=(BlockRef(NS, bh(1)),),
+            object_adds=(ObjectAdd("k", 9),),
+            object_removes=("k",),
+        )
+    )
+    (located,) = await store.locate(NS, [bh(1)])
+    assert located["a"].chunks() == [7]
+    (holder,) = await store.locate_object("k")
+    assert (holder.node_id, holder.nbytes, holder.epoch) == ("a", 9, epoch)
+
+
+async def test_locate_keeps_order_namespaces_and_holders_apart(store: IndexStore) -> None:
+    ea, eb = await reg(store, "a"), await reg(store, "b")
+    await store.apply(CommitBatch("a", ea, 1, adds((1, (0, 1)), (2, (0,)))))
+    await store.apply(
+        CommitBatch(
+            "b",
+            eb,
+            1,
+            adds(
+                (1, (2, 3)),
+            )
+            + adds((2, (0,)), ns=OTHER_NS),
+        )
+    )
+    located = await store.locate(NS, [bh(2), bh(1), bh(3)])
+    assert list(located[0]) == ["a"]
+    assert {n: h.mask for n, h in located[1].items()} == {"a": 0b0011, "b": 0b1100}
+    assert located[2] == {}
+    (other,) = await store.locate(OTHER_NS, [bh(2)])
+    assert list(other) == ["b"]
+
+
+async def test_objects_are_located_per_holder(store: IndexStore) -> None:
+    ea, eb = await reg(store, "a"), await reg(store, "b")
+    assert await store.locate_object("k") == []
+    await store.apply(CommitBatch("b", eb, 1, object_adds=(ObjectAdd("k", 4),)))
+    await store.apply(CommitBatch("a", ea, 1, object_adds=(ObjectAdd("k", 4),)))
+    assert [h.node_id for h in await store.locate_object("k")] == ["a", "b"]
+    await store.apply(CommitBatch("a", ea, 2, object_removes=("k", "unknown")))
+    assert [h.node_id for h in await store.locate_object("k")] == ["b"]
+    assert (await store.counts()).objects == 1
+
+
+# -- subscriptions ------------------------------------------------------------------------------
+
+
+async def test_subscription_snapshot_then_events(store: IndexStore) -> None:
+    epoch = await reg(store)
+    await store.apply(
+        CommitBatch(
+            "a",
+            epoch,
+            1,
+            adds(
+                (1, (0, 1)),
+            ),
+        )
+    )
+    async with store.subscribe(NS, [bh(1), bh(2)], 64) as sub:
+        assert [set(s) for s in sub.snapshot] == [{"a"}, set()]
+        assert sub.snapshot[0]["a"].mask == 0b11
+        await store.apply(CommitBatch("a", epoch, 2, adds((3, (0,)), (2, (4, 3)))))
+        await store.apply(CommitBatch("a", epoch, 3, evicts=(BlockRef(NS, bh(1)),)))
+        await store.apply(CommitBatch("a", epoch, 4, adds((2, (0,)), ns=OTHER_NS)))
+        await store.abort(NS, [bh(2), bh(5)], "client closed")
+        await store.drop_node("a", epoch, "lease expired")
+        events = await sub.read(100, timeout=2)
+    kinds = [(e.kind, e.block_hash, e.chunks) for e in events]
+    assert kinds == [
+        (EventKind.COMMIT, bh(2), (3, 4)),
+        (EventKind.EVICT, bh(1), (0, 1)),
+        (EventKind.ABORT, bh(2), ()),
+        (EventKind.NODE_DEAD, b"", ()),
+    ]
+    assert events[2].reason == "client closed" and events[3].reason == "lease expired"
+    assert all(e.node_id == "a" and e.epoch == epoch for e in events if e.kind != EventKind.ABORT)
+
+
+async def test_subscription_overflow_ends_it(store: IndexStore) -> None:
+    epoch = await reg(store)
+    async with store.subscribe(NS, [bh(1)], 3) as sub:
+        for seq in range(1, 6):
+            await store.apply(
+                CommitBatch(
+                    "a",
+                    epoch,
+                    seq,
+                    adds(
+                        (1, (seq,)),
+                    ),
+                )
+            )
+        with pytest.raises(CapacityError):
+            await sub.read(10, timeout=1)
+        with pytest.raises(CapacityError):
+            await sub.read(10, timeout=1)
+
+
+async def test_subscription_read_times_out_and_close_wakes_readers(store: IndexStore) -> None:
+    async with store.subscribe(NS, [bh(1)], 8) as sub:
+        with pytest.raises(KVTimeout):
+            await sub.read(1, timeout=0.05)
+        reader = asyncio.create_task(sub.read(1, timeout=5))
+        await asyncio.sleep(0.01)
+        sub.close()
+        with pytest.raises(Closed):
+            await reader
+
+
+async def test_closed_store_refuses_calls_and_ends_subscriptions(
+    store_factory: Callable[[], Awaitable[IndexStore]],
+) -> None:
+    store = await store_factory()
+    async with store.subscribe(NS, [bh(1)], 8) as sub:
+        reader = asyncio.create_task(sub.read(1, timeout=5))
+        await asyncio.sleep(0.01)
+        await store.close()
+        with pytest.raises(Closed):
+            await reader
+    with pytest.raises(Closed):
+        await store.locate(NS, [bh(1)])
+    await store.close()
+
+
+async def test_subscribe_races_commits_without_losing_any(store: IndexStore) -> None:
+    """Snapshot + events always reconstruct the final state, whenever the subscription
+    starts relative to a stream of commits and evictions."""
+    epoch = await reg(store)
+    hashes = [bh(i) for i in range(8)]
+    rng = random.Random(7)
+
+    async def writer() -> None:
+        for seq in range(1, 200):
+            i = rng.randrange(8)
+            if rng.random() < 0.3:
+                batch = CommitBatch("a", epoch, seq, evicts=(BlockRef(NS, hashes[i]),))
+            else:
+                batch = CommitBatch(
+                    "a",
+                    epoch,
+                    seq,
+                    adds(
+                        (i, (rng.randrange(6),)),
+                    ),
+                )
+            await store.apply(batch)
+            await asyncio.sleep(0)
+
+    async def reader(delay_steps: int) -> dict[int, int]:
+        for _ in range(delay_steps):
+            await asyncio.sleep(0)
+        async with store.subscribe(NS, hashes, 10_000) as sub:
+            view = {i: s["a"].mask for i, s in enumerate(sub.snapshot) if "a" in s}
+            while True:
+                try:
+                    events = await sub.read(1000, timeout=0.05)
+                except KVTimeout:
+                    if task.done():
+                        return view
+                    continue
+                for e in events:
+                    i = hashes.index(e.block_hash)
+                    if e.kind is EventKind.COMMIT:
+                        view[i] = view.get(i, 0) | mask_of(e.chunks)
+                    elif e.kind is EventKind.EVICT:
+                        view.pop(i, None)
+
+    task = asyncio.create_task(writer())
+    views = await asyncio.gather(*(reader(k * 37) for k in range(6)))
+    await task
+    final = await store.locate(NS, hashes)
+    expected = {i: s["a"].mask for i, s in enumerate(final) if "a" in s}
+    assert expected, "the writer left something to compare"
+    for view in views:
+        assert view == expected
+
+
+# -- a model check ------------------------------------------------------------------------------
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("register"), st.sampled_from("ab")),
+        st.tuples(st.just("drop"), st.sampled_from("ab")),
+        st.tuples(
+            st.just("commit"),
+            st.sampled_from("ab"),
+            st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5)), max_size=4),
+            st.lists(st.integers(0, 3), max_size=2),
+        ),
+    ),
+    max_size=25,
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=_ops)
+def test_store_matches_a_simple_model(
+    store_factory: Callable[[], Awaitable[IndexStore]], ops: list[tuple]
+) -> None:
+    asyncio.run(_run_model(store_factory, ops))
+
+
+async def _run_model(factory: Callable[[], Awaitable[IndexStore]], ops: list[tuple]) -> None:
+    store = await factory()
+    epochs: dict[str, int] = {}
+    alive: set[str] = set()
+    seqs: dict[str, int] = {}
+    model: dict[int, dict[str, int]] = {}
+    try:
+        for op in ops:
+            node = op[1]
+            if op[0] == "register":
+                epochs[node], seqs[node] = await reg(store, node), 0
+                alive.add(node)
+                for holders in model.values():
+                    holders.pop(node, None)
+            elif op[0] == "drop":
+                assert await store.drop_node(node, epochs.get(node, 0), "x") == (node in alive)
+                alive.discard(node)
+                for holders in model.values():
+                    holders.pop(node, None)
+            else:
+                batch = CommitBatch(
+                    node,
+                    epochs.get(node, 0),
+                    seqs.get(node, 0) + 1,
+                    adds=adds(*((b, (c,)) for b, c in op[2])),
+                    evicts=tuple(BlockRef(NS, bh(b)) for b in op[3]),
+                )
+                if node not in alive:
+                    with pytest.raises(StaleEpoch):
+                        await store.apply(batch)
+                    continue
+                seqs[node] = await store.apply(batch)
+                for b in op[3]:
+                    model.get(b, {}).pop(node, None)
+                for b, c in op[2]:
+                    model.setdefault(b, {})[node] = model.get(b, {}).get(node, 0) | 1 << c
+            located = await store.locate(NS, [bh(b) for b in range(4)])
+            got = {b: {n: h.mask for n, h in s.items()} for b, s in enumerate(located) if s}
+            assert got == {b: h for b, h in model.items() if h}
+            assert (await store.counts()).blocks == len(got)
+        validate = getattr(store, "validate", None)
+        if validate is not None:
+            validate()
+    finally:
+        await store.close()
+
+
+# -- memory-only --------------------------------------------------------------------------------
+
+
+async def test_memory_store_purges_a_large_dead_epoch_in_steps() -> None:
+    store = MemoryIndexStore(epoch_base=0, purge_step=7)
+    epoch = await reg(store)
+    await store.apply(CommitBatch("a", epoch, 1, adds(*((i, (0, 1)) for i in range(100)))))
+    assert (await store.counts()).blocks == 100
+    assert await store.drop_node("a", epoch, "lease expired")
+    assert (await store.counts()).blocks == 0
+    store.validate()
+    await store.close()
