@@ -5,8 +5,9 @@ it to the parts it runs. In ``kvstore serve`` the master and the node share that
 object; every metric has exactly one owner, and ``kvstore_blocks`` carries a ``role`` label
 (``master``: blocks in the index, ``node``: slots held) so nothing is registered twice.
 
-Owners: master — ``kvstore_prefix_lookups_total``, ``kvstore_prefix_hit_tokens_total``,
-``kvstore_rpc_seconds{method}``, ``kvstore_blocks{role="master"}``; node — everything else.
+Owners: master — ``kvstore_prefix_lookups_total`` and ``kvstore_prefix_hit_tokens_total``
+(exported by a collector over the master's own counters, see ``kvstore.cli``) and
+``kvstore_rpc_seconds{method}``; node — everything else.
 """
 
 from __future__ import annotations
@@ -37,12 +38,6 @@ class Metrics:
             "kvstore_pool_bytes", "Pool memory by tier and state", ["tier", "state"], registry=r
         )
         self.blocks = Gauge("kvstore_blocks", "Cached blocks", ["role"], registry=r)
-        self.prefix_lookups = Counter(
-            "kvstore_prefix_lookups_total", "match_prefix calls served", registry=r
-        )
-        self.prefix_hit_tokens = Counter(
-            "kvstore_prefix_hit_tokens_total", "Tokens matched by match_prefix", registry=r
-        )
         self.transfer_bytes = Counter(
             "kvstore_transfer_bytes_total",
             "Chunk bytes moved by the data plane",

@@ -10,11 +10,13 @@ from kvstore.core.codec import ChunkKey, decode_chunk, encode_chunk
 from kvstore.core.hashing import BlockHash, Namespace, block_hashes
 
 from . import errors
+from .client import KVClient
 from .errors import KVStoreError
 
 __all__ = [
     "BlockHash",
     "ChunkKey",
+    "KVClient",
     "KVStoreError",
     "Namespace",
     "block_hashes",

@@ -1,0 +1,658 @@
+"""The async client engines embed: :class:`KVClient` (DESIGN.md, "Client library").
+
+A client talks to the master over gRPC for *where* (placement candidates, lookups, prefix
+matches, watches) and straight to storage nodes over the data plane for the bytes. Every
+public call has a deadline (``timeout_s`` by default, ``timeout=`` per call) that covers
+the whole call, retries included, and raises only :class:`kvclient.errors.KVStoreError`
+subclasses.
+
+Copies a chunk takes, put over ``tcp://``: quantize straight from the caller's (possibly
+strided) layer into a per-call encode buffer (1), then the kernel's socket copy. Get: the
+kernel's socket copy into a receive buffer, then dequantize straight into ``out`` (1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import xxhash
+
+from kvstore.core.codec import ChunkKey, chunk_nbytes, decode_chunk, encode_blocks
+from kvstore.core.hashing import Namespace, block_hashes, dtype_name
+from kvstore.core.placement import Candidate, rank_nodes, weight_for_free
+from kvstore.errors import (
+    BadShape,
+    CapacityError,
+    ChunkError,
+    Closed,
+    InvalidArgument,
+    KVStoreError,
+    KVTimeout,
+    Miss,
+    TransportError,
+)
+from kvstore.master.client import MasterClient
+from kvstore.node.protocol import MAX_CHUNKS_PER_REQUEST, MAX_KEY_LEN, raise_if_error
+
+from .pool import ConnectionPool
+
+__all__ = ["DEFAULT_MAX_OBJECT_BYTES", "KVClient"]
+
+logger = logging.getLogger("kvclient")
+
+T = TypeVar("T")
+
+DEFAULT_MAX_OBJECT_BYTES = 64 * 2**20
+"""Largest ``put_object`` value accepted by default."""
+
+_NODES_TTL_S = 1.0  # how long a placement snapshot of the node list is reused
+
+
+@dataclass
+class _Node:
+    node_id: str
+    data_uri: str
+    free_bytes: int
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+class KVClient:
+    """Reads and writes one namespace's KV in the pool. Create with :meth:`connect`.
+
+    Not fork-safe: create clients after an engine forks its workers. Safe to use from many
+    tasks of one event loop at once.
+    """
+
+    def __init__(
+        self,
+        master: MasterClient,
+        ns: Namespace,
+        *,
+        replicas: int = 1,
+        timeout_s: float = 10.0,
+        max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
+        connections_per_node: int = 4,
+    ) -> None:
+        if replicas < 1:
+            raise InvalidArgument(f"replicas must be >= 1, got {replicas}")
+        if timeout_s <= 0:
+            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
+        self.ns = ns
+        self.replicas = replicas
+        self.timeout_s = float(timeout_s)
+        self.max_object_bytes = max_object_bytes
+        self._master = master
+        self._pool = ConnectionPool(connections_per_node)
+        self._dtype = _torch_dtype(dtype_name(ns.dtype))
+        self._chunks_per_block = ns.num_layers * ns.tp_size
+        self._chunk_bytes = chunk_nbytes(
+            ns.block_tokens, ns.num_kv_heads, ns.head_dim, ns.dtype, ns.quant
+        )
+        self._ns_hex = ns.canonical_bytes().hex()
+        self._nodes: list[_Node] = []
+        self._nodes_at = -1e9
+        self._nodes_lock = asyncio.Lock()
+        self._codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvclient-codec")
+        self._inflight: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def connect(
+        cls,
+        master: str,
+        ns: Namespace,
+        *,
+        replicas: int = 1,
+        timeout_s: float = 10.0,
+        **options: Any,
+    ) -> KVClient:
+        """Connect to the master at ``host:port`` and check that it answers.
+
+        Blocks up to ``timeout_s``. Raises :class:`~kvstore.errors.Unreachable` or
+        :class:`~kvstore.errors.KVTimeout` when the master does not answer.
+        """
+        mc = MasterClient(master, timeout_s=timeout_s)
+        try:
+            await mc.stats()
+        except BaseException:
+            await mc.close()
+            raise
+        return cls(mc, ns, replicas=replicas, timeout_s=timeout_s, **options)
+
+    async def close(self) -> None:
+        """Abort puts still in flight (watchers see ABORT), close connections. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in list(self._inflight):
+            task.cancel()
+        if self._inflight:
+            await asyncio.wait(list(self._inflight), timeout=self.timeout_s)
+        await self._pool.close()
+        await self._master.close()
+        self._codec.shutdown(wait=False, cancel_futures=True)
+
+    async def __aenter__(self) -> KVClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ pure helpers
+
+    def block_hashes(self, token_ids: Sequence[int] | Any) -> list[bytes]:
+        """Block hashes of the full blocks of ``token_ids`` (the tail is ignored)."""
+        return block_hashes(self.ns, token_ids)
+
+    def _chunk_index(self, layer: int, shard: int) -> int:
+        if not 0 <= layer < self.ns.num_layers:
+            raise InvalidArgument(f"layer {layer} outside [0, {self.ns.num_layers})")
+        if not 0 <= shard < self.ns.tp_size:
+            raise InvalidArgument(f"shard {shard} outside [0, {self.ns.tp_size})")
+        return layer * self.ns.tp_size + shard
+
+    async def _deadline(self, coro: Any, timeout: float | None, what: str) -> Any:
+        """Run ``coro`` under the call's deadline; translate the expiry to KVTimeout."""
+        if self._closed:
+            coro.close()
+            raise Closed("client is closed")
+        limit = self.timeout_s if timeout is None else timeout
+        try:
+            async with asyncio.timeout(limit):
+                return await coro
+        except TimeoutError as exc:
+            if isinstance(exc, KVStoreError):
+                raise
+            raise KVTimeout(f"{what} did not complete within {limit:.3g} s") from exc
+
+    async def _run_codec(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run quantize/dequantize work on the client's one codec thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._codec, fn, *args)
+
+    # ------------------------------------------------------------------ placement
+
+    async def _live_nodes(self, refresh: bool = False) -> list[_Node]:
+        async with self._nodes_lock:
+            now = time.monotonic()
+            if refresh or now - self._nodes_at > _NODES_TTL_S:
+                infos = await self._master.nodes()
+                self._nodes = [
+                    _Node(n.node_id, n.data_uri, n.free_bytes) for n in infos if n.placeable
+                ]
+                self._nodes_at = now
+            return self._nodes
+
+    def _place(self, key: bytes, nodes: list[_Node]) -> list[_Node]:
+        by_id = {n.node_id: n for n in nodes}
+        cands = [Candidate(n.node_id, weight_for_free(n.free_bytes)) for n in nodes]
+        return [by_id[i] for i in rank_nodes(key, cands, self.replicas)]
+
+    # ------------------------------------------------------------------ put
+
+    def _check_layer_tensor(self, t: Any, n_tokens: int, name: str = "t") -> torch.Tensor:
+        ns = self.ns
+        if not isinstance(t, torch.Tensor):
+            raise BadShape(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        want = (2, n_tokens, ns.num_kv_heads, ns.head_dim)
+        if tuple(t.shape) != want:
+            raise BadShape(f"{name} has shape {tuple(t.shape)}; namespace expects {want}")
+        if t.dtype != self._dtype:
+            raise BadShape(f"{name} has dtype {t.dtype}; namespace expects {self._dtype}")
+        return t
+
+    async def put_layer(
+        self,
+        token_ids: Sequence[int] | Any,
+        layer: int,
+        t: torch.Tensor,
+        shard: int = 0,
+        *,
+        timeout: float | None = None,
+    ) -> int:
+        """Store layer ``layer`` (shard ``shard``) of a prompt's KV; ``t`` is ``[2, T, H, D]``.
+
+        ``T`` must equal ``len(token_ids)``; the partial tail block is ignored. Chunks
+        already in the pool are skipped and count as stored (first writer wins). Returns
+        the tokens stored, a multiple of ``block_tokens``. Blocks up to the deadline.
+        Raises :class:`BadShape`/:class:`InvalidArgument` before any I/O,
+        :class:`CapacityError` when a node has no room, :class:`KVTimeout`,
+        :class:`TransportError` subclasses.
+        """
+        hashes = self.block_hashes(token_ids)
+        self._check_layer_tensor(t, len(token_ids))
+        index = self._chunk_index(layer, shard)
+        if not hashes:
+            return 0
+        task = asyncio.ensure_future(self._put_layer(hashes, layer, shard, index, t))
+        self._inflight.add(task)
+        try:
+            return int(await self._deadline(asyncio.shield(task), timeout, "put_layer"))
+        except BaseException:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait([task], timeout=1.0)
+            await self._abort(hashes, "put_layer failed or was cancelled")
+            raise
+        finally:
+            self._inflight.discard(task)
+
+    async def _put_layer(
+        self, hashes: list[bytes], layer: int, shard: int, index: int, t: torch.Tensor
+    ) -> int:
+        keys = [ChunkKey(h, layer, shard) for h in hashes]
+        quant = self.ns.quant
+        chunks = await self._run_codec(encode_blocks, t, self.ns.block_tokens, keys, quant)
+        nodes = await self._live_nodes()
+        groups: dict[str, list[int]] = {}
+        by_id: dict[str, _Node] = {}
+        for i, h in enumerate(hashes):
+            for node in self._place(h, nodes):
+                groups.setdefault(node.node_id, []).append(i)
+                by_id[node.node_id] = node
+        results = await asyncio.gather(
+            *(
+                self._put_to_node(by_id[nid], part, hashes, index, chunks)
+                for nid, idx in groups.items()
+                for part in _batches(idx)
+            )
+        )
+        stored: set[int] = set()
+        for ok in results:
+            stored.update(ok)
+        # Tokens stored: the leading blocks every one of whose placements succeeded.
+        n = 0
+        while n < len(hashes) and n in stored:
+            n += 1
+        return n * self.ns.block_tokens
+
+    async def _put_to_node(
+        self,
+        node: _Node,
+        idx: list[int],
+        hashes: list[bytes],
+        index: int,
+        chunks: list[torch.Tensor],
+    ) -> set[int]:
+        spec = [
+            [hashes[i].hex(), hashes[i - 1].hex() if i else "", index, self._chunk_bytes]
+            for i in idx
+        ]
+        async with self._pool.use(node.data_uri, self.timeout_s) as conn:
+            await conn.send({"op": "put", "ns": self._ns_hex, "chunks": spec})
+            ready = raise_if_error((await conn.recv_header()).header, "ready")
+            accept = ready.get("accept")
+            if not isinstance(accept, list) or len(accept) != len(idx):
+                raise TransportError(f"node {node.node_id} sent a malformed ready")
+            bufs = [chunks[i].numpy() for i, a in zip(idx, accept, strict=True) if a]
+            await conn.send({"op": "data"}, bufs)
+            ack = raise_if_error((await conn.recv_header()).header, "ack")
+        failed = set(ack.get("failed", []))
+        return {i for k, i in enumerate(idx) if k not in failed}
+
+    async def _abort(self, hashes: list[bytes], reason: str) -> None:
+        """Tell watchers that this writer gave up (best effort, short deadline)."""
+        try:
+            async with asyncio.timeout(min(2.0, self.timeout_s)):
+                await self._master.abort(self.ns.id, hashes, reason)
+        except (KVStoreError, TimeoutError) as exc:
+            logger.debug("abort not delivered: %s", exc)
+
+    # ------------------------------------------------------------------ get
+
+    async def get_layer(
+        self,
+        token_ids: Sequence[int] | Any,
+        layer: int,
+        device: Any = None,
+        out: torch.Tensor | None = None,
+        shard: int = 0,
+        *,
+        timeout: float | None = None,
+    ) -> torch.Tensor:
+        """Read the longest present prefix of layer ``layer`` for ``token_ids``.
+
+        Returns ``[2, n, H, D]`` (``n`` a multiple of ``block_tokens``, possibly 0) on
+        ``device`` (default CPU), or a view of ``out`` (``[2, >= n, H, D]``, written in
+        place) when given. A miss is a short (or empty) result, never an error. Raises
+        :class:`BadShape` for a wrong ``out``, :class:`KVTimeout`, transport errors when no
+        holder can be read at all.
+        """
+        hashes = self.block_hashes(token_ids)
+        index = self._chunk_index(layer, shard)
+        if out is not None:
+            self._check_layer_tensor(out, out.shape[1] if out.dim() == 4 else -1, "out")
+            if out.shape[1] < len(hashes) * self.ns.block_tokens:
+                raise BadShape(f"out holds {out.shape[1]} tokens, prompt has more full blocks")
+        result, _ = await self._deadline(
+            self._get_layer(hashes, index, layer, shard, device, out), timeout, "get_layer"
+        )
+        return result  # type: ignore[no-any-return]
+
+    async def _get_layer(
+        self,
+        hashes: list[bytes],
+        index: int,
+        layer: int,
+        shard: int,
+        device: Any,
+        out: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, int]:
+        ns = self.ns
+        B = ns.block_tokens
+        holders = await self._master.lookup(ns.id, hashes, self._chunks_per_block) if hashes else []
+        n = 0
+        plan: dict[str, list[int]] = {}
+        uris: dict[str, str] = {}
+        for i, block in enumerate(holders):
+            having = [h for h in block if h.has(index)]
+            if not having:
+                break
+            plan.setdefault(having[0].node_id, []).append(i)
+            uris[having[0].node_id] = having[0].data_uri
+            n += 1
+        if out is None:
+            out = torch.empty(
+                2, n * B, ns.num_kv_heads, ns.head_dim, dtype=self._dtype, device=device
+            )
+        got = await asyncio.gather(
+            *(
+                self._get_from_node(uris[nid], part, hashes, layer, shard, index, out)
+                for nid, idx in plan.items()
+                for part in _batches(idx)
+            )
+        )
+        present: set[int] = set().union(*got) if got else set()
+        m = 0
+        while m < n and m in present:
+            m += 1
+        return out[:, : m * B], m
+
+    async def _get_from_node(
+        self,
+        uri: str,
+        idx: list[int],
+        hashes: list[bytes],
+        layer: int,
+        shard: int,
+        index: int,
+        out: torch.Tensor,
+    ) -> set[int]:
+        """Fetch chunks ``idx`` from one node and decode them into ``out``; return the
+        indices that arrived intact. A node that fails is a miss for its blocks."""
+        B = self.ns.block_tokens
+        spec = [[hashes[i].hex(), index] for i in idx]
+        try:
+            async with self._pool.use(uri, self.timeout_s) as conn:
+                await conn.send({"op": "get", "ns_id": self.ns.id.hex(), "chunks": spec})
+                frame = await conn.recv_header()
+                head = raise_if_error(frame.header, "data")
+                found = head.get("found")
+                if not isinstance(found, list) or len(found) != len(idx):
+                    raise TransportError("node sent a malformed get answer")
+                have = [i for i, f in zip(idx, found, strict=True) if f]
+                bufs = torch.empty(len(have), self._chunk_bytes, dtype=torch.uint8)
+                await conn.recv_payload_into([bufs[k].numpy() for k in range(len(have))])
+        except TransportError as exc:
+            logger.warning("get from %s failed: %s", uri, exc)
+            await self._pool.discard(uri)
+            return set()
+
+        def decode_all() -> set[int]:
+            ok: set[int] = set()
+            for k, i in enumerate(have):
+                try:
+                    decode_chunk(
+                        bufs[k],
+                        out=out[:, i * B : (i + 1) * B],
+                        expect_key=ChunkKey(hashes[i], layer, shard),
+                    )
+                    ok.add(i)
+                except ChunkError as exc:
+                    logger.warning("chunk %d from %s rejected: %s", i, uri, exc)
+            return ok
+
+        return await self._run_codec(decode_all)
+
+    # ------------------------------------------------------------------ prefix match
+
+    async def match_prefix(
+        self, token_ids: Sequence[int] | Any, hold_s: float = 0, *, timeout: float | None = None
+    ) -> int:
+        """Tokens of ``token_ids`` whose KV is in the pool for every layer and shard.
+
+        A multiple of ``block_tokens``. With ``hold_s > 0`` the matched slots are pinned on
+        their nodes for ``hold_s`` seconds so a following read finds them. Raises
+        :class:`KVTimeout` and transport errors; a miss is 0.
+        """
+        hashes = self.block_hashes(token_ids)
+        if not hashes:
+            return 0
+        if hold_s < 0:
+            raise InvalidArgument(f"hold_s must be >= 0, got {hold_s}")
+        return int(await self._deadline(self._match(hashes, hold_s), timeout, "match_prefix"))
+
+    async def _match(self, hashes: list[bytes], hold_s: float) -> int:
+        blocks, holders = await self._master.match_prefix(
+            self.ns.id, hashes, self._chunks_per_block, block_tokens=self.ns.block_tokens
+        )
+        if hold_s > 0 and blocks:
+            by_uri: dict[str, list[int]] = {}
+            for i, block in enumerate(holders[:blocks]):
+                for h in block:
+                    by_uri.setdefault(h.data_uri, []).append(i)
+            await asyncio.gather(
+                *(self._hold(uri, [hashes[i] for i in idx], hold_s) for uri, idx in by_uri.items())
+            )
+        return blocks * self.ns.block_tokens
+
+    async def _hold(self, uri: str, hashes: list[bytes], hold_s: float) -> None:
+        try:
+            async with self._pool.use(uri, self.timeout_s) as conn:
+                await conn.send(
+                    {
+                        "op": "hold",
+                        "ns_id": self.ns.id.hex(),
+                        "blocks": [h.hex() for h in hashes],
+                        "ttl_s": hold_s,
+                    }
+                )
+                raise_if_error((await conn.recv_header()).header, "held")
+        except TransportError as exc:
+            logger.warning("hold on %s failed: %s", uri, exc)
+
+    # ------------------------------------------------------------------ streaming
+
+    async def stream_layers(
+        self,
+        token_ids: Sequence[int] | Any,
+        timeout: float | None = None,
+        *,
+        shard: int = 0,
+        device: Any = None,
+    ) -> AsyncIterator[tuple[int, torch.Tensor]]:
+        """Yield ``(layer, [2, n_full_tokens, H, D])`` in layer order as layers land.
+
+        Waits for blocks that do not exist yet: subscribes to the master's watch first,
+        then takes its snapshot, so no commit is lost. ``timeout`` bounds the whole
+        stream. Raises :class:`Miss` naming the layer on a writer's abort, on an eviction
+        of a layer not yet read, or on the timeout.
+        """
+        hashes = self.block_hashes(token_ids)
+        self._chunk_index(0, shard)
+        limit = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        n_blocks = len(hashes)
+        L = self.ns.num_layers
+        if n_blocks == 0:
+            for layer in range(L):
+                yield (
+                    layer,
+                    torch.empty(
+                        2,
+                        0,
+                        self.ns.num_kv_heads,
+                        self.ns.head_dim,
+                        dtype=self._dtype,
+                        device=device,
+                    ),
+                )
+            return
+        masks: list[dict[str, int]] = [{} for _ in hashes]
+        next_layer = 0
+        events = self._master.watch(self.ns.id, hashes, self._chunks_per_block, timeout=limit)
+        try:
+            while next_layer < L:
+                for ev in await _next_batch(events, deadline, next_layer):
+                    _apply_event(ev, masks, next_layer)
+                while next_layer < L and _layer_ready(masks, next_layer * self.ns.tp_size + shard):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Miss(f"stream timed out before layer {next_layer}", layer=next_layer)
+                    t = await self.get_layer(
+                        token_ids, next_layer, device=device, shard=shard, timeout=left
+                    )
+                    if t.shape[1] < n_blocks * self.ns.block_tokens:
+                        raise Miss(
+                            f"layer {next_layer} was announced but is no longer complete",
+                            layer=next_layer,
+                        )
+                    yield next_layer, t
+                    next_layer += 1
+        finally:
+            await events.aclose()
+
+    # ------------------------------------------------------------------ objects
+
+    def _object_key(self, key: str) -> bytes:
+        if not isinstance(key, str) or not key or len(key.encode()) > MAX_KEY_LEN:
+            raise InvalidArgument(f"object key must be a non-empty str of <= {MAX_KEY_LEN} bytes")
+        return xxhash.xxh3_128_digest(key.encode())
+
+    async def put_object(
+        self, key: str, value: bytes | bytearray | memoryview, *, timeout: float | None = None
+    ) -> None:
+        """Store ``value`` under ``key`` (replacing nothing: the first writer wins).
+
+        Raises :class:`CapacityError` over ``max_object_bytes`` or when the node is full,
+        :class:`KVTimeout`, transport errors.
+        """
+        hkey = self._object_key(key)
+        view = memoryview(value).cast("B")
+        if view.nbytes > self.max_object_bytes:
+            raise CapacityError(
+                f"object of {view.nbytes} bytes exceeds max_object_bytes={self.max_object_bytes}"
+            )
+
+        async def run() -> None:
+            nodes = await self._live_nodes()
+            for node in self._place(hkey, nodes):
+                async with self._pool.use(node.data_uri, self.timeout_s) as conn:
+                    await conn.send({"op": "put_object", "key": key, "nbytes": view.nbytes})
+                    ready = raise_if_error((await conn.recv_header()).header, "ready")
+                    await conn.send({"op": "data"}, [view] if ready.get("accept", [1])[0] else [])
+                    raise_if_error((await conn.recv_header()).header, "ack")
+
+        await self._deadline(run(), timeout, "put_object")
+
+    async def get_object(self, key: str, *, timeout: float | None = None) -> bytes | None:
+        """The value stored under ``key``, or ``None`` when it is not in the pool."""
+        self._object_key(key)
+
+        async def run() -> bytes | None:
+            for holder in await self._master.lookup_object(key):
+                try:
+                    async with self._pool.use(holder.data_uri, self.timeout_s) as conn:
+                        await conn.send({"op": "get_object", "key": key})
+                        frame = await conn.recv_header()
+                        head = raise_if_error(frame.header, "data")
+                        bufs = await conn.recv_payload()
+                    if head.get("found") == [1] and len(bufs) == 1:
+                        return bytes(bufs[0])
+                except TransportError as exc:
+                    logger.warning("get_object from %s failed: %s", holder.data_uri, exc)
+            return None
+
+        return await self._deadline(run(), timeout, "get_object")  # type: ignore[no-any-return]
+
+    async def exists(self, key: str, *, timeout: float | None = None) -> bool:
+        """Whether a live node holds ``key``."""
+        self._object_key(key)
+        holders = await self._deadline(self._master.lookup_object(key), timeout, "exists")
+        return bool(holders)
+
+    async def remove(self, key: str, *, timeout: float | None = None) -> bool:
+        """Remove ``key`` from every holder; True if something was removed."""
+        self._object_key(key)
+
+        async def run() -> bool:
+            removed = False
+            for holder in await self._master.lookup_object(key):
+                async with self._pool.use(holder.data_uri, self.timeout_s) as conn:
+                    await conn.send({"op": "remove_object", "key": key})
+                    head = raise_if_error((await conn.recv_header()).header, "ok")
+                    removed = removed or bool(head.get("removed"))
+            return removed
+
+        return bool(await self._deadline(run(), timeout, "remove"))
+
+
+def _batches(idx: list[int]) -> list[list[int]]:
+    """``idx`` cut into requests the node accepts (one exchange per layer per node for
+    any prompt under ``MAX_CHUNKS_PER_REQUEST`` blocks)."""
+    step = MAX_CHUNKS_PER_REQUEST
+    return [idx[i : i + step] for i in range(0, len(idx), step)]
+
+
+def _layer_ready(masks: list[dict[str, int]], index: int) -> bool:
+    bit = 1 << index
+    return all(any(m & bit for m in block.values()) for block in masks)
+
+
+def _apply_event(ev: Any, masks: list[dict[str, int]], next_layer: int) -> None:
+    """Fold one watch event into the per-block, per-node chunk masks."""
+    kind = ev.kind
+    if kind == "SNAPSHOT_DONE":
+        return
+    if not 0 <= ev.block_index < len(masks):
+        return
+    block = masks[ev.block_index]
+    bits = 0
+    for c in ev.chunks:
+        bits |= 1 << c
+    if kind == "COMMIT":
+        block[ev.node_id] = block.get(ev.node_id, 0) | bits
+    elif kind == "EVICT":
+        block.pop(ev.node_id, None)
+    elif kind == "ABORT":
+        raise Miss(
+            f"writer aborted block {ev.block_index} before layer {next_layer}: {ev.reason}",
+            layer=next_layer,
+            blocks=[ev.block_index],
+        )
+
+
+async def _next_batch(events: AsyncIterator[T], deadline: float, layer: int) -> T:
+    """The next batch of watch events before ``deadline``; a :class:`Miss` naming ``layer``
+    when the deadline passes or the watch ends first."""
+    left = deadline - time.monotonic()
+    try:
+        if left <= 0:
+            raise TimeoutError
+        async with asyncio.timeout(left):
+            return await anext(events)
+    except StopAsyncIteration:
+        raise Miss(f"watch ended before layer {layer}", layer=layer) from None
+    except TimeoutError as exc:
+        raise Miss(f"stream timed out waiting for layer {layer}", layer=layer) from exc

@@ -1,0 +1,271 @@
+"""What each ``kvctl`` subcommand asks the master, and the JSON document it prints.
+
+Fetchers are coroutines that take a :class:`~kvstore.master.client.MasterClient`; each
+waits at most the client's deadline per RPC and raises only ``kvstore.errors`` types (the
+client translates gRPC statuses). Documents are plain dicts, exactly what ``--json``
+prints. Nothing heavy is imported at module level: grpc comes with the client, numpy with
+:func:`plan_lookup` (the only user of ``kvstore.core.hashing``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TextIO
+
+from kvctl.explain import PrefixReport, explain_prefix
+from kvstore.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from kvstore.core.hashing import Namespace
+    from kvstore.master.client import MasterClient
+    from kvstore.master.records import MasterStats, NodeInfo
+
+__all__ = [
+    "DrainResult",
+    "LookupPlan",
+    "StatsReport",
+    "TierTotal",
+    "drain",
+    "drain_json",
+    "fetch_lookup",
+    "fetch_nodes",
+    "fetch_stats",
+    "fetch_status",
+    "nodes_json",
+    "parse_tokens",
+    "plan_lookup",
+    "read_tokens",
+    "stats_json",
+    "status_json",
+    "tier_totals",
+]
+
+MAX_TOKEN = 2**32 - 1
+
+
+# -- status ---------------------------------------------------------------------------------
+
+
+async def fetch_status(client: MasterClient) -> MasterStats:
+    """The master's pool totals (one ``Stats`` call)."""
+    return await client.stats()
+
+
+def status_json(stats: MasterStats) -> dict[str, int]:
+    """``kvctl status --json``: exactly the eight pool totals of DESIGN.md."""
+    return {
+        "nodes": stats.nodes,
+        "live_nodes": stats.live_nodes,
+        "capacity_bytes": stats.capacity_bytes,
+        "used_bytes": stats.used_bytes,
+        "blocks": stats.blocks,
+        "objects": stats.objects,
+        "hits": stats.hits,
+        "misses": stats.misses,
+    }
+
+
+# -- nodes ----------------------------------------------------------------------------------
+
+
+async def fetch_nodes(client: MasterClient) -> list[NodeInfo]:
+    """Every node the master knows, sorted by id (one ``Nodes`` call)."""
+    return await client.nodes()
+
+
+def nodes_json(nodes: Sequence[NodeInfo]) -> dict[str, Any]:
+    """``kvctl nodes --json``: exactly the fields of DESIGN.md, per node."""
+    return {
+        "nodes": [
+            {
+                "id": n.node_id,
+                "alive": n.alive,
+                "lease_age_s": float(n.lease_age_s),
+                "epoch": n.epoch,
+                "data": n.data_uri,
+                "tiers": [
+                    {"name": t.name, "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes}
+                    for t in n.tiers
+                ],
+            }
+            for n in nodes
+        ]
+    }
+
+
+# -- stats ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TierTotal:
+    """One tier name ("gpu", "host", ...) summed over the live nodes that have it."""
+
+    name: str
+    nodes: int
+    capacity_bytes: int
+    used_bytes: int
+
+
+@dataclass(frozen=True)
+class StatsReport:
+    """The master's totals and counters plus the live nodes' tier usage summed per tier."""
+
+    stats: MasterStats
+    tiers: tuple[TierTotal, ...]
+
+    @property
+    def hit_ratio(self) -> float | None:
+        """hits / (hits + misses); None before the first lookup."""
+        total = self.stats.hits + self.stats.misses
+        return self.stats.hits / total if total else None
+
+
+def tier_totals(nodes: Sequence[NodeInfo]) -> tuple[TierTotal, ...]:
+    """Capacity and usage per tier name over the live nodes (as ``Stats`` sums them),
+    sorted by name."""
+    sums: dict[str, list[int]] = {}
+    for node in nodes:
+        if not node.alive:
+            continue
+        for tier in node.tiers:
+            acc = sums.setdefault(tier.name, [0, 0, 0])
+            acc[0] += 1
+            acc[1] += tier.capacity_bytes
+            acc[2] += tier.used_bytes
+    return tuple(TierTotal(name, *sums[name]) for name in sorted(sums))
+
+
+async def fetch_stats(client: MasterClient) -> StatsReport:
+    """``Stats`` plus ``Nodes`` (for the per-tier sums)."""
+    stats = await client.stats()
+    nodes = await client.nodes()
+    return StatsReport(stats, tier_totals(nodes))
+
+
+def stats_json(report: StatsReport) -> dict[str, Any]:
+    """``kvctl stats --json``: the status totals, the hit ratio and the per-tier sums."""
+    return {
+        **status_json(report.stats),
+        "hit_ratio": report.hit_ratio,
+        "tiers": [
+            {
+                "name": t.name,
+                "nodes": t.nodes,
+                "capacity_bytes": t.capacity_bytes,
+                "used_bytes": t.used_bytes,
+            }
+            for t in report.tiers
+        ],
+    }
+
+
+# -- drain ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    """A node's draining mark after ``kvctl drain``."""
+
+    node_id: str
+    draining: bool
+
+
+async def drain(client: MasterClient, node_id: str, *, undrain: bool) -> DrainResult:
+    """Set (or clear) ``node_id``'s draining mark; raises Miss for an unknown node."""
+    return DrainResult(node_id, await client.drain(node_id, undrain=undrain))
+
+
+def drain_json(result: DrainResult) -> dict[str, Any]:
+    """``kvctl drain --json``: ``{"node": id, "draining": bool}``."""
+    return {"node": result.node_id, "draining": result.draining}
+
+
+# -- lookup ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LookupPlan:
+    """A prompt ready to look up: its namespace, length and full-block hashes."""
+
+    ns: Namespace
+    num_tokens: int
+    block_hashes: tuple[bytes, ...]
+
+    @property
+    def chunks_per_block(self) -> int:
+        """``num_layers * tp_size``: the chunks a complete block has."""
+        return self.ns.num_layers * self.ns.tp_size
+
+
+def parse_tokens(text: str) -> list[int]:
+    """Token ids from a JSON list or from ints separated by whitespace and/or commas.
+
+    Raises InvalidArgument for anything else, an empty list, or ids outside [0, 2**32).
+    """
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            raw = json.loads(stripped)
+        except ValueError as exc:
+            raise InvalidArgument(f"tokens are not a valid JSON list: {exc}") from exc
+        if not isinstance(raw, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in raw
+        ):
+            raise InvalidArgument("tokens must be a JSON list of integers")
+        tokens: list[int] = raw
+    else:
+        words = stripped.replace(",", " ").split()
+        try:
+            tokens = [int(w) for w in words]
+        except ValueError as exc:
+            raise InvalidArgument(f"tokens must be integers: {exc}") from exc
+    if not tokens:
+        raise InvalidArgument("no tokens given")
+    if min(tokens) < 0 or max(tokens) > MAX_TOKEN:
+        raise InvalidArgument("token ids must lie in [0, 2**32)")
+    return tokens
+
+
+def read_tokens(path: str, stdin: TextIO) -> list[int]:
+    """Token ids from the file at ``path`` (``-``: ``stdin``), see :func:`parse_tokens`.
+    Blocks on the read; raises InvalidArgument if the file cannot be read."""
+    if path == "-":
+        return parse_tokens(stdin.read())
+    try:
+        with open(path, encoding="utf-8") as f:
+            return parse_tokens(f.read())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"cannot read tokens file {path!r}: {exc}") from exc
+
+
+def plan_lookup(ns: Namespace, tokens: Sequence[int]) -> LookupPlan:
+    """Hash ``tokens`` under ``ns``; raises InvalidArgument if the prompt or the namespace
+    exceed what one master request may carry."""
+    from kvstore.core.hashing import block_hashes
+    from kvstore.master.wire import MAX_BLOCKS, MAX_CHUNKS
+
+    plan = LookupPlan(ns, len(tokens), tuple(block_hashes(ns, tokens)))
+    if len(plan.block_hashes) > MAX_BLOCKS:
+        raise InvalidArgument(
+            f"the prompt has {len(plan.block_hashes)} full blocks; one lookup takes at most "
+            f"{MAX_BLOCKS}"
+        )
+    if plan.chunks_per_block >= MAX_CHUNKS:
+        raise InvalidArgument(
+            f"layers x tp-size = {plan.chunks_per_block}; the master supports fewer than "
+            f"{MAX_CHUNKS} chunks per block"
+        )
+    return plan
+
+
+async def fetch_lookup(client: MasterClient, plan: LookupPlan) -> PrefixReport:
+    """``Lookup`` (holders per block), ``MatchPrefix`` (the master's count) and ``Nodes``
+    (holder liveness), explained. MatchPrefix counts toward the master's hits/misses; it
+    is sent without ``block_tokens`` so the hit-token counter is left alone."""
+    ns, hashes, cpb = plan.ns, list(plan.block_hashes), plan.chunks_per_block
+    located = await client.lookup(ns.id, hashes, cpb)
+    match = await client.match_prefix(ns.id, hashes, cpb)
+    nodes = await client.nodes()
+    return explain_prefix(ns, plan.num_tokens, hashes, located, nodes, match.blocks)

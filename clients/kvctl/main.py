@@ -1,0 +1,309 @@
+"""``kvctl``: the operators' admin CLI for a kvstore master (DESIGN.md, "Admin CLI").
+
+::
+
+    kvctl [--master HOST:PORT] [--timeout S] COMMAND [--json]
+        status              pool totals (Stats)
+        nodes               every node: liveness, lease, epoch, transport, tiers (Nodes)
+        stats               the master's counters and per-tier usage (Stats + Nodes)
+        lookup ...          why a prompt does or does not match, block by block
+                            (Lookup + MatchPrefix + Nodes)
+        drain NODE          mark a node draining, ``--undrain`` clears the mark (Drain)
+
+``--master`` defaults to ``$KVSTORE_MASTER`` or ``127.0.0.1:50051``; ``--master`` and
+``--timeout`` may also follow the command. ``--json`` prints one JSON document instead of
+a table. Exit codes: 0 ok, 1 the master could not be reached or answered with an error
+(one line on stderr), 2 usage errors (bad flags, tokens, namespace).
+
+There is no ``evict``: the master has no eviction RPC, and nodes are the only writers of
+their index entries, so nothing honest can be done from here.
+
+Cold start is kept small: this module imports argparse and ``kvstore.errors`` only; grpc
+comes with the first master call, rich with the first table, numpy with ``lookup``; torch
+and NIXL never.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, TextIO, TypeVar
+
+from kvstore.errors import InvalidArgument, KVStoreError, KVTimeout, Unreachable
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
+
+    from kvstore.master.client import MasterClient
+
+__all__ = ["DEFAULT_MASTER", "DEFAULT_TIMEOUT_S", "EXIT_MASTER", "EXIT_USAGE", "main"]
+
+DEFAULT_MASTER = "127.0.0.1:50051"
+DEFAULT_TIMEOUT_S = 5.0
+EXIT_OK = 0
+EXIT_MASTER = 1
+"""The master could not be reached, timed out or answered with an error."""
+EXIT_USAGE = 2
+"""Bad flags or input; nothing was sent."""
+_EXIT_INTERRUPTED = 130
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Job(Generic[T]):
+    """One subcommand's work: what to ask the master and how to print the answer."""
+
+    fetch: Callable[[MasterClient], Awaitable[T]]
+    to_json: Callable[[T], dict[str, Any]]
+    to_table: Callable[[T, TextIO], None]
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    stdin: TextIO | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
+    """Run ``kvctl`` with ``argv`` (default ``sys.argv[1:]``) and return its exit code.
+
+    Blocks until the master answered (each RPC waits at most ``--timeout``). Streams
+    default to ``sys.stdin``/``sys.stdout``/``sys.stderr``. Never raises for a master,
+    usage or input error: those are the exit codes 1 and 2 with one line on ``stderr``.
+    """
+    out = sys.stdout if stdout is None else stdout
+    err = sys.stderr if stderr is None else stderr
+    parser = build_parser(out, err, os.environ.get("KVSTORE_MASTER") or DEFAULT_MASTER)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2), already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        job = args.prepare(args, sys.stdin if stdin is None else stdin)
+    except InvalidArgument as exc:
+        err.write(f"kvctl: {exc}\n")
+        return EXIT_USAGE
+    try:
+        result = _ask_master(args.master, args.timeout, job.fetch)
+    except KVStoreError as exc:
+        err.write(_describe(exc, args.master, args.timeout) + "\n")
+        return EXIT_MASTER
+    except KeyboardInterrupt:
+        return _EXIT_INTERRUPTED
+    if args.json:
+        import json
+
+        json.dump(job.to_json(result), out, indent=2)
+        out.write("\n")
+    else:
+        job.to_table(result, out)
+    return EXIT_OK
+
+
+def _ask_master(target: str, timeout_s: float, fetch: Callable[[MasterClient], Awaitable[T]]) -> T:
+    import asyncio
+
+    return asyncio.run(_with_client(target, timeout_s, fetch))
+
+
+async def _with_client(
+    target: str, timeout_s: float, fetch: Callable[[MasterClient], Awaitable[T]]
+) -> T:
+    from kvstore.master.client import MasterClient
+
+    async with MasterClient(target, timeout_s=timeout_s) as client:
+        return await fetch(client)
+
+
+def _describe(exc: KVStoreError, target: str, timeout_s: float) -> str:
+    """The one stderr line for a failed master call."""
+    if isinstance(exc, Unreachable):
+        return f"kvctl: cannot reach master at {target} (unavailable)"
+    if isinstance(exc, KVTimeout):
+        return (
+            f"kvctl: master at {target} did not answer within {timeout_s:g} s (deadline exceeded)"
+        )
+    return f"kvctl: {exc}"
+
+
+# -- jobs: parse the command's input (InvalidArgument -> exit 2), nothing sent yet -----------
+
+
+def _status_job(args: argparse.Namespace, stdin: TextIO) -> _Job[Any]:
+    from kvctl import commands, tables
+
+    return _Job(commands.fetch_status, commands.status_json, tables.print_status)
+
+
+def _nodes_job(args: argparse.Namespace, stdin: TextIO) -> _Job[Any]:
+    from kvctl import commands, tables
+
+    return _Job(commands.fetch_nodes, commands.nodes_json, tables.print_nodes)
+
+
+def _stats_job(args: argparse.Namespace, stdin: TextIO) -> _Job[Any]:
+    from kvctl import commands, tables
+
+    return _Job(commands.fetch_stats, commands.stats_json, tables.print_stats)
+
+
+def _drain_job(args: argparse.Namespace, stdin: TextIO) -> _Job[Any]:
+    from kvctl import commands, tables
+
+    node_id, undrain = args.node, args.undrain
+    if not node_id:
+        raise InvalidArgument("drain: NODE must not be empty")
+
+    def fetch(client: MasterClient) -> Awaitable[commands.DrainResult]:
+        return commands.drain(client, node_id, undrain=undrain)
+
+    return _Job(fetch, commands.drain_json, tables.print_drain)
+
+
+def _lookup_job(args: argparse.Namespace, stdin: TextIO) -> _Job[Any]:
+    from kvctl import commands, explain, tables
+    from kvstore.core.hashing import Namespace
+
+    ns = Namespace(
+        model=args.model,
+        revision=args.revision,
+        num_layers=args.layers,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        block_tokens=args.block_tokens,
+        quant=args.quant,
+        adapter=args.adapter,
+        cache_salt=args.cache_salt,
+        tp_size=args.tp_size,
+    )
+    if args.tokens is not None:
+        tokens = commands.parse_tokens(args.tokens)
+    else:
+        tokens = commands.read_tokens(args.tokens_file, stdin)
+    plan = commands.plan_lookup(ns, tokens)
+
+    def fetch(client: MasterClient) -> Awaitable[explain.PrefixReport]:
+        return commands.fetch_lookup(client, plan)
+
+    return _Job(fetch, explain.report_json, tables.print_lookup)
+
+
+# -- the parser -----------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse writing to the given streams; exits by raising SystemExit (main catches)."""
+
+    def __init__(self, *args: Any, out: TextIO, err: TextIO, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._out = out
+        self._err = err
+
+    def print_help(self, file: SupportsWrite[str] | None = None) -> None:
+        super().print_help(self._out if file is None else file)
+
+    def print_usage(self, file: SupportsWrite[str] | None = None) -> None:
+        super().print_usage(self._out if file is None else file)
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if message:
+            self._err.write(message)
+        raise SystemExit(status)
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(self._err)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from exc
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+def _address(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the master address must not be empty")
+    return text.strip()
+
+
+def _connection_options(parser: argparse.ArgumentParser, master: str | None) -> None:
+    """``--master``/``--timeout``; on subcommands (``master`` None) without defaults, so
+    they override the top level's only when given."""
+    suppress = argparse.SUPPRESS
+    parser.add_argument(
+        "--master",
+        type=_address,
+        default=suppress if master is None else master,
+        metavar="HOST:PORT",
+        help=f"the master's gRPC address (default: $KVSTORE_MASTER or {DEFAULT_MASTER})",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=suppress if master is None else DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"deadline of each master call in seconds (default {DEFAULT_TIMEOUT_S:g})",
+    )
+
+
+def _lookup_options(parser: argparse.ArgumentParser) -> None:
+    ns = parser.add_argument_group("namespace (must match the engine's exactly)")
+    ns.add_argument("--model", required=True)
+    ns.add_argument("--revision", required=True)
+    ns.add_argument("--layers", type=int, required=True, help="num_layers")
+    ns.add_argument("--kv-heads", type=int, required=True, help="KV heads per TP shard")
+    ns.add_argument("--head-dim", type=int, required=True)
+    ns.add_argument("--dtype", default="bfloat16", help="float16 | bfloat16 | float32")
+    ns.add_argument("--block-tokens", type=int, default=256)
+    ns.add_argument("--quant", default="int8", choices=("int8", "none"))
+    ns.add_argument("--tp-size", type=int, default=1)
+    ns.add_argument("--adapter", default=None, help="LoRA id (default none)")
+    ns.add_argument("--cache-salt", default=None, help="tenant salt (default none)")
+    tokens = parser.add_argument_group("the prompt").add_mutually_exclusive_group(required=True)
+    tokens.add_argument("--tokens", metavar="1,2,3,...", help="token ids, comma-separated")
+    tokens.add_argument(
+        "--tokens-file",
+        metavar="FILE",
+        help="a JSON list or whitespace-separated token ids; - reads stdin",
+    )
+
+
+def build_parser(out: TextIO, err: TextIO, default_master: str = DEFAULT_MASTER) -> _Parser:
+    """The ``kvctl`` argument parser; help goes to ``out``, usage errors to ``err``."""
+    parser = _Parser(
+        prog="kvctl",
+        description="Admin CLI of a kvstore master.",
+        epilog="exit codes: 0 ok, 1 master unreachable or error, 2 usage error",
+        out=out,
+        err=err,
+    )
+    _connection_options(parser, default_master)
+    subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands: list[tuple[str, str, Callable[[argparse.Namespace, TextIO], _Job[Any]]]] = [
+        ("status", "pool totals", _status_job),
+        ("nodes", "every node: state, lease, epoch, transport, tiers", _nodes_job),
+        ("stats", "the master's counters and per-tier usage", _stats_job),
+        ("lookup", "why a prompt does or does not match, block by block", _lookup_job),
+        ("drain", "mark a node draining (no new placements)", _drain_job),
+    ]
+    for name, help_text, job in commands:
+        sub = subs.add_parser(name, help=help_text, description=help_text, out=out, err=err)
+        _connection_options(sub, None)
+        sub.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        sub.set_defaults(prepare=job)
+        if name == "lookup":
+            _lookup_options(sub)
+        elif name == "drain":
+            sub.add_argument("node", metavar="NODE", help="node id")
+            sub.add_argument("--undrain", action="store_true", help="clear the draining mark")
+    return parser

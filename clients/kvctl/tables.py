@@ -1,0 +1,257 @@
+"""Tables for people: how ``kvctl`` prints each answer without ``--json``.
+
+``rich`` is imported inside the functions, on first use, so neither ``--json`` nor
+``--help`` pays for it. Every function writes to ``out`` and blocks only on that write.
+Cells are plain text (no rich markup), so node ids and URIs print as they are.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, TextIO
+
+from kvctl.explain import BlockReport, PrefixReport, ShardLayers, format_ranges
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvctl.commands import DrainResult, StatsReport
+    from kvstore.master.records import MasterStats, NodeInfo
+
+__all__ = [
+    "human_bytes",
+    "print_drain",
+    "print_lookup",
+    "print_nodes",
+    "print_stats",
+    "print_status",
+]
+
+_PLAIN_WIDTH = 160
+"""Width for output that is not a terminal (rich would assume 80 and wrap URIs)."""
+_HEAD_ROWS = 3
+_ROWS_BEFORE_STOP = 3
+_ROWS_FROM_STOP = 8
+_ELIDE_OVER = 16
+"""Lookup tables with more blocks than this show the head and the rows around the stop."""
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes in binary units: ``"512 B"``, ``"1.5 KiB"``, ``"4.0 GiB"``."""
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def _console(out: TextIO) -> Console:
+    from rich.console import Console
+
+    tty = out.isatty()
+    return Console(file=out, markup=False, highlight=False, width=None if tty else _PLAIN_WIDTH)
+
+
+def _table(*columns: str, title: str | None = None) -> Table:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
+    for name in columns:
+        table.add_column(name)
+    return table
+
+
+def print_status(stats: MasterStats, out: TextIO) -> None:
+    """The pool totals as a two-column table."""
+    table = _table("", "", title="kvstore pool")
+    table.show_header = False
+    rows = [
+        ("nodes", f"{stats.nodes} ({stats.live_nodes} live)"),
+        ("capacity", human_bytes(stats.capacity_bytes)),
+        (
+            "used",
+            f"{human_bytes(stats.used_bytes)} ({_percent(stats.used_bytes, stats.capacity_bytes)})",
+        ),
+        ("blocks", str(stats.blocks)),
+        ("objects", str(stats.objects)),
+        ("hits", str(stats.hits)),
+        ("misses", str(stats.misses)),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    _console(out).print(table)
+
+
+def _node_state(node: NodeInfo) -> str:
+    state = "dead" if not node.alive else "suspect" if node.suspect else "alive"
+    return f"{state}, draining" if node.draining else state
+
+
+def _tiers_cell(node: NodeInfo) -> str:
+    return "\n".join(
+        f"{t.name} {human_bytes(t.used_bytes)} / {human_bytes(t.capacity_bytes)}"
+        for t in node.tiers
+    )
+
+
+def print_nodes(nodes: Sequence[NodeInfo], out: TextIO) -> None:
+    """One row per node: state (alive / suspect / dead, draining), lease age, epoch,
+    transport, data URI, tiers, version."""
+    from rich.text import Text
+
+    table = _table("NODE", "STATE", "LEASE AGE", "EPOCH", "TRANSPORT", "DATA", "TIERS", "VERSION")
+    for node in nodes:
+        style = "red" if not node.alive else "yellow" if node.suspect or node.draining else ""
+        table.add_row(
+            node.node_id,
+            Text(_node_state(node), style=style),
+            f"{node.lease_age_s:.1f} s",
+            str(node.epoch),
+            node.transport,
+            node.data_uri,
+            _tiers_cell(node),
+            node.version,
+        )
+    console = _console(out)
+    console.print(table)
+    if not nodes:
+        console.print("no nodes registered")
+
+
+def print_stats(report: StatsReport, out: TextIO) -> None:
+    """The master's counters and the per-tier sums over live nodes."""
+    stats = report.stats
+    ratio = report.hit_ratio
+    console = _console(out)
+    counters = _table("", "", title="master counters")
+    counters.show_header = False
+    for key, value in [
+        ("nodes", f"{stats.nodes} ({stats.live_nodes} live)"),
+        ("blocks", str(stats.blocks)),
+        ("objects", str(stats.objects)),
+        ("hits", f"{stats.hits} (prefix blocks found + objects found)"),
+        ("misses", f"{stats.misses} (prefix blocks not found + objects not found)"),
+        ("hit ratio", "-" if ratio is None else f"{100 * ratio:.1f}%"),
+    ]:
+        counters.add_row(key, value)
+    console.print(counters)
+    tiers = _table("TIER", "NODES", "CAPACITY", "USED", "USED %", title="tiers (live nodes)")
+    for t in report.tiers:
+        tiers.add_row(
+            t.name,
+            str(t.nodes),
+            human_bytes(t.capacity_bytes),
+            human_bytes(t.used_bytes),
+            _percent(t.used_bytes, t.capacity_bytes),
+        )
+    tiers.add_row(
+        "total",
+        str(stats.live_nodes),
+        human_bytes(stats.capacity_bytes),
+        human_bytes(stats.used_bytes),
+        _percent(stats.used_bytes, stats.capacity_bytes),
+    )
+    console.print(tiers)
+
+
+def print_drain(result: DrainResult, out: TextIO) -> None:
+    """One line: the node's draining mark after the call."""
+    mark = "draining (no new placements)" if result.draining else "not draining"
+    out.write(f"node {result.node_id}: {mark}\n")
+
+
+# -- lookup ---------------------------------------------------------------------------------
+
+
+def _layers_cell(shards: Sequence[ShardLayers]) -> str:
+    lines = []
+    for s in shards:
+        text = f"{s.present}/{s.total}"
+        if s.missing:
+            text += f" missing {format_ranges(s.missing)}"
+        lines.append(f"s{s.shard} {text}" if len(shards) > 1 else text)
+    return "\n".join(lines)
+
+
+def _holders_cell(block: BlockReport) -> str:
+    return "\n".join(f"{h.node_id}@{h.epoch} {h.state} {h.chunks}ch" for h in block.holders)
+
+
+def _visible(n: int, stop: int) -> Iterator[int | range]:
+    """Block indices to show, with each hidden run as one ``range``."""
+    if n <= _ELIDE_OVER:
+        yield from range(n)
+        return
+    shown = set(range(min(n, _HEAD_ROWS)))
+    shown |= set(range(max(0, stop - _ROWS_BEFORE_STOP), min(n, stop + _ROWS_FROM_STOP)))
+    hidden_from = None
+    for i in range(n):
+        if i in shown:
+            if hidden_from is not None:
+                yield range(hidden_from, i)
+                hidden_from = None
+            yield i
+        elif hidden_from is None:
+            hidden_from = i
+    if hidden_from is not None:
+        yield range(hidden_from, n)
+
+
+def _lookup_header(report: PrefixReport) -> list[str]:
+    ns = report.ns
+    lines = [
+        f"namespace {ns.id_hex}: {ns.model} @ {ns.revision}, {ns.num_layers} layers x "
+        f"{ns.tp_size} shard(s), {ns.block_tokens}-token blocks, {ns.dtype}/{ns.quant}",
+        f"prompt: {report.num_tokens} tokens = {report.full_blocks} full blocks"
+        f" + {report.tail_tokens} tail tokens",
+        f"match: {report.matched_blocks} of {report.full_blocks} blocks readable "
+        f"({report.matched_tokens} tokens); MatchPrefix says {report.master_matched_blocks}",
+    ]
+    stop = report.stop
+    if stop is None:
+        lines.append("every token of the prompt is in the pool")
+    else:
+        lines.append(f"stops at block {stop.block}: {stop.reason} - {stop.detail}")
+    lines.extend(f"note: {note}" for note in report.notes)
+    return lines
+
+
+def print_lookup(report: PrefixReport, out: TextIO) -> None:
+    """Why the prompt matches as far as it does: a summary, then one row per block (long
+    prompts show the head and the rows around the stop; ``--json`` has every block)."""
+    from rich.text import Text
+
+    console = _console(out)
+    for line in _lookup_header(report):
+        console.print(line)
+    if not report.blocks:
+        return
+    stop = report.stop.block if report.stop is not None else report.full_blocks
+    table = _table("BLOCK", "HASH", "STATUS", "HOLDERS", "LAYERS")
+    for item in _visible(report.full_blocks, stop):
+        if isinstance(item, range):
+            counts = Counter(report.blocks[i].status for i in item)
+            summary = ", ".join(f"{c} {s}" for s, c in sorted(counts.items()))
+            table.add_row(f"{item.start}-{item.stop - 1}", "...", summary, "", "")
+            continue
+        block = report.blocks[item]
+        style = "green" if block.status == "ok" else "red"
+        table.add_row(
+            str(block.index),
+            block.block_hash.hex()[:12],
+            Text(block.status, style=style),
+            _holders_cell(block),
+            _layers_cell(block.shards),
+            style="dim" if item > stop else None,
+        )
+    console.print(table)

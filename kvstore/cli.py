@@ -1,0 +1,233 @@
+"""``kvstore serve | master | node``: thin entry points over the library.
+
+Each command parses flags, builds typed configs, starts its servers in one event loop and
+prints one flushed line containing ``kvstore ready`` and its addresses once it can serve.
+A bad flag or an unbindable port exits non-zero with one line on stderr. SIGTERM (or
+SIGINT) stops accepting, drains, stops the gRPC server with a grace period and exits 0.
+
+``serve`` runs a master and one node in one process: the node registers with the master
+over loopback gRPC on a private port, and only then is the public ``--grpc-port`` opened,
+so a client that reaches it always finds a node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator, Sequence
+from typing import NoReturn
+
+import grpc
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvstore import __version__
+from kvstore.core.arena import parse_size
+from kvstore.errors import KVStoreError
+from kvstore.master.server import MasterConfig, MasterServer, grpc_address
+from kvstore.metrics import Metrics, MetricsServer
+from kvstore.node.server import NodeConfig, StorageNode
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+__all__ = ["main"]
+
+log = logging.getLogger("kvstore")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except KVStoreError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r}") from exc
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} outside 0..65535")
+    return port
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvstore`` argument parser (one subcommand per process kind)."""
+    parser = _Parser(prog="kvstore", description="KV-cache pool for disaggregated inference")
+    parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
+    parser.add_argument("--log-level", default=os.environ.get("KVSTORE_LOG", "WARNING"))
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def common(p: argparse.ArgumentParser, metrics_port: int) -> None:
+        p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+        p.add_argument("--metrics-port", type=_port, default=metrics_port)
+
+    def master_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--grpc-port", type=_port, default=50051)
+        p.add_argument("--node-lease-s", type=_positive, default=10.0)
+
+    def node_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--data-port", type=_port, default=50052)
+        p.add_argument("--node-id", default="")
+        p.add_argument("--host-mem", type=_size, default=parse_size("512MiB"))
+        p.add_argument("--transport", choices=["tcp"], default="tcp")
+
+    serve = sub.add_parser("serve", help="master + one node in one process")
+    common(serve, 9400)
+    master_flags(serve)
+    node_flags(serve)
+    master = sub.add_parser("master", help="the control plane only")
+    common(master, 9400)
+    master_flags(master)
+    node = sub.add_parser("node", help="one storage node")
+    common(node, 9401)
+    node_flags(node)
+    node.add_argument("--master", required=True, help="HOST:PORT of the master")
+    return parser
+
+
+async def _public_port(master: MasterServer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """A second gRPC server on the public port, serving the same master service."""
+    limit = master.config.max_message_bytes
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    pb_grpc.add_MasterServicer_to_server(master.service, server)
+    target = grpc_address(host, port)
+    try:
+        bound = server.add_insecure_port(target)
+    except RuntimeError as exc:
+        raise KVStoreError(f"cannot bind gRPC port {target}: {exc}") from exc
+    if bound == 0:
+        raise KVStoreError(f"cannot bind gRPC port {target}")
+    await server.start()
+    return server, bound
+
+
+async def _run(args: argparse.Namespace) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    metrics = Metrics()
+    exits = contextlib.AsyncExitStack()
+    async with exits:
+        parts: list[str] = []
+        node: StorageNode | None = None
+        if args.command in ("serve", "master"):
+            private = args.command == "serve"
+            mcfg = MasterConfig(
+                host="127.0.0.1" if private else args.host,
+                grpc_port=0 if private else args.grpc_port,
+                node_lease_s=args.node_lease_s,
+            )
+            master = MasterServer(mcfg)
+            master.service.add_rpc_observer(
+                lambda method, seconds: metrics.rpc_seconds.labels(method=method).observe(seconds)
+            )
+            _wire_master_counters(master, metrics)
+            await master.start()
+            exits.push_async_callback(master.stop, 5.0)
+            master_addr = master.address
+            if not private:
+                parts.append(f"grpc={master.address}")
+        if args.command in ("serve", "node"):
+            target = master_addr if args.command == "serve" else args.master
+            node = StorageNode(
+                NodeConfig(
+                    master=target,
+                    host=args.host,
+                    data_port=args.data_port,
+                    node_id=args.node_id,
+                    host_mem=args.host_mem,
+                    transport=args.transport,
+                ),
+                metrics,
+            )
+            await node.start()
+            exits.push_async_callback(node.stop, 5.0)
+        if args.command == "serve":
+            public, port = await _public_port(master, args.host, args.grpc_port)
+            exits.push_async_callback(public.stop, 5.0)
+            parts.append(f"grpc={grpc_address(args.host, port)}")
+        if node is not None:
+            parts.append(f"data={node.data_uri}")
+            parts.append(f"node={node.node_id}")
+        msrv = MetricsServer(metrics, args.host, args.metrics_port)
+        exits.callback(msrv.close)
+        parts.append(f"metrics={msrv.address}")
+        print(f"kvstore ready {' '.join(parts)}", flush=True)
+        await stop.wait()
+        log.info("stopping")
+    pins = node.pinned_slots if node is not None else 0
+    print(f"kvstore stopped pinned_slots={pins}", flush=True)
+    return 0
+
+
+def _wire_master_counters(master: MasterServer, metrics: Metrics) -> None:
+    """Export the master's prefix counters as the Prometheus metrics it owns."""
+    counters = master.service.counters
+
+    class _PrefixCollector(Collector):
+        def collect(self) -> Iterator[Metric]:
+            lookups = CounterMetricFamily(
+                "kvstore_prefix_lookups", "match_prefix calls served by the master"
+            )
+            lookups.add_metric([], counters.prefix_lookups)
+            tokens = CounterMetricFamily(
+                "kvstore_prefix_hit_tokens", "Tokens matched by match_prefix"
+            )
+            tokens.add_metric([], counters.hit_tokens)
+            yield lookups
+            yield tokens
+
+    metrics.registry.register(_PrefixCollector())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return asyncio.run(_run(args))
+    except KVStoreError as exc:
+        print(f"kvstore {args.command}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except OSError as exc:
+        print(f"kvstore {args.command}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,812 @@
+"""The chunk codec: one block x one layer x one TP shard of KV, as a self-checking buffer.
+
+A chunk is a ``[2, T, H, D]`` tensor (K then V) in float16, bfloat16 or float32. It is
+encoded into one flat uint8 buffer, on the tensor's device, that names itself (block hash,
+layer, shard), says how to decode it and carries a checksum, so a storage node can verify a
+chunk that landed in its memory and a reader can tell a reused slot from the chunk it
+asked for. All integers are little-endian; every section starts 64-byte aligned (the
+checksum 8-byte aligned), so scales and payload are read through aligned tensor views::
+
+    offset        size      field
+    ┌─────────────┬─────────┬──────────────────────────────────────────────────────────┐
+    │ 0           │ 4       │ magic  b"KVCK"                                           │
+    │ 4           │ 2       │ u16 format version (1)                                   │
+    │ 6           │ 2       │ u16 header size (64)                                     │
+    │ 8           │ 16      │ block hash (xxh3-128 digest; zeros when no key)          │
+    │ 24          │ 4       │ u32 layer                                                │
+    │ 28          │ 4       │ u32 shard (TP rank)                                      │
+    │ 32          │ 4 x 3   │ u32 T (tokens), H (KV heads), D (head dim)               │
+    │ 44          │ 1       │ u8 dtype      1 float16 · 2 bfloat16 · 3 float32         │
+    │ 45          │ 1       │ u8 scheme     0 raw · 1..4 INT8 (see SCHEMES)            │
+    │ 46          │ 1       │ u8 checksum   1 xxh3_64 · 2 mulsum64 (device)            │
+    │ 47          │ 1       │ u8 flags (0)                                             │
+    │ 48          │ 8       │ u64 payload bytes P                                      │
+    │ 56          │ 4       │ u32 scale bytes S                                        │
+    │ 60          │ 4       │ u32 header check: low 32 bits of xxh3_64(bytes 0..59)    │
+    ├─────────────┼─────────┼──────────────────────────────────────────────────────────┤
+    │ 64          │ S       │ scales, float16, K's then V's (layout per scheme below)  │
+    │             │ pad     │ zeros up to a multiple of 64                             │
+    ├─────────────┼─────────┼──────────────────────────────────────────────────────────┤
+    │ 64 + S'     │ P       │ payload [2, T, H, D]: int8 codes, or the raw dtype       │
+    │             │ pad     │ zeros up to a multiple of 8                              │
+    ├─────────────┼─────────┼──────────────────────────────────────────────────────────┤
+    │ N - 8       │ 8       │ u64 checksum of bytes 0 .. N-9 (header, scales, payload) │
+    └─────────────┴─────────┴──────────────────────────────────────────────────────────┘
+
+The size depends only on (T, H, D, dtype, scheme) — :func:`chunk_nbytes` — so slots are
+sized before any data exists.
+
+INT8 schemes (symmetric codes in [-127, 127], float16 scales; ``x ≈ q·s (+ m)``), each half
+(K or V) quantized in one of four ways, scales stored in the order listed:
+
+* ``c``  per channel: ``s[H, D]`` over the block's T tokens.
+* ``cc`` per channel, centered: ``m[H, D]`` (mid-range) and ``s[H, D]``; ``x ≈ m + q·s``.
+  K's outlier channels carry a large, nearly constant offset; centering removes it.
+* ``t``  per token and head: ``s[T, H]`` over D.
+* ``ct`` channel-smoothed per token: ``c[H, D]`` (channel max) and ``s[T, H]``;
+  ``x ≈ q·s·c``.
+
+Schemes: 1 ``int8-kc-vt`` (K c, V t), 2 ``int8-kt-vt`` (t, t), 3 ``int8-kcc-vt`` (cc, t),
+4 ``int8-kcc-vct`` (cc, ct). ``quant="int8"`` means :data:`DEFAULT_INT8`, chosen by the
+attention-output error study in :mod:`kvstore.core.kvgen` (docs/codec.md).
+
+Checksums: ``xxh3_64`` (default for CPU buffers) or ``mulsum64`` (default elsewhere), which
+any device computes with torch ops without moving the payload to the host: the covered
+bytes as little-endian int64 words ``w_i``, ``sum(w_i · m_i) mod 2**64`` with odd
+per-position multipliers ``m_i = (i+1)-th splitmix64 output | 1``. A flipped bit changes
+the sum by ``±2**k · m_i ≠ 0 (mod 2**64)``, so every one-bit error is caught. Decode
+verifies either kind wherever it runs (xxh3 of a device buffer costs a host copy, which
+:func:`copy_stats` counts).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import xxhash
+from torch import Tensor
+
+from kvstore.core.hashing import dtype_name
+from kvstore.errors import (
+    BadShape,
+    ChecksumError,
+    ChunkFormatError,
+    ChunkKeyMismatch,
+    ChunkVersionError,
+    InvalidArgument,
+)
+
+__all__ = [
+    "CHECKSUMS",
+    "DEFAULT_INT8",
+    "FORMAT_VERSION",
+    "HEADER_NBYTES",
+    "MAGIC",
+    "QUANT_SCHEMES",
+    "SCHEMES",
+    "ChunkHeader",
+    "ChunkKey",
+    "CopyStats",
+    "chunk_nbytes",
+    "copy_stats",
+    "decode_chunk",
+    "encode_blocks",
+    "encode_chunk",
+    "read_header",
+    "verify_chunk",
+]
+
+MAGIC = b"KVCK"
+FORMAT_VERSION = 1
+HEADER_NBYTES = 64
+_HEADER = struct.Struct("<4sHH16sIIIIIBBBBQII")
+_CHECKED = HEADER_NBYTES - 4  # the header check covers bytes 0..59
+_ALIGN = 64
+_GROUP_TMP_BYTES = 4 << 20  # float32 scratch per vectorised quantization pass
+_U32 = 2**32
+
+_DTYPES: dict[int, torch.dtype] = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
+_DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
+
+SCHEMES: dict[str, int] = {
+    "raw": 0,
+    "int8-kc-vt": 1,
+    "int8-kt-vt": 2,
+    "int8-kcc-vt": 3,
+    "int8-kcc-vct": 4,
+}
+"""Every scheme this build encodes and decodes, name → id recorded in the header."""
+
+_SCHEME_NAMES = {v: k for k, v in SCHEMES.items()}
+_SCHEME_MODES: dict[int, tuple[str, str]] = {
+    1: ("c", "t"),
+    2: ("t", "t"),
+    3: ("cc", "t"),
+    4: ("cc", "ct"),
+}
+
+DEFAULT_INT8 = "int8-kcc-vct"
+"""What ``quant="int8"`` encodes (lowest attention error on realistic KV; docs/codec.md)."""
+
+QUANT_SCHEMES: dict[str, str] = {"int8": DEFAULT_INT8, "none": "raw", **{s: s for s in SCHEMES}}
+"""Every accepted ``quant`` argument → the scheme it encodes."""
+
+CHECKSUMS: dict[str, int] = {"xxh3_64": 1, "mulsum64": 2}
+"""Checksum kinds, name → id recorded in the header."""
+
+_CHECKSUM_NAMES = {v: k for k, v in CHECKSUMS.items()}
+# Smallest normal float16. Scales never go below it, so rounding a scale to float16 is
+# off by at most 2**-11 relative and |x / s| stays under 127.07: codes never need a clamp.
+_TINY = 2.0**-14
+_QMAX = 127.0
+_ZERO_KEY_HASH = bytes(16)
+
+
+class ChunkKey(NamedTuple):
+    """What a chunk is: ``(block_hash, layer, shard)``; ``block_hash`` is 16 bytes."""
+
+    block_hash: bytes
+    layer: int
+    shard: int
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """A validated chunk header (see the module docstring for the byte layout)."""
+
+    key: ChunkKey
+    shape: tuple[int, int, int, int]
+    """``(2, T, H, D)``."""
+    dtype: torch.dtype
+    scheme: str
+    """A key of :data:`SCHEMES`."""
+    checksum: str
+    """A key of :data:`CHECKSUMS`."""
+    nbytes: int
+    """Total encoded size, header and checksum included."""
+    version: int = FORMAT_VERSION
+
+    @property
+    def quant(self) -> str:
+        """``"none"`` for raw chunks, ``"int8"`` for every INT8 scheme."""
+        return "none" if self.scheme == "raw" else "int8"
+
+
+@dataclass(frozen=True)
+class CopyStats:
+    """Bytes the codec moved; ``extra_*`` counts copies beyond the one unavoidable pass.
+
+    The unavoidable pass is input → chunk buffer on encode and chunk buffer → output on
+    decode. Extra copies are: staging a misaligned or non-contiguous buffer, the host copy
+    that xxh3 needs for a device buffer, and moving a chunk to another device.
+    """
+
+    encoded_bytes: int = 0
+    decoded_bytes: int = 0
+    extra_copies: int = 0
+    extra_bytes: int = 0
+
+
+_stats_lock = threading.Lock()
+_stats = {"encoded_bytes": 0, "decoded_bytes": 0, "extra_copies": 0, "extra_bytes": 0}
+
+
+def copy_stats() -> CopyStats:
+    """Process-wide totals since import (monotonic; subtract two snapshots for a delta)."""
+    with _stats_lock:
+        return CopyStats(**_stats)
+
+
+def _count(**deltas: int) -> None:
+    with _stats_lock:
+        for name, value in deltas.items():
+            _stats[name] += value
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class _Layout:
+    shape: tuple[int, int, int]  # T, H, D
+    dtype: torch.dtype
+    scheme: int
+    scale_shapes: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]  # K, V
+    scales_nbytes: int
+    payload_offset: int
+    payload_nbytes: int
+    checksum_offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.checksum_offset + 8
+
+    @property
+    def padding(self) -> list[tuple[int, int]]:
+        """Byte ranges between sections, zero in every chunk."""
+        gaps = [(HEADER_NBYTES + self.scales_nbytes, self.payload_offset),
+                (self.payload_offset + self.payload_nbytes, self.checksum_offset)]  # fmt: skip
+        return [(a, b) for a, b in gaps if b > a]
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def _mode_shapes(mode: str, t: int, h: int, d: int) -> tuple[tuple[int, ...], ...]:
+    return {"c": ((h, d),), "cc": ((h, d), (h, d)), "t": ((t, h),), "ct": ((h, d), (t, h))}[mode]
+
+
+@lru_cache(maxsize=256)
+def _layout(t: int, h: int, d: int, dtype: torch.dtype, scheme: int) -> _Layout:
+    if scheme == 0:
+        shapes: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = ((), ())
+        itemsize = torch.empty((), dtype=dtype).element_size()
+    else:
+        k_mode, v_mode = _SCHEME_MODES[scheme]
+        shapes = (_mode_shapes(k_mode, t, h, d), _mode_shapes(v_mode, t, h, d))
+        itemsize = 1
+    scales = sum(2 * math.prod(s) for half in shapes for s in half)
+    payload_offset = HEADER_NBYTES + _align(scales, _ALIGN)
+    payload = 2 * t * h * d * itemsize
+    checksum_offset = payload_offset + _align(payload, 8)
+    return _Layout(
+        (t, h, d), dtype, scheme, shapes, scales, payload_offset, payload, checksum_offset
+    )
+
+
+def _scheme_id(quant: str) -> int:
+    if not isinstance(quant, str) or quant not in QUANT_SCHEMES:
+        raise InvalidArgument(f"unknown quant {quant!r}; expected one of {sorted(QUANT_SCHEMES)}")
+    return SCHEMES[QUANT_SCHEMES[quant]]
+
+
+def _checked_layout(t: int, h: int, d: int, dtype: torch.dtype, quant: str) -> _Layout:
+    for name, v in (("T", t), ("H", h), ("D", d)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < _U32:
+            raise BadShape(f"chunk dimension {name}={v!r} must be an int in [1, 2**32)")
+    layout = _layout(t, h, d, dtype, _scheme_id(quant))
+    if layout.scales_nbytes >= _U32:
+        raise BadShape(f"chunk [2, {t}, {h}, {d}] is too large for one chunk")
+    return layout
+
+
+def chunk_nbytes(T: int, H: int, D: int, dtype: Any, quant: str = "int8") -> int:
+    """Exact encoded size of a ``[2, T, H, D]`` chunk; depends on nothing else.
+
+    Pure and cheap (cached). Raises :class:`BadShape` for a bad dimension or dtype and
+    :class:`InvalidArgument` for an unknown ``quant``.
+    """
+    return _checked_layout(T, H, D, getattr(torch, dtype_name(dtype)), quant).nbytes
+
+
+# ----------------------------------------------------------------------------- checksums
+
+
+@lru_cache(maxsize=8)
+def _multipliers(nwords: int, device: torch.device) -> Tensor:
+    """``mix64((i + 1) * 0x9E3779B97F4A7C15) | 1`` for i < nwords (splitmix64's outputs),
+    as int64 with two's complement wrap-around; ``>>`` is masked to act as a logical shift.
+    """
+    z = torch.arange(1, nwords + 1, dtype=torch.int64, device=device)
+    z = z * -7046029254386353131  # 0x9E3779B97F4A7C15
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * -7723592293110705685  # 0x94D049BB133111EB
+    z = z ^ ((z >> 31) & ((1 << 33) - 1))
+    return z | 1
+
+
+def _mulsum64(rows: Tensor, *, generic: bool = False) -> Tensor:
+    """Device checksum of each row of ``rows [N, L]`` (uint8, L % 8 == 0) -> int64 ``[N]``.
+
+    Addition and multiplication wrap modulo 2**64 in every kernel, so the order of the sum
+    does not matter: on CPU ``mv`` (2.5x faster there) and elsewhere ``mul`` + ``sum``
+    give identical bits (``generic=True`` forces the latter; tests compare the two).
+    """
+    words = rows.view(torch.int64)
+    mult = _multipliers(words.shape[1], words.device)
+    if words.device.type == "cpu" and not generic:
+        return torch.mv(words, mult)
+    return (words * mult).sum(dim=1)
+
+
+def _xxh3(row: Tensor) -> int:
+    """xxh3_64 of a 1-D uint8 tensor; a device tensor is copied to the host (counted)."""
+    if row.device.type != "cpu":
+        _count(extra_copies=1, extra_bytes=row.numel())
+        row = row.cpu()
+    return xxhash.xxh3_64_intdigest(row.numpy().data)
+
+
+def _write_checksums(rows: Tensor, layout: _Layout, kind: int) -> None:
+    end = layout.checksum_offset
+    if kind == CHECKSUMS["mulsum64"]:
+        slot = rows.narrow(1, end, 8).view(torch.int64).squeeze(1)
+        slot.copy_(_mulsum64(rows.narrow(1, 0, end)))
+    else:
+        digests = [_xxh3(row) for row in rows.narrow(1, 0, end)]
+        packed = np.array(digests, dtype="<u8").view(np.uint8).reshape(-1, 8)
+        rows.narrow(1, end, 8).copy_(torch.from_numpy(packed))
+
+
+def _verify_checksum(buf: Tensor, header: ChunkHeader, layout: _Layout) -> None:
+    body = buf.narrow(0, 0, layout.checksum_offset)
+    stored = int.from_bytes(_host_bytes(buf.narrow(0, layout.checksum_offset, 8)), "little")
+    if header.checksum == "xxh3_64":
+        actual = _xxh3(body)
+    else:
+        actual = int(_mulsum64(body.unsqueeze(0))[0].item()) % 2**64
+    if actual != stored:
+        raise ChecksumError(
+            f"chunk {_fmt_key(header.key)} fails its {header.checksum} checksum "
+            f"(stored {stored:#018x}, computed {actual:#018x}): bits flipped in flight or at rest"
+        )
+
+
+# ----------------------------------------------------------------------------- header
+
+
+def _fmt_key(key: ChunkKey) -> str:
+    return f"(block {key.block_hash.hex()[:12]}…, layer {key.layer}, shard {key.shard})"
+
+
+def _check_key(key: Any) -> ChunkKey:
+    if key is None or (isinstance(key, (bytes, bytearray)) and len(key) == 0):
+        return ChunkKey(_ZERO_KEY_HASH, 0, 0)
+    if not isinstance(key, tuple) or len(key) != 3:
+        raise InvalidArgument(
+            f"chunk key must be a ChunkKey(block_hash, layer, shard), got {key!r}"
+        )
+    block_hash, layer, shard = key
+    if not isinstance(block_hash, (bytes, bytearray)) or len(block_hash) != 16:
+        raise InvalidArgument(f"chunk key block_hash must be 16 bytes, got {block_hash!r}")
+    for name, v in (("layer", layer), ("shard", shard)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _U32:
+            raise InvalidArgument(f"chunk key {name} must be an int in [0, 2**32), got {v!r}")
+    return ChunkKey(bytes(block_hash), layer, shard)
+
+
+def _pack_header(key: ChunkKey, layout: _Layout, checksum: int) -> bytes:
+    fields = (MAGIC, FORMAT_VERSION, HEADER_NBYTES, *key, *layout.shape,
+              _DTYPE_CODES[layout.dtype], layout.scheme, checksum, 0,
+              layout.payload_nbytes, layout.scales_nbytes, 0)  # fmt: skip
+    body = _HEADER.pack(*fields)[:_CHECKED]
+    return body + struct.pack("<I", xxhash.xxh3_64_intdigest(body) & 0xFFFFFFFF)
+
+
+def _parse_header(raw: bytes, size: int) -> tuple[ChunkHeader, _Layout]:
+    if size < HEADER_NBYTES:
+        raise ChunkFormatError(f"truncated chunk: {size} bytes, the header alone needs 64")
+    (magic, version, hsize, block_hash, layer, shard, t, h, d, dcode, scheme, ckind, flags,
+     payload, scales, check) = _HEADER.unpack(raw)  # fmt: skip
+    if magic != MAGIC:
+        raise ChunkFormatError(f"not a kvstore chunk: magic {magic!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise ChunkVersionError(
+            f"chunk format version {version}; this build reads version {FORMAT_VERSION}"
+        )
+    if hsize != HEADER_NBYTES:
+        raise ChunkFormatError(f"chunk header size {hsize}, expected {HEADER_NBYTES}")
+    if check != xxhash.xxh3_64_intdigest(raw[:_CHECKED]) & 0xFFFFFFFF:
+        raise ChecksumError("chunk header is corrupted (header check does not match)")
+    if dcode not in _DTYPES or scheme not in _SCHEME_NAMES or ckind not in _CHECKSUM_NAMES:
+        raise ChunkFormatError(
+            f"chunk header names unknown dtype {dcode}, scheme {scheme} or checksum {ckind}"
+        )
+    if flags != 0 or min(t, h, d) == 0:
+        raise ChunkFormatError(f"inconsistent chunk header: flags {flags}, shape T={t} H={h} D={d}")
+    layout = _layout(t, h, d, _DTYPES[dcode], scheme)
+    if (payload, scales) != (layout.payload_nbytes, layout.scales_nbytes):
+        raise ChunkFormatError(
+            f"inconsistent chunk header: shape [2, {t}, {h}, {d}] {_DTYPES[dcode]} "
+            f"{_SCHEME_NAMES[scheme]} implies payload {layout.payload_nbytes} B and scales "
+            f"{layout.scales_nbytes} B, header says {payload} B and {scales} B"
+        )
+    if size != layout.nbytes:
+        what = "truncated chunk" if size < layout.nbytes else "chunk buffer too long"
+        raise ChunkFormatError(f"{what}: {size} bytes, its header implies {layout.nbytes}")
+    key = ChunkKey(block_hash, layer, shard)
+    names = (_SCHEME_NAMES[scheme], _CHECKSUM_NAMES[ckind])
+    return ChunkHeader(key, (2, t, h, d), _DTYPES[dcode], *names, layout.nbytes, version), layout
+
+
+# ----------------------------------------------------------------------------- buffers
+
+
+def _host_bytes(t: Tensor) -> bytes:
+    return (t if t.device.type == "cpu" else t.cpu()).numpy().tobytes()
+
+
+def _as_bytes_tensor(buf: Any) -> Tensor:
+    """View ``buf`` as a 1-D, 8-byte-aligned uint8 tensor, copying only if it must."""
+    if isinstance(buf, torch.Tensor):
+        t = buf
+        if t.dtype not in (torch.uint8, torch.int8) or t.dim() != 1:
+            raise InvalidArgument(
+                f"chunk buffer must be a 1-D uint8 tensor, got {t.dtype} {tuple(t.shape)}"
+            )
+        t = t.view(torch.uint8)
+    elif isinstance(buf, (bytes, bytearray, memoryview, np.ndarray)):
+        try:
+            arr = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+        except (ValueError, TypeError, BufferError) as exc:
+            raise InvalidArgument(f"chunk buffer is not contiguous bytes: {exc}") from exc
+        if arr.dtype not in (np.uint8, np.int8) or arr.ndim != 1:
+            raise InvalidArgument(
+                f"chunk buffer must be a 1-D uint8 array, got {arr.dtype} {arr.shape}"
+            )
+        if not arr.flags.c_contiguous:
+            _count(extra_copies=1, extra_bytes=arr.nbytes)
+            arr = np.ascontiguousarray(arr)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only buffers: we only read
+            t = torch.from_numpy(arr.view(np.uint8))
+    else:
+        raise InvalidArgument(f"cannot read a chunk from {type(buf).__name__}")
+    if (t.numel() and t.stride(0) != 1) or t.data_ptr() % 8 or t.storage_offset() % 8:
+        _count(extra_copies=1, extra_bytes=t.numel())
+        t = t.clone()
+    return t
+
+
+# ----------------------------------------------------------------------------- quantization
+# Each mode works on ``x [N, T, H, D]`` (any strides), writes int8 codes into ``q`` (a view
+# of the chunk buffers) and float16 scales into ``sc`` (views too), using ``tmp`` (float32,
+# contiguous) as its only full-size temporary: mixed-dtype kernels are several times slower
+# than one widening copy followed by in-place float32 passes. Per chunk this is a few dozen
+# small torch ops, so their count matters as much as the passes over the data.
+
+
+def _store(values: Tensor, view: Tensor) -> Tensor:
+    """Round ``values`` to float16 into ``view``; return the rounded values as float32."""
+    return view.copy_(values).float()
+
+
+def _absmax(y: Tensor, dim: int) -> Tensor:
+    # amax and amin beat abs().amax() (no full-size temporary) and aminmax (slow on CPU).
+    return torch.maximum(y.amax(dim), y.amin(dim).neg_())
+
+
+def _inv_scale(r: Tensor, view: Tensor) -> Tensor:
+    """Store the scale for absolute maximum ``r``; return its reciprocal (float32)."""
+    return _store(r.mul_(1 / _QMAX).clamp_(min=_TINY), view).reciprocal_()
+
+
+def _codes(y: Tensor, q: Tensor) -> None:
+    q.copy_(y.round_())  # |y| <= 127.07 by construction of the scales (see _TINY)
+
+
+def _enc_c(x: Tensor, q: Tensor, sc: list[Tensor], tmp: Tensor) -> None:
+    y = tmp.copy_(x)
+    _codes(y.mul_(_inv_scale(_absmax(y, 1), sc[0]).unsqueeze(1)), q)
+
+
+def _enc_cc(x: Tensor, q: Tensor, sc: list[Tensor], tmp: Tensor) -> None:
+    y = tmp.copy_(x)
+    hi, lo = y.amax(1), y.amin(1)
+    m = _store(torch.lerp(lo, hi, 0.5), sc[0])
+    inv = _inv_scale(torch.maximum(hi.sub_(m), lo.sub_(m).neg_()), sc[1])
+    _codes(y.sub_(m.unsqueeze(1)).mul_(inv.unsqueeze(1)), q)
+
+
+def _enc_t(x: Tensor, q: Tensor, sc: list[Tensor], tmp: Tensor) -> None:
+    y = tmp.copy_(x)
+    _codes(y.mul_(_inv_scale(_absmax(y, -1), sc[0]).unsqueeze(-1)), q)
+
+
+def _enc_ct(x: Tensor, q: Tensor, sc: list[Tensor], tmp: Tensor) -> None:
+    y = tmp.copy_(x)
+    c = _store(_absmax(y, 1).clamp_(min=_TINY), sc[0])
+    y.mul_(c.reciprocal_().unsqueeze(1))  # now |y| <= ~1 everywhere
+    _codes(y.mul_(_inv_scale(_absmax(y, -1), sc[1]).unsqueeze(-1)), q)
+
+
+# Decoders widen the codes into ``w`` (float32: the output itself or a temporary), then
+# scale in place; the caller copies ``w`` into the output when it is a temporary.
+
+
+def _dec_c(q: Tensor, sc: list[Tensor], w: Tensor) -> None:
+    w.copy_(q).mul_(sc[0].float().unsqueeze(1))
+
+
+def _dec_cc(q: Tensor, sc: list[Tensor], w: Tensor) -> None:
+    torch.addcmul(sc[0].float().unsqueeze(1), w.copy_(q), sc[1].float().unsqueeze(1), out=w)
+
+
+def _dec_t(q: Tensor, sc: list[Tensor], w: Tensor) -> None:
+    w.copy_(q).mul_(sc[0].float().unsqueeze(-1))
+
+
+def _dec_ct(q: Tensor, sc: list[Tensor], w: Tensor) -> None:
+    w.copy_(q).mul_(sc[1].float().unsqueeze(-1)).mul_(sc[0].float().unsqueeze(1))
+
+
+_Encoder = Callable[[Tensor, Tensor, list[Tensor], Tensor], None]
+_Decoder = Callable[[Tensor, list[Tensor], Tensor], None]
+_ENCODERS: dict[str, _Encoder] = {"c": _enc_c, "cc": _enc_cc, "t": _enc_t, "ct": _enc_ct}
+_DECODERS: dict[str, _Decoder] = {"c": _dec_c, "cc": _dec_cc, "t": _dec_t, "ct": _dec_ct}
+
+
+def _scale_views(rows: Tensor, layout: _Layout) -> tuple[list[Tensor], list[Tensor]]:
+    """float16 views ``[N, *shape]`` of K's and V's scale tensors in ``rows [N, nbytes]``."""
+    n, (k_shapes, v_shapes) = rows.shape[0], layout.scale_shapes
+    region = rows.narrow(1, HEADER_NBYTES, layout.scales_nbytes).view(torch.float16)
+    parts = region.split([math.prod(s) for s in (*k_shapes, *v_shapes)], dim=1)
+    views = [p.view(n, *s) for p, s in zip(parts, (*k_shapes, *v_shapes), strict=True)]
+    return views[: len(k_shapes)], views[len(k_shapes) :]
+
+
+def _payload_view(rows: Tensor, layout: _Layout) -> Tensor:
+    """The payload of ``rows [N, nbytes]`` as ``[N, 2, T, H, D]`` codes or raw values."""
+    t, h, d = layout.shape
+    body = rows.narrow(1, layout.payload_offset, layout.payload_nbytes)
+    return body.view(torch.int8 if layout.scheme else layout.dtype).view(-1, 2, t, h, d)
+
+
+def _encode_rows(x: Tensor, rows: Tensor, layout: _Layout, keys: list[ChunkKey], kind: int) -> None:
+    """Encode ``x [2, N, T, H, D]`` into ``rows [N, nbytes]`` (uint8, rows 8-aligned)."""
+    n = rows.shape[0]
+    headers = bytearray(b"".join(_pack_header(k, layout, kind) for k in keys))
+    rows.narrow(1, 0, HEADER_NBYTES).copy_(torch.frombuffer(headers, dtype=torch.uint8).view(n, -1))
+    for start, stop in layout.padding:
+        rows.narrow(1, start, stop - start).zero_()
+    if layout.scheme == 0:
+        _payload_view(rows, layout).transpose(0, 1).copy_(x)
+    else:
+        # Blocks are quantized in groups whose float32 temporary stays cache-sized.
+        t, h, d = layout.shape
+        group = max(1, min(n, _GROUP_TMP_BYTES // (4 * t * h * d)))
+        tmp = torch.empty((group, t, h, d), dtype=torch.float32, device=x.device)
+        for i in range(0, n, group):
+            part = rows.narrow(0, i, min(group, n - i))
+            _quantize(x[:, i : i + group], part, layout, tmp[: part.shape[0]])
+        _require_finite(rows, layout)
+    _write_checksums(rows, layout, kind)
+    _count(encoded_bytes=n * layout.nbytes)
+
+
+def _quantize(x: Tensor, rows: Tensor, layout: _Layout, tmp: Tensor) -> None:
+    payload = _payload_view(rows, layout).transpose(0, 1)  # [2, N, T, H, D]
+    modes = _SCHEME_MODES[layout.scheme]
+    for half, views in enumerate(_scale_views(rows, layout)):
+        _ENCODERS[modes[half]](x[half], payload[half], views, tmp)
+
+
+def _require_finite(rows: Tensor, layout: _Layout) -> None:
+    # NaN/inf anywhere in the KV (or |x| beyond float16 scales) makes a stored scale
+    # non-finite; one check over all scales costs one host sync per call.
+    scales = rows.narrow(1, HEADER_NBYTES, layout.scales_nbytes).view(torch.float16)
+    if not bool(torch.isfinite(scales).all().item()):
+        raise InvalidArgument(
+            "KV holds NaN/inf or values too large for float16 scales (|x| > ~8e6); "
+            "encode it with quant='none'"
+        )
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _check_kv(t: Any) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise InvalidArgument(f"KV must be a Tensor, got {type(t).__name__}")
+    if t.dim() != 4 or t.shape[0] != 2:
+        raise BadShape(f"KV must be [2, T, H, D] (K then V), got {tuple(t.shape)}")
+    if t.dtype not in _DTYPE_CODES:
+        raise BadShape(f"unsupported KV dtype {t.dtype}; expected float16, bfloat16 or float32")
+    return t
+
+
+def _checksum_kind(checksum: str | None, device: torch.device) -> int:
+    if checksum is None:
+        return CHECKSUMS["xxh3_64" if device.type == "cpu" else "mulsum64"]
+    if checksum not in CHECKSUMS:
+        raise InvalidArgument(f"unknown checksum {checksum!r}; expected one of {list(CHECKSUMS)}")
+    return CHECKSUMS[checksum]
+
+
+def _check_out_buf(out: Any, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    if not isinstance(out, Tensor) or out.dtype != torch.uint8:
+        raise InvalidArgument(f"out must be a uint8 tensor, got {getattr(out, 'dtype', out)!r}")
+    if tuple(out.shape) != shape:
+        raise InvalidArgument(f"out has shape {tuple(out.shape)}; the chunks need {shape}")
+    if out.device != device:
+        raise InvalidArgument(f"out is on {out.device}, the KV on {device}")
+    if out.stride(-1) != 1 or out.data_ptr() % 8 or (out.dim() == 2 and out.stride(0) % 8):
+        raise InvalidArgument("out must be contiguous bytes (row stride too) and 8-byte aligned")
+    return out
+
+
+def _prepare(t: Any, block_tokens: int, quant: str, checksum: str | None) -> tuple[_Layout, int]:
+    _check_kv(t)
+    layout = _checked_layout(block_tokens, t.shape[2], t.shape[3], t.dtype, quant)
+    return layout, _checksum_kind(checksum, t.device)
+
+
+def encode_chunk(
+    t: Tensor,
+    quant: str = "int8",
+    key: ChunkKey | bytes | None = None,
+    out: Tensor | None = None,
+    checksum: str | None = None,
+) -> Tensor:
+    """Encode one ``[2, T, H, D]`` chunk into a 1-D uint8 tensor on ``t.device``.
+
+    ``t`` may be any strided view (e.g. ``layer[:, a:b]``); its values are read once and
+    written straight into the chunk buffer. ``quant``: ``"int8"`` (:data:`DEFAULT_INT8`),
+    ``"none"`` (raw bytes) or a scheme name. ``key`` None (or ``b""``) is the all-zero key.
+    ``out``, when given, is a preallocated contiguous, 8-byte-aligned uint8 tensor of
+    exactly :func:`chunk_nbytes` bytes (e.g. a slot view) that is filled and returned; its
+    contents are unspecified if this raises. ``checksum`` forces ``"xxh3_64"`` or
+    ``"mulsum64"`` (default: xxh3 on CPU, mulsum64 elsewhere). Runs synchronously; on a
+    GPU it syncs once (the scale sanity check). Raises :class:`BadShape` for a bad
+    shape or dtype, :class:`InvalidArgument` for a bad quant, key or ``out`` and for
+    NaN/inf (or beyond float16-scale range) KV under INT8.
+    """
+    layout, kind = _prepare(t, t.shape[1] if isinstance(t, Tensor) else 0, quant, checksum)
+    checked = _check_key(key)
+    if out is None:
+        out = torch.empty(layout.nbytes, dtype=torch.uint8, device=t.device)
+    else:
+        _check_out_buf(out, (layout.nbytes,), t.device)
+    with torch.no_grad():
+        _encode_rows(t.unsqueeze(1), out.view(1, -1), layout, [checked], kind)
+    return out
+
+
+def encode_blocks(
+    layer: Tensor,
+    block_tokens: int,
+    keys: Sequence[ChunkKey | None],
+    quant: str = "int8",
+    out: Tensor | Sequence[Tensor] | None = None,
+    checksum: str | None = None,
+) -> list[Tensor]:
+    """Encode the first ``len(keys)`` full blocks of a ``[2, T_total, H, D]`` layer.
+
+    Block ``i`` is ``layer[:, i*block_tokens:(i+1)*block_tokens]`` with key ``keys[i]``;
+    tokens past the last block are ignored. Blocks are quantized together in vectorised
+    passes (groups sized to a few MiB of scratch), straight into the output buffers.
+    ``out``: None (one new ``[N, nbytes]`` tensor whose rows are returned), a uint8
+    ``[N, nbytes]`` tensor (rows may be strided, row stride a multiple of 8), or a sequence
+    of N 1-D buffers as for :func:`encode_chunk` (encoded one by one). Returns the N chunk
+    tensors (views of ``out``), byte-identical to :func:`encode_chunk` of each block.
+    Blocks and raises like :func:`encode_chunk`, plus :class:`BadShape` if the layer
+    holds fewer than ``len(keys) * block_tokens`` tokens.
+    """
+    n = len(keys)
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        raise InvalidArgument(f"block_tokens must be a positive int, got {block_tokens!r}")
+    if n < 1:
+        raise InvalidArgument("encode_blocks needs at least one key")
+    layout, kind = _prepare(layer, block_tokens, quant, checksum)
+    if n * block_tokens > layer.shape[1]:
+        raise BadShape(f"{n} blocks of {block_tokens} tokens need more than {layer.shape[1]}")
+    checked = [_check_key(k) for k in keys]
+    if out is not None and not isinstance(out, Tensor):
+        if len(out) != n:
+            raise InvalidArgument(f"out has {len(out)} buffers for {n} blocks")
+        span = [layer[:, i * block_tokens : (i + 1) * block_tokens] for i in range(n)]
+        return [encode_chunk(span[i], quant, checked[i], out[i], checksum) for i in range(n)]
+    if out is None:
+        rows = torch.empty(n, layout.nbytes, dtype=torch.uint8, device=layer.device)
+    else:
+        rows = _check_out_buf(out, (n, layout.nbytes), layer.device)
+    x = layer[:, : n * block_tokens].unflatten(1, (n, block_tokens))
+    with torch.no_grad():
+        _encode_rows(x, rows, layout, checked, kind)
+    return list(rows.unbind(0))
+
+
+def read_header(buf: Any) -> ChunkHeader:
+    """Parse and validate a chunk's header only (cheap: 64 bytes, no payload read).
+
+    ``buf``: a 1-D uint8 tensor (any device; a device buffer costs a 64-byte host copy),
+    numpy array, bytes, bytearray or memoryview. Checks magic, version, the header check,
+    that every field is known and that the buffer is exactly as long as the header says.
+    Raises :class:`ChunkFormatError`, :class:`ChunkVersionError` or
+    :class:`ChecksumError` (header corrupted); :class:`InvalidArgument` if ``buf`` is not a
+    byte buffer.
+    """
+    t = _as_bytes_tensor(buf)
+    return _read(t)[0]
+
+
+def _read(t: Tensor) -> tuple[ChunkHeader, _Layout]:
+    raw = _host_bytes(t[:HEADER_NBYTES]) if t.numel() >= HEADER_NBYTES else b""
+    return _parse_header(raw, t.numel())
+
+
+def _check_expected(header: ChunkHeader, expect_key: ChunkKey | None) -> None:
+    if expect_key is None:
+        return
+    want = _check_key(expect_key)
+    if header.key != want:
+        raise ChunkKeyMismatch(f"chunk is {_fmt_key(header.key)}, expected {_fmt_key(want)}")
+
+
+def verify_chunk(buf: Any, expect_key: ChunkKey | None = None) -> ChunkHeader:
+    """Validate header, key and checksum without dequantizing; return the header.
+
+    What a storage node runs on a chunk that landed in its memory before committing it.
+    Reads the whole buffer once (on its own device for ``mulsum64``). Raises as
+    :func:`read_header`, plus :class:`ChunkKeyMismatch` if ``expect_key`` differs and
+    :class:`ChecksumError` if the contents do not match the checksum.
+    """
+    t = _as_bytes_tensor(buf)
+    header, layout = _read(t)
+    _check_expected(header, expect_key)
+    with torch.no_grad():
+        _verify_checksum(t, header, layout)
+    return header
+
+
+def _check_out_kv(out: Any, header: ChunkHeader, device: torch.device | str | None) -> Tensor:
+    if not isinstance(out, Tensor):
+        raise InvalidArgument(f"out must be a Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != header.shape or out.dtype != header.dtype:
+        raise BadShape(
+            f"out is {tuple(out.shape)} {out.dtype}; chunk is {header.shape} {header.dtype}"
+        )
+    if device is not None and out.device != torch.device(device):
+        raise InvalidArgument(f"out is on {out.device} but device={device} was requested")
+    return out
+
+
+def decode_chunk(
+    buf: Any,
+    device: torch.device | str | None = None,
+    out: Tensor | None = None,
+    expect_key: ChunkKey | None = None,
+) -> Tensor:
+    """Verify and decode a chunk into ``[2, T, H, D]`` of its original dtype.
+
+    ``buf``: a 1-D uint8 tensor, numpy array, bytes, bytearray or memoryview. The result
+    lives on ``device`` (default: ``out``'s device, else ``buf``'s, CPU for non-tensors);
+    the checksum is verified where ``buf`` lives, then only the encoded bytes move.
+    ``out`` (any strided view of the right shape and dtype, e.g. a slice of a layer or a
+    paged-cache block) is written in place and returned. Never returns data that failed
+    verification. Raises :class:`ChunkFormatError`, :class:`ChunkVersionError`,
+    :class:`ChecksumError`, :class:`ChunkKeyMismatch` (``expect_key`` given and different),
+    :class:`BadShape` (``out`` does not fit) or :class:`InvalidArgument`.
+    """
+    t = _as_bytes_tensor(buf)
+    header, layout = _read(t)
+    _check_expected(header, expect_key)
+    if out is not None:
+        _check_out_kv(out, header, device)
+    target = out.device if out is not None else torch.device(device or t.device)
+    with torch.no_grad():
+        _verify_checksum(t, header, layout)
+        if t.device != target:
+            _count(extra_copies=1, extra_bytes=t.numel())
+            t = t.to(target)
+        if out is None:
+            out = torch.empty(header.shape, dtype=header.dtype, device=target)
+        _decode_into(t.view(1, -1), layout, out)
+    _count(decoded_bytes=out.numel() * out.element_size())
+    return out
+
+
+def _decode_into(rows: Tensor, layout: _Layout, out: Tensor) -> None:
+    """Dequantize ``rows [1, nbytes]`` into ``out [2, T, H, D]`` (any strides)."""
+    payload = _payload_view(rows, layout)  # [1, 2, T, H, D]
+    if layout.scheme == 0:
+        out.copy_(payload[0])
+        return
+    modes = _SCHEME_MODES[layout.scheme]
+    tmp = None if out.dtype == torch.float32 else torch.empty(out.shape[1:], device=out.device)
+    for half, views in enumerate(_scale_views(rows, layout)):
+        dst = out[half].unsqueeze(0)
+        work = dst if tmp is None else tmp.unsqueeze(0)
+        _DECODERS[modes[half]](payload[:, half], views, work)
+        if tmp is not None:
+            dst.copy_(work)

@@ -1,0 +1,583 @@
+"""The storage node: slots in a host arena, the ``tcp://`` data port, commits to the master.
+
+The node carries out what the pure :class:`~kvstore.core.slots.SlotTable` decides. Per
+put batch (see :mod:`kvstore.node.protocol`): allocate the batch's slots (REJECT when no
+room), pin them, answer READY with the chunks to send, receive them straight into slot
+memory, verify each chunk's header, key and checksum, **commit the receipt to the master**
+(one RPC with epoch and sequence number, evictions first), and only then ack the writer.
+Reads pin the slots while their bytes are sent straight from slot memory.
+
+Copies a chunk takes on a put over ``tcp://``: kernel socket buffer → slot (``recv_into``);
+the node's checksum pass reads it once more but copies nothing. Get: slot → kernel
+(``sendall`` on a view of the slot).
+
+Heartbeats run on their own thread with their own gRPC channel, so a busy event loop never
+costs the node its lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvstore import __version__
+from kvstore.core.arena import Arena
+from kvstore.core.codec import ChunkKey, chunk_nbytes, verify_chunk
+from kvstore.core.hashing import Namespace
+from kvstore.core.slots import Lease, ObjectStore, Slot, SlotKey, SlotTable
+from kvstore.errors import (
+    BadShape,
+    CapacityError,
+    ChunkError,
+    InvalidArgument,
+    KVStoreError,
+    ProtocolError,
+    TransportError,
+)
+from kvstore.master import wire
+from kvstore.master.client import MasterClient
+from kvstore.master.records import BlockAdd, BlockRef, CommitBatch, ObjectAdd, Tier
+from kvstore.metrics import Metrics
+from kvstore.node.protocol import (
+    MAX_CHUNKS_PER_REQUEST,
+    MAX_KEY_LEN,
+    error_header,
+    hex16,
+    require,
+)
+from kvstore.transport import listen
+from kvstore.transport.base import Connection, Listener
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+__all__ = ["NodeConfig", "StorageNode"]
+
+logger = logging.getLogger("kvstore.node")
+
+_MAX_NAMESPACES = 1024
+_MAX_HOLDS = 65536
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """A storage node's settings (validated by :class:`StorageNode`)."""
+
+    master: str
+    host: str = "127.0.0.1"
+    data_port: int = 50052
+    node_id: str = ""
+    host_mem: int = 512 * 2**20
+    transport: str = "tcp"
+    io_timeout_s: float = 30.0
+    """Deadline of each step of a data-plane exchange (one header, one payload)."""
+    max_object_bytes: int = 64 * 2**20
+    max_hold_s: float = 600.0
+    sweep_s: float = 0.5
+
+
+@dataclass
+class _Hold:
+    leases: list[Lease[Slot]] = field(default_factory=list)
+
+
+class StorageNode:
+    """One storage node. ``await start()`` opens the data port and registers; ``stop()``
+    drains. Owned by one event loop; heartbeats run on a thread of their own."""
+
+    def __init__(self, config: NodeConfig, metrics: Metrics | None = None) -> None:
+        if config.transport != "tcp":
+            raise InvalidArgument(f"transport {config.transport!r} is not available (tcp only)")
+        if config.host_mem <= 0:
+            raise InvalidArgument("--host-mem must be positive")
+        self.config = config
+        self.node_id = config.node_id or f"node-{uuid.uuid4().hex[:8]}"
+        self.metrics = metrics or Metrics()
+        self.arena = Arena(config.host_mem, device="cpu")
+        self.table = SlotTable(self.arena)
+        self.objects = ObjectStore(
+            self.arena,
+            max_object_bytes=config.max_object_bytes,
+            make_room=self.table.evict_lru,
+        )
+        self._namespaces: dict[bytes, tuple[Namespace, int]] = {}
+        self._inflight: set[tuple[SlotKey, int]] = set()
+        self._unreported: list[SlotKey] = []
+        self._holds: dict[str, _Hold] = {}
+        self._hold_ids = itertools.count(1)
+        self._master = MasterClient(config.master, timeout_s=10.0)
+        self._commit_lock = asyncio.Lock()
+        self._epoch = 0
+        self._seq = 0
+        self._lease_s = 10.0
+        self._listener: Listener | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self._usage: list[Tier] = []
+        self._reregister = asyncio.Event()
+        self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.data_uri = ""
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Open the data port, register with the master, start heartbeats and the sweeper.
+
+        Raises :class:`InvalidArgument` when the port cannot be bound and what the master
+        client raises when the master does not answer.
+        """
+        cfg = self.config
+        self._loop = asyncio.get_running_loop()
+        self._listener = listen(f"tcp://{cfg.host}:{cfg.data_port}", self._serve)
+        await self._listener.start()
+        self.data_uri = self._listener.address
+        await self._register()
+        self._refresh_usage()
+        self._hb_thread = threading.Thread(
+            target=self._heartbeat_loop, name=f"kvstore-heartbeat-{self.node_id}", daemon=True
+        )
+        self._hb_thread.start()
+        self._tasks.append(asyncio.create_task(self._sweeper(), name="kvstore-node-sweeper"))
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting, let exchanges in flight finish within ``grace``, release holds."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._listener is not None:
+            await self._listener.stop(grace)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for hold in self._holds.values():
+            for lease in hold.leases:
+                lease.release()
+        self._holds.clear()
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            await asyncio.to_thread(self._hb_thread.join, 5.0)
+        await self._master.close()
+
+    @property
+    def pinned_slots(self) -> int:
+        """Slots pinned right now (0 when idle: anything else is a leak)."""
+        return self.table.stats().pinned_slots
+
+    # ------------------------------------------------------------------ master
+
+    def _tiers(self) -> list[Tier]:
+        st = self.table.stats()
+        return [Tier("host", st.capacity_bytes, st.used_bytes)]
+
+    async def _register(self) -> None:
+        async with self._commit_lock:
+            reply = await self._master.register(
+                self.node_id,
+                self.data_uri,
+                transport=self.config.transport,
+                tiers=self._tiers(),
+                version=__version__,
+                host=self.config.host,
+            )
+            self._epoch, self._lease_s, self._seq = reply.epoch, reply.lease_s, 0
+            logger.info(
+                "registered %s epoch=%d lease=%.1fs", self.node_id, self._epoch, self._lease_s
+            )
+            # Re-report everything held (after a master restart or a lost lease).
+            adds = [
+                BlockAdd(s.key[0], s.key[1], tuple(_bits(s.landed_mask)))
+                for s in self.table.slots()
+                if s.landed_mask and not s.quarantined
+            ]
+            objs = [ObjectAdd(k, n) for k, n in self.objects.items()]
+            if adds or objs:
+                await self._commit_locked(adds, [], objs, [])
+
+    async def _commit(
+        self,
+        adds: list[BlockAdd],
+        object_adds: Iterable[ObjectAdd] = (),
+        object_removes: Iterable[str] = (),
+    ) -> None:
+        """One Commit RPC with every eviction not yet reported, then ``adds``."""
+        async with self._commit_lock:
+            gone = [*self._unreported, *self.table.take_evictions()]
+            self._unreported = []
+            if gone:
+                self.metrics.evictions.labels(tier="host").inc(len(gone))
+            refs = [BlockRef(k[0], k[1]) for k in gone]
+            if adds or refs or object_adds or object_removes:
+                await self._commit_locked(adds, refs, list(object_adds), list(object_removes))
+
+    async def _commit_locked(
+        self,
+        adds: list[BlockAdd],
+        evicts: list[BlockRef],
+        object_adds: list[ObjectAdd],
+        object_removes: list[str],
+    ) -> None:
+        self._seq += 1
+        await self._master.commit(
+            CommitBatch(
+                self.node_id,
+                self._epoch,
+                self._seq,
+                tuple(adds),
+                tuple(evicts),
+                tuple(object_adds),
+                tuple(object_removes),
+            )
+        )
+
+    def _heartbeat_loop(self) -> None:
+        """Heartbeat every lease/3 on this thread; ask the loop to re-register when told."""
+        with grpc.insecure_channel(self.config.master) as channel:
+            stub = pb_grpc.MasterStub(channel)
+            while not self._hb_stop.wait(self._lease_s / 3):
+                try:
+                    reply = stub.Heartbeat(
+                        pb.HeartbeatRequest(
+                            node_id=self.node_id,
+                            epoch=self._epoch,
+                            tiers=wire.tiers_to_pb(self._usage),
+                        ),
+                        timeout=max(1.0, self._lease_s / 3),
+                    )
+                except grpc.RpcError as exc:
+                    logger.warning("heartbeat failed: %s", exc.code())
+                    continue
+                if reply.reregister and self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._reregister.set)
+
+    async def _sweeper(self) -> None:
+        """Expire leases and holds, report evictions, refresh gauges, re-register."""
+        while True:
+            try:
+                await asyncio.wait_for(self._reregister.wait(), self.config.sweep_s)
+            except TimeoutError:
+                pass
+            try:
+                if self._reregister.is_set():
+                    self._reregister.clear()
+                    await self._register()
+                now = time.monotonic()
+                self.table.expire_leases(now)
+                self.objects.expire_leases(now)
+                for hid in [h for h, v in self._holds.items() if all(x.released for x in v.leases)]:
+                    del self._holds[hid]
+                await self._commit([])
+                self._refresh_usage()
+            except KVStoreError as exc:
+                logger.warning("node sweep: %s", exc)
+
+    def _refresh_usage(self) -> None:
+        st = self.table.stats()
+        self._usage = self._tiers()
+        g = self.metrics.pool_bytes
+        g.labels(tier="host", state="free").set(st.free_bytes)
+        g.labels(tier="host", state="used").set(st.used_bytes)
+        g.labels(tier="host", state="pinned").set(st.pinned_bytes)
+        self.metrics.blocks.labels(role="node").set(st.slots)
+
+    # ------------------------------------------------------------------ data plane
+
+    async def _serve(self, conn: Connection) -> None:
+        """One client connection: exchanges one after another until it closes."""
+        handlers = {
+            "put": self._on_put,
+            "get": self._on_get,
+            "hold": self._on_hold,
+            "unhold": self._on_unhold,
+            "put_object": self._on_put_object,
+            "get_object": self._on_get_object,
+            "remove_object": self._on_remove_object,
+            "stats": self._on_stats,
+        }
+        while not conn.closed:
+            try:
+                frame = await conn.recv_header(timeout=None)
+            except TransportError:
+                return
+            op = frame.header.get("op")
+            handler = handlers.get(op) if isinstance(op, str) else None
+            try:
+                if handler is None:
+                    raise ProtocolError(f"unknown op {op!r}")
+                if frame.sizes:
+                    raise ProtocolError(f"op {op!r} carries no payload")
+                await handler(conn, frame.header)
+            except (InvalidArgument, CapacityError, ProtocolError, ChunkError) as exc:
+                # The request was refused before any payload moved: the stream is intact.
+                if conn.closed:
+                    return
+                await conn.discard_payload(self.config.io_timeout_s)
+                await conn.send(error_header(exc), timeout=self.config.io_timeout_s)
+            except TransportError as exc:
+                logger.info("connection %s dropped: %s", conn.peer, exc)
+                return
+
+    def _namespace(self, canonical_hex: Any) -> tuple[Namespace, int]:
+        if not isinstance(canonical_hex, str) or len(canonical_hex) > 8192:
+            raise ProtocolError("field 'ns' must be the canonical namespace in hex")
+        try:
+            raw = bytes.fromhex(canonical_hex)
+        except ValueError as exc:
+            raise ProtocolError("field 'ns' is not hex") from exc
+        ns = Namespace.from_canonical_bytes(raw)
+        known = self._namespaces.get(ns.id)
+        if known is None:
+            if len(self._namespaces) >= _MAX_NAMESPACES:
+                raise CapacityError(f"node serves at most {_MAX_NAMESPACES} namespaces")
+            size = chunk_nbytes(ns.block_tokens, ns.num_kv_heads, ns.head_dim, ns.dtype, ns.quant)
+            known = self._namespaces[ns.id] = (ns, size)
+        return known
+
+    def _chunk_list(self, header: dict[str, Any]) -> list[Any]:
+        chunks = require(header, "chunks", list)
+        if not chunks or len(chunks) > MAX_CHUNKS_PER_REQUEST:
+            raise ProtocolError(f"a request names 1..{MAX_CHUNKS_PER_REQUEST} chunks")
+        return chunks
+
+    async def _on_put(self, conn: Connection, header: dict[str, Any]) -> None:
+        ns, chunk_bytes = self._namespace(header.get("ns"))
+        num_chunks = ns.num_layers * ns.tp_size
+        wanted: list[tuple[SlotKey, bytes | None, int]] = []
+        for item in self._chunk_list(header):
+            if not isinstance(item, list) or len(item) != 4:
+                raise ProtocolError("a put chunk is [block, parent, index, nbytes]")
+            block, parent, index, nbytes = item
+            if not isinstance(index, int) or not 0 <= index < num_chunks:
+                raise BadShape(f"chunk index {index!r} outside [0, {num_chunks})")
+            if nbytes != chunk_bytes:
+                raise BadShape(
+                    f"chunk of {nbytes!r} bytes; this namespace's chunks are {chunk_bytes}"
+                )
+            wanted.append(
+                ((ns.id, hex16(block)), hex16(parent, "parent") if parent else None, index)
+            )
+        leases: list[Lease[Slot]] = []
+        claimed: list[tuple[SlotKey, int]] = []
+        try:
+            slots = self._allocate(wanted, chunk_bytes, num_chunks, leases)
+            accept = []
+            for (key, _, index), slot in zip(wanted, slots, strict=True):
+                take = not (slot.landed_mask >> index) & 1 and (key, index) not in self._inflight
+                if take:
+                    self._inflight.add((key, index))
+                    claimed.append((key, index))
+                accept.append(1 if take else 0)
+            await conn.send({"op": "ready", "accept": accept}, timeout=self.config.io_timeout_s)
+            await self._receive_chunks(conn, ns, wanted, slots, accept, chunk_bytes)
+        finally:
+            for lease in leases:
+                lease.release()
+            self._inflight.difference_update(claimed)
+
+    def _allocate(
+        self,
+        wanted: list[tuple[SlotKey, bytes | None, int]],
+        chunk_bytes: int,
+        num_chunks: int,
+        leases: list[Lease[Slot]],
+    ) -> list[Slot]:
+        """Allocate and pin the batch's slots (REJECT = CapacityError before any payload)."""
+        by_key: dict[SlotKey, Slot] = {}
+        for key, parent, _ in wanted:
+            if key not in by_key:
+                res = self.table.allocate(
+                    key, chunk_bytes * num_chunks, chunk_bytes, num_chunks, parent
+                )
+                by_key[key] = res.slot
+                leases.append(self.table.pin(res.slot))
+                self._unreported.extend(res.evicted)
+        return [by_key[key] for key, _, _ in wanted]
+
+    async def _receive_chunks(
+        self,
+        conn: Connection,
+        ns: Namespace,
+        wanted: list[tuple[SlotKey, bytes | None, int]],
+        slots: list[Slot],
+        accept: list[int],
+        chunk_bytes: int,
+    ) -> None:
+        timeout = self.config.io_timeout_s
+        frame = await conn.recv_header(timeout=timeout)
+        if frame.header.get("op") != "data":
+            raise ProtocolError(f"expected the data frame, got {frame.header.get('op')!r}")
+        picked = [i for i, a in enumerate(accept) if a]
+        if frame.sizes != [chunk_bytes] * len(picked):
+            raise ProtocolError("data frame does not match the accepted chunks")
+        views = [self.table.chunk_view(slots[i], wanted[i][2]) for i in picked]
+        t0 = time.perf_counter()
+        await conn.recv_payload_into([v.numpy() for v in views], timeout)
+        failed: list[int] = []
+        landed: dict[SlotKey, list[int]] = {}
+        for i, view in zip(picked, views, strict=True):
+            key, _, index = wanted[i]
+            layer, shard = divmod(index, ns.tp_size)
+            try:
+                verify_chunk(view, expect_key=ChunkKey(key[1], layer, shard))
+            except ChunkError as exc:
+                logger.warning("rejected chunk from %s: %s", conn.peer, exc)
+                failed.append(i)
+                continue
+            if self.table.mark_landed(slots[i], index):
+                landed.setdefault(key, []).append(index)
+        await self._commit([BlockAdd(k[0], k[1], tuple(v)) for k, v in landed.items()])
+        self.metrics.transfer_bytes.labels(op="put", transport="tcp").inc(len(views) * chunk_bytes)
+        self.metrics.transfer_seconds.labels(op="put", transport="tcp").observe(
+            time.perf_counter() - t0
+        )
+        await conn.send(
+            {
+                "op": "ack",
+                "stored": len(picked) - len(failed),
+                "skipped": len(accept) - len(picked),
+                "failed": failed,
+            },
+            timeout=timeout,
+        )
+
+    async def _on_get(self, conn: Connection, header: dict[str, Any]) -> None:
+        ns_id = hex16(header.get("ns_id"), "ns_id")
+        leases: list[Lease[Slot]] = []
+        views = []
+        found = []
+        keys: list[SlotKey] = []
+        try:
+            for item in self._chunk_list(header):
+                if not isinstance(item, list) or len(item) != 2 or not isinstance(item[1], int):
+                    raise ProtocolError("a get chunk is [block, index]")
+                key = (ns_id, hex16(item[0]))
+                slot = self.table.get(key)
+                if (
+                    slot is None
+                    or not 0 <= item[1] < slot.num_chunks
+                    or not (slot.landed_mask >> item[1] & 1)
+                ):
+                    found.append(0)
+                    self.metrics.stale_misses.inc()
+                    continue
+                leases.append(self.table.pin(slot))
+                views.append(self.table.chunk_view(slot, item[1]).numpy())
+                found.append(1)
+                keys.append(key)
+            self.table.touch(keys)
+            t0 = time.perf_counter()
+            await conn.send({"op": "data", "found": found}, views, timeout=self.config.io_timeout_s)
+            nbytes = sum(v.nbytes for v in views)
+            self.metrics.transfer_bytes.labels(op="get", transport="tcp").inc(nbytes)
+            self.metrics.transfer_seconds.labels(op="get", transport="tcp").observe(
+                time.perf_counter() - t0
+            )
+        finally:
+            for lease in leases:
+                lease.release()
+
+    async def _on_hold(self, conn: Connection, header: dict[str, Any]) -> None:
+        ns_id = hex16(header.get("ns_id"), "ns_id")
+        ttl = header.get("ttl_s")
+        if not isinstance(ttl, int | float) or not 0 < ttl <= self.config.max_hold_s:
+            raise InvalidArgument(f"ttl_s must lie in (0, {self.config.max_hold_s}]")
+        blocks = require(header, "blocks", list)
+        if len(blocks) > MAX_CHUNKS_PER_REQUEST:
+            raise ProtocolError("too many blocks in one hold")
+        if len(self._holds) >= _MAX_HOLDS:
+            raise CapacityError("too many holds on this node")
+        hold = _Hold()
+        for block in blocks:
+            slot = self.table.get((ns_id, hex16(block)))
+            if slot is None:
+                break
+            hold.leases.append(self.table.pin(slot, ttl_s=float(ttl)))
+        hold_id = f"h{next(self._hold_ids)}"
+        if hold.leases:
+            self._holds[hold_id] = hold
+        await conn.send(
+            {"op": "held", "hold_id": hold_id, "blocks": len(hold.leases)},
+            timeout=self.config.io_timeout_s,
+        )
+
+    async def _on_unhold(self, conn: Connection, header: dict[str, Any]) -> None:
+        hold = self._holds.pop(str(header.get("hold_id")), None)
+        for lease in hold.leases if hold else []:
+            lease.release()
+        await conn.send(
+            {"op": "ok", "released": hold is not None}, timeout=self.config.io_timeout_s
+        )
+
+    def _object_key(self, header: dict[str, Any]) -> str:
+        key = require(header, "key", str)
+        if not key or len(key.encode()) > MAX_KEY_LEN:
+            raise InvalidArgument(f"object key must be 1..{MAX_KEY_LEN} bytes")
+        return key
+
+    async def _on_put_object(self, conn: Connection, header: dict[str, Any]) -> None:
+        key = self._object_key(header)
+        nbytes = require(header, "nbytes", int)
+        timeout = self.config.io_timeout_s
+        write = self.objects.put(key, nbytes)
+        try:
+            await conn.send({"op": "ready", "accept": [1]}, timeout=timeout)
+            frame = await conn.recv_header(timeout=timeout)
+            if frame.header.get("op") != "data" or frame.sizes != [nbytes]:
+                raise ProtocolError("object data frame does not match the announced size")
+            await conn.recv_payload_into([write.view.numpy()], timeout)
+        except BaseException:
+            write.abort()
+            raise
+        write.commit()
+        await self._commit([], object_adds=[ObjectAdd(key, nbytes)])
+        self.metrics.transfer_bytes.labels(op="put", transport="tcp").inc(nbytes)
+        await conn.send({"op": "ack", "stored": 1}, timeout=timeout)
+
+    async def _on_get_object(self, conn: Connection, header: dict[str, Any]) -> None:
+        key = self._object_key(header)
+        with self.objects.pinned(key) as view:
+            bufs = [] if view is None else [view.numpy()]
+            await conn.send(
+                {"op": "data", "found": [1 if bufs else 0]}, bufs, timeout=self.config.io_timeout_s
+            )
+        self.metrics.transfer_bytes.labels(op="get", transport="tcp").inc(
+            sum(b.nbytes for b in bufs)
+        )
+
+    async def _on_remove_object(self, conn: Connection, header: dict[str, Any]) -> None:
+        key = self._object_key(header)
+        removed = self.objects.remove(key)
+        if removed:
+            await self._commit([], object_removes=[key])
+        await conn.send({"op": "ok", "removed": removed}, timeout=self.config.io_timeout_s)
+
+    async def _on_stats(self, conn: Connection, header: dict[str, Any]) -> None:
+        st = self.table.stats()
+        await conn.send(
+            {
+                "op": "stats",
+                "node_id": self.node_id,
+                "epoch": self._epoch,
+                "slots": st.slots,
+                "pinned_slots": st.pinned_slots,
+                "leases": st.leases,
+                "holds": len(self._holds),
+                "objects": len(self.objects),
+                "capacity_bytes": st.capacity_bytes,
+                "used_bytes": st.used_bytes,
+            },
+            timeout=self.config.io_timeout_s,
+        )
+
+
+def _bits(mask: int) -> list[int]:
+    return [i for i in range(mask.bit_length()) if mask >> i & 1]

@@ -1,0 +1,84 @@
+"""Real processes for integration tests: ``kvstore serve`` / ``master`` / ``node`` as
+subprocesses on loopback with port 0, waited for on their ``kvstore ready`` line."""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["Server", "start_server"]
+
+
+@dataclass
+class Server:
+    """A running ``kvstore`` process and the addresses its ready line announced."""
+
+    proc: subprocess.Popen[str]
+    addresses: dict[str, str]
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def grpc(self) -> str:
+        """``host:port`` of the master (serve, master)."""
+        return self.addresses["grpc"]
+
+    @property
+    def data(self) -> str:
+        """``tcp://host:port`` of the node (serve, node)."""
+        return self.addresses["data"]
+
+    def stop(self, timeout: float = 20.0) -> tuple[int, str]:
+        """SIGTERM, wait, and return (exit status, everything printed on stdout)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate(timeout=5)
+        return self.proc.returncode, "".join(self.lines) + (out or "")
+
+    def kill(self) -> None:
+        """``kill -9`` and reap."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate(timeout=10)
+
+
+def start_server(*args: str, timeout: float = 60.0) -> Server:
+    """Start ``python -m kvstore.cli ARGS`` and wait for its ready line (or fail)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=None,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+            break
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "kvstore ready" in line:
+            sel.close()
+            addrs = dict(re.findall(r"(\w+)=(\S+)", line))
+            return Server(proc, addrs, lines)
+    sel.close()
+    proc.kill()
+    out, _ = proc.communicate(timeout=5)
+    raise RuntimeError(f"kvstore {' '.join(args)} did not become ready: {''.join(lines)}{out}")

@@ -1,0 +1,525 @@
+"""The chunk codec: round trips, sizes, accuracy, the device checksum and malformed input."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstore.core import codec
+from kvstore.core.codec import (
+    DEFAULT_INT8,
+    HEADER_NBYTES,
+    QUANT_SCHEMES,
+    SCHEMES,
+    ChunkKey,
+    chunk_nbytes,
+    copy_stats,
+    decode_chunk,
+    encode_blocks,
+    encode_chunk,
+    read_header,
+    verify_chunk,
+)
+from kvstore.core.kvgen import attention_error, compare_schemes, realistic_kv
+from kvstore.errors import (
+    BadShape,
+    ChecksumError,
+    ChunkError,
+    ChunkFormatError,
+    ChunkKeyMismatch,
+    ChunkVersionError,
+    InvalidArgument,
+)
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+INT8 = [s for s in SCHEMES if s.startswith("int8-")]
+KEY = ChunkKey(bytes(range(16)), 7, 1)
+MODES = {  # how each scheme quantizes K and V (module docstring of codec)
+    "int8-kc-vt": ("c", "t"),
+    "int8-kt-vt": ("t", "t"),
+    "int8-kcc-vt": ("cc", "t"),
+    "int8-kcc-vct": ("cc", "ct"),
+}
+EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+
+
+def _half_bound(x: torch.Tensor, mode: str) -> torch.Tensor:
+    """Largest error INT8 ``mode`` may make on ``x [T, H, D]`` (float64): half a step."""
+    amax_t = x.abs().amax(0, keepdim=True)
+    if mode == "c":
+        step = amax_t / 127
+    elif mode == "cc":
+        hi, lo = x.amax(0, keepdim=True), x.amin(0, keepdim=True)
+        step = ((hi - lo) / 2 + (hi + lo).abs() / 2 * 2.0**-10) / 127
+    elif mode == "t":
+        step = x.abs().amax(-1, keepdim=True) / 127
+    else:  # "ct": |x / c| <= 1 per channel, so a step is at most c / 127
+        step = amax_t / 127
+    return (step.clamp_min(2.0**-14) / 2 * (1 + 2.0**-8)).expand_as(x)
+
+
+def _assert_close_to_scheme(x: torch.Tensor, y: torch.Tensor, scheme: str) -> None:
+    """Every element of ``y`` is within the scheme's quantization bound of ``x``."""
+    assert y.dtype == x.dtype and y.shape == x.shape
+    x64, y64 = x.double(), y.double()
+    for half, mode in enumerate(MODES[scheme]):
+        bound = _half_bound(x64[half], mode)
+        bound = bound + (x64[half].abs() + bound) * EPS[x.dtype] * 1.01 + 1e-7
+        err = (y64[half] - x64[half]).abs()
+        assert bool((err <= bound).all()), f"{scheme} half {half}: max excess {(err - bound).max()}"
+
+
+def _kv(t: int, h: int, d: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return realistic_kv(t, h, d, dtype, seed=seed)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _assert_decodes(x: torch.Tensor, buf: object, scheme: str) -> None:
+    y = decode_chunk(buf)
+    if scheme == "raw":
+        assert torch.equal(_bits(y), _bits(x))
+    else:
+        _assert_close_to_scheme(x, y, scheme)
+
+
+# ----------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("quant", sorted(QUANT_SCHEMES))
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_round_trip(dtype: torch.dtype, quant: str, contiguous: bool) -> None:
+    layer = _kv(40, 3, 16, dtype, seed=1)
+    t = layer[:, 8:24] if not contiguous else layer[:, 8:24].contiguous()
+    assert t.is_contiguous() == contiguous
+    buf = encode_chunk(t, quant=quant, key=KEY)
+    assert buf.dtype == torch.uint8 and buf.dim() == 1 and buf.device == t.device
+    assert buf.numel() == chunk_nbytes(16, 3, 16, dtype, quant)
+    header = read_header(buf)
+    assert header.key == KEY and header.shape == (2, 16, 3, 16) and header.dtype == dtype
+    assert header.scheme == QUANT_SCHEMES[quant]
+    assert header.quant == ("none" if QUANT_SCHEMES[quant] == "raw" else "int8")
+    _assert_decodes(t, buf, QUANT_SCHEMES[quant])
+
+
+@pytest.mark.parametrize("scheme", INT8)
+def test_int8_bound_on_hard_values(scheme: str) -> None:
+    """Constant, zero, tiny and huge-offset channels and tokens stay within the bound."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 12, 2, 8, generator=g, dtype=torch.float32)
+    x[:, 6] *= 3e3  # loud token (stays finite in float16)
+    x[:, :, 0, 0] = 3.0  # constant channel
+    x[:, :, 0, 1] = 0.0  # zero channel
+    x[:, :, 0, 2] *= 1e-6  # tiny channel (below the smallest float16 normal scale)
+    x[:, :, 1, 3] = 1000.0 + x[:, :, 1, 3] * 1e-3  # large offset, small spread
+    x[:, 5] = 0.0  # zero token
+    for dtype in DTYPES:
+        xd = x.to(dtype)
+        _assert_close_to_scheme(xd, decode_chunk(encode_chunk(xd, scheme)), scheme)
+
+
+def test_default_and_aliases() -> None:
+    assert QUANT_SCHEMES["int8"] == DEFAULT_INT8 and QUANT_SCHEMES["none"] == "raw"
+    t = _kv(8, 2, 8, torch.float16)
+    assert torch.equal(encode_chunk(t, "int8"), encode_chunk(t, DEFAULT_INT8))
+    assert torch.equal(encode_chunk(t, "none"), encode_chunk(t, "raw"))
+
+
+def test_bfloat16_raw_is_bit_exact() -> None:
+    t = torch.randn(2, 8, 2, 8).to(torch.bfloat16)
+    t[0, 0, 0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    y = decode_chunk(encode_chunk(t, "none"))
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y.view(torch.int16), t.view(torch.int16))
+
+
+def test_requires_grad_input() -> None:
+    t = torch.randn(2, 8, 2, 8, requires_grad=True)
+    y = decode_chunk(encode_chunk(t, "int8-kc-vt"))
+    _assert_close_to_scheme(t.detach(), y, "int8-kc-vt")
+
+
+# ----------------------------------------------------------------------------- out= paths
+
+
+@pytest.mark.parametrize("quant", ["int8", "none"])
+def test_encode_into_slot_view(quant: str) -> None:
+    t = _kv(48, 2, 16, torch.bfloat16)[:, 16:32]
+    n = chunk_nbytes(16, 2, 16, torch.bfloat16, quant)
+    arena = torch.full((n + 256,), 0xA5, dtype=torch.uint8)
+    slot = arena[128 : 128 + n]
+    before = copy_stats()
+    got = encode_chunk(t, quant, KEY, out=slot)
+    after = copy_stats()
+    assert got.data_ptr() == slot.data_ptr() and got.numel() == n
+    assert bool((arena[:128] == 0xA5).all()) and bool((arena[128 + n :] == 0xA5).all())
+    assert torch.equal(got, encode_chunk(t, quant, KEY))  # dirty slot: padding was zeroed
+    assert after.extra_copies == before.extra_copies
+    assert after.encoded_bytes - before.encoded_bytes == n
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("quant", ["int8", "int8-kc-vt", "none"])
+def test_decode_into_layer_slice_and_paged_blocks(dtype: torch.dtype, quant: str) -> None:
+    t = _kv(16, 2, 8, dtype, seed=5)
+    buf = encode_chunk(t, quant, KEY)
+    expect = decode_chunk(buf)
+    layer = torch.full((2, 64, 2, 8), 7.0, dtype=dtype)
+    before = copy_stats()
+    got = decode_chunk(buf, out=layer[:, 16:32], expect_key=KEY)
+    assert copy_stats().extra_copies == before.extra_copies
+    assert got.data_ptr() == layer[:, 16:32].data_ptr()
+    assert torch.equal(layer[:, 16:32], expect)
+    assert bool((layer[:, :16] == 7).all()) and bool((layer[:, 32:] == 7).all())
+    blocks_first = torch.zeros(4, 2, 16, 2, 8, dtype=dtype)  # [num_blocks, 2, bs, H, D]
+    decode_chunk(buf, out=blocks_first[2])
+    assert torch.equal(blocks_first[2], expect) and not blocks_first[[0, 1, 3]].any()
+    kv_first = torch.zeros(2, 4, 16, 2, 8, dtype=dtype)  # [2, num_blocks, bs, H, D]
+    decode_chunk(buf, out=kv_first[:, 1])
+    assert torch.equal(kv_first[:, 1], expect) and not kv_first[:, [0, 2, 3]].any()
+
+
+def test_decode_out_and_device_checks() -> None:
+    buf = encode_chunk(_kv(8, 2, 8, torch.float16), "int8")
+    with pytest.raises(BadShape):
+        decode_chunk(buf, out=torch.empty(2, 8, 2, 8, dtype=torch.bfloat16))
+    with pytest.raises(BadShape):
+        decode_chunk(buf, out=torch.empty(2, 8, 2, 4, dtype=torch.float16))
+    with pytest.raises(InvalidArgument):
+        decode_chunk(buf, out=np.zeros((2, 8, 2, 8), np.float16))  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        decode_chunk(buf, device="meta", out=torch.empty(2, 8, 2, 8, dtype=torch.float16))
+    assert decode_chunk(buf, device="cpu").device.type == "cpu"
+
+
+# ----------------------------------------------------------------------------- batched encode
+
+
+@pytest.mark.parametrize("quant", ["int8", "int8-kt-vt", "none"])
+def test_encode_blocks_matches_per_chunk(quant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    b, n = 16, 3
+    layer = _kv(n * b + 5, 2, 8, torch.float16, seed=9)  # a partial tail is ignored
+    keys = [ChunkKey(bytes([i]) * 16, 4, 0) for i in range(n)]
+    singles = [encode_chunk(layer[:, i * b : (i + 1) * b], quant, keys[i]) for i in range(n)]
+    chunks = encode_blocks(layer, b, keys, quant)
+    assert all(torch.equal(c, s) for c, s in zip(chunks, singles, strict=True))
+    monkeypatch.setattr(codec, "_GROUP_TMP_BYTES", 1)  # one block per vectorised group
+    assert all(
+        torch.equal(c, s)
+        for c, s in zip(encode_blocks(layer, b, keys, quant), singles, strict=True)
+    )
+    nbytes = singles[0].numel()
+    arena = torch.zeros(n, nbytes + 64, dtype=torch.uint8)  # strided rows
+    rows = encode_blocks(layer, b, keys, quant, out=arena[:, :nbytes])
+    assert all(r.data_ptr() == arena[i].data_ptr() for i, r in enumerate(rows))
+    assert all(torch.equal(r, s) for r, s in zip(rows, singles, strict=True))
+    assert not arena[:, nbytes:].any()
+    slots = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n)]
+    listed = encode_blocks(layer, b, keys, quant, out=slots)
+    assert all(torch.equal(x, s) for x, s in zip(listed, singles, strict=True))
+    for i in range(n):
+        _assert_decodes(layer[:, i * b : (i + 1) * b], rows[i], QUANT_SCHEMES[quant])
+
+
+def test_encode_blocks_rejects_bad_arguments() -> None:
+    layer = _kv(40, 2, 8, torch.float16)
+    with pytest.raises(BadShape):
+        encode_blocks(layer, 16, [KEY, KEY, KEY])
+    with pytest.raises(InvalidArgument):
+        encode_blocks(layer, 0, [KEY])
+    with pytest.raises(InvalidArgument):
+        encode_blocks(layer, 16, [])
+    with pytest.raises(InvalidArgument):
+        encode_blocks(layer, 16, [KEY, KEY], out=torch.empty(2, 10, dtype=torch.uint8))
+    with pytest.raises(InvalidArgument):
+        encode_blocks(layer, 16, [KEY, KEY], out=[torch.empty(10, dtype=torch.uint8)])
+
+
+# ----------------------------------------------------------------------------- sizes, accuracy
+
+
+def test_chunk_nbytes_is_exact_and_within_bound() -> None:
+    fp16 = 2 * 256 * 8 * 128 * 2
+    for scheme in INT8:
+        assert chunk_nbytes(256, 8, 128, torch.float16, scheme) <= 0.52 * fp16
+    assert chunk_nbytes(256, 8, 128, "bf16", "none") == fp16 + HEADER_NBYTES + 8
+    for dtype in DTYPES:
+        for quant in QUANT_SCHEMES:
+            for shape in [(1, 1, 1), (3, 5, 7), (17, 2, 64)]:
+                t = torch.zeros(2, *shape, dtype=dtype)
+                assert encode_chunk(t, quant).numel() == chunk_nbytes(*shape, dtype, quant)
+                assert chunk_nbytes(*shape, dtype, quant) % 8 == 0
+    with pytest.raises(BadShape):
+        chunk_nbytes(0, 8, 128, torch.float16)
+    with pytest.raises(InvalidArgument):
+        chunk_nbytes(256, 8, 128, torch.int8)
+    with pytest.raises(InvalidArgument):
+        chunk_nbytes(256, 8, 128, torch.float16, "int4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_default_int8_attention_accuracy(dtype: torch.dtype) -> None:
+    rows = compare_schemes(dtype=dtype, chunks=3, queries=64, schemes=("int8-kc-vt", "int8"))
+    plain, default = rows
+    assert default.median_rel_err <= 0.015
+    assert default.median_rel_err <= plain.median_rel_err
+    assert default.mean_cosine >= 0.9999 and default.size_ratio <= 0.52
+
+
+def test_attention_error_of_identical_kv_is_zero() -> None:
+    kv = _kv(32, 2, 16, torch.float32)
+    rel, cos = attention_error(kv, kv.clone(), torch.randn(5, 2, 16))
+    assert rel.shape == (10,) and float(rel.max()) == 0.0 and float(cos.min()) > 0.999999
+
+
+def test_realistic_kv_shape_determinism_and_structure() -> None:
+    a = realistic_kv(256, 4, 64, torch.bfloat16, seed=11)
+    assert a.shape == (2, 256, 4, 64) and a.dtype == torch.bfloat16
+    assert torch.equal(
+        a.view(torch.int16), realistic_kv(256, 4, 64, torch.bfloat16, 11).view(torch.int16)
+    )
+    assert not torch.equal(a, realistic_kv(256, 4, 64, torch.bfloat16, seed=12))
+    k, v = a[0].float(), a[1].float()
+    channel = k.abs().mean(0)  # [H, D]
+    assert bool((channel.amax(-1) >= 10 * channel.median(-1).values).all())  # outliers per head
+    kurt = ((v - v.mean()) ** 4).mean() / v.var() ** 2
+    assert 2.5 < float(kurt) < 6.0  # V near Gaussian (3)
+    with pytest.raises(InvalidArgument):
+        realistic_kv(0, 4, 64)
+
+
+# ----------------------------------------------------------------------------- buffer kinds
+
+
+def test_decode_from_every_buffer_kind() -> None:
+    t = _kv(16, 2, 8, torch.bfloat16)
+    buf = encode_chunk(t, "int8", KEY)
+    expect = decode_chunk(buf)
+    arr = buf.numpy()
+    ro = arr.copy()
+    ro.flags.writeable = False
+    kinds = [buf, buf.view(torch.int8), arr, ro, arr.tobytes(), bytearray(arr.tobytes())]
+    kinds.append(memoryview(arr.tobytes()))
+    for kind in kinds:
+        assert torch.equal(decode_chunk(kind, expect_key=KEY), expect)
+        assert verify_chunk(kind, expect_key=KEY) == read_header(kind)
+    backing = bytearray(arr.nbytes + 1)
+    backing[1:] = arr.tobytes()
+    before = copy_stats()
+    assert torch.equal(decode_chunk(memoryview(backing)[1:]), expect)  # misaligned: staged
+    assert copy_stats().extra_copies == before.extra_copies + 1
+    strided = np.zeros(arr.nbytes * 2, np.uint8)
+    strided[::2] = arr
+    assert torch.equal(decode_chunk(strided[::2]), expect)
+
+
+@pytest.mark.parametrize("bad", [1234, "chunk", torch.zeros(4, 4, dtype=torch.uint8),
+                                 torch.zeros(16), np.zeros(16, np.float32)])  # fmt: skip
+def test_decode_rejects_non_buffers(bad: object) -> None:
+    with pytest.raises(InvalidArgument):
+        decode_chunk(bad)
+
+
+# ----------------------------------------------------------------------------- encode input
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.zeros(2, 4, 8),
+        torch.zeros(3, 4, 2, 8),
+        torch.zeros(1, 4, 2, 8),
+        torch.zeros(2, 0, 2, 8),
+        torch.zeros(2, 4, 2, 8, dtype=torch.float64),
+        torch.zeros(2, 4, 2, 8, dtype=torch.int8),
+    ],
+)
+def test_encode_rejects_bad_tensors(bad: torch.Tensor) -> None:
+    with pytest.raises(BadShape):
+        encode_chunk(bad)
+
+
+def test_encode_rejects_bad_arguments() -> None:
+    t = torch.zeros(2, 4, 2, 8)
+    n = chunk_nbytes(4, 2, 8, torch.float32, "int8")
+    with pytest.raises(InvalidArgument):
+        encode_chunk(np.zeros((2, 4, 2, 8)))  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        encode_chunk(t, quant="int4")
+    with pytest.raises(InvalidArgument):
+        encode_chunk(t, checksum="crc32")
+    for key in [ChunkKey(b"short", 0, 0), ChunkKey(bytes(16), -1, 0), ChunkKey(bytes(16), 0, 2**32),
+                (bytes(16), True, 0), (bytes(16), 0), bytes(16), "key"]:  # fmt: skip
+        with pytest.raises(InvalidArgument):
+            encode_chunk(t, key=key)  # type: ignore[arg-type]
+    raw = torch.empty(2 * n + 8, dtype=torch.uint8)
+    for out in [raw[: n - 1], raw[:n].view(torch.int8), raw[1 : n + 1], raw[: 2 * n : 2]]:
+        with pytest.raises(InvalidArgument):
+            encode_chunk(t, out=out)
+    assert read_header(encode_chunk(t, key=None)).key == ChunkKey(bytes(16), 0, 0)
+    assert read_header(encode_chunk(t, key=b"")).key == ChunkKey(bytes(16), 0, 0)
+
+
+@pytest.mark.parametrize("scheme", INT8)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 1e30])
+def test_int8_rejects_non_finite_and_out_of_range(scheme: str, value: float) -> None:
+    t = torch.randn(2, 8, 2, 8)
+    t[1, 3, 1, 5] = value
+    with pytest.raises(InvalidArgument):
+        encode_chunk(t, scheme)
+    t[1, 3, 1, 5] = 0.0
+    t[0, 2, 0, 1] = value
+    with pytest.raises(InvalidArgument):
+        encode_chunk(t, scheme)
+
+
+# ----------------------------------------------------------------------------- keys, checksums
+
+
+def test_key_mismatch() -> None:
+    buf = encode_chunk(torch.randn(2, 4, 1, 8), "int8", KEY)
+    assert verify_chunk(buf, expect_key=KEY).key == KEY
+    for other in [KEY._replace(layer=8), KEY._replace(shard=0), KEY._replace(block_hash=bytes(16))]:
+        with pytest.raises(ChunkKeyMismatch, match="expected"):
+            decode_chunk(buf, expect_key=other)
+        with pytest.raises(ChunkKeyMismatch):
+            verify_chunk(buf, expect_key=other)
+
+
+def _ref_mulsum64(data: bytes) -> int:
+    """The documented device checksum, in plain Python (a CUDA build must match it)."""
+    mask, total = 2**64 - 1, 0
+    for i in range(len(data) // 8):
+        z = (i + 1) * 0x9E3779B97F4A7C15 & mask
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & mask
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & mask
+        z ^= z >> 31
+        total = (total + int.from_bytes(data[8 * i : 8 * i + 8], "little") * (z | 1)) & mask
+    return total
+
+
+@pytest.mark.parametrize("quant", ["int8", "none"])
+def test_device_checksum_kind_on_cpu(quant: str) -> None:
+    t = _kv(16, 2, 8, torch.float16)
+    buf = encode_chunk(t, quant, KEY, checksum="mulsum64")
+    header = verify_chunk(buf)
+    assert header.checksum == "mulsum64"
+    body, stored = buf[:-8].numpy().tobytes(), buf[-8:].numpy().tobytes()
+    assert int.from_bytes(stored, "little") == _ref_mulsum64(body)
+    assert torch.equal(decode_chunk(buf), decode_chunk(encode_chunk(t, quant, KEY)))
+    plain = encode_chunk(t, quant, KEY)
+    assert read_header(plain).checksum == "xxh3_64"
+    assert int.from_bytes(plain[-8:].numpy().tobytes(), "little") == xxhash.xxh3_64_intdigest(
+        plain[:-8].numpy().tobytes()
+    )
+    keys = [KEY, KEY._replace(layer=1)]
+    layer = _kv(32, 2, 8, torch.float16)
+    rows = encode_blocks(layer, 16, keys, quant, checksum="mulsum64")
+    # The CPU kernel (mv) and the one other devices run (mul + sum) agree bit for bit.
+    body = torch.stack(rows)[:, :-8]
+    assert torch.equal(codec._mulsum64(body), codec._mulsum64(body, generic=True))
+    for i, row in enumerate(rows):
+        assert torch.equal(row, encode_chunk(layer[:, i * 16 : (i + 1) * 16], quant, keys[i],
+                                             checksum="mulsum64"))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- malformed input
+
+
+def _small_chunk(quant: str = "int8", checksum: str | None = None) -> bytes:
+    t = torch.randn(2, 2, 1, 4, generator=torch.Generator().manual_seed(0))
+    return encode_chunk(t, quant, KEY, checksum=checksum).numpy().tobytes()
+
+
+def _patch(buf: bytes, offset: int, fmt: str, value: int, fix_check: bool = True) -> bytes:
+    b = bytearray(buf)
+    struct.pack_into(fmt, b, offset, value)
+    if fix_check:
+        struct.pack_into("<I", b, 60, xxhash.xxh3_64_intdigest(bytes(b[:60])) & 0xFFFFFFFF)
+    return bytes(b)
+
+
+@pytest.mark.parametrize("quant", ["int8", "none"])
+def test_every_truncation_and_extension(quant: str) -> None:
+    buf = _small_chunk(quant)
+    for n in range(len(buf)):
+        with pytest.raises(ChunkFormatError):
+            decode_chunk(buf[:n])
+        with pytest.raises(ChunkFormatError):
+            read_header(np.frombuffer(buf[:n], np.uint8))
+    with pytest.raises(ChunkFormatError, match="too long"):
+        decode_chunk(buf + b"\0")
+
+
+@pytest.mark.parametrize("checksum", ["xxh3_64", "mulsum64"])
+@pytest.mark.parametrize("quant", ["int8", "none"])
+def test_every_single_bit_flip_is_caught(quant: str, checksum: str) -> None:
+    buf = _small_chunk(quant, checksum)
+    for i in range(len(buf) * 8):
+        b = bytearray(buf)
+        b[i // 8] ^= 1 << (i % 8)
+        with pytest.raises(ChunkError):
+            decode_chunk(bytes(b))
+
+
+def test_wrong_magic_version_and_inconsistent_headers() -> None:
+    buf = _small_chunk()
+    with pytest.raises(ChunkFormatError, match="magic"):
+        decode_chunk(b"XXXX" + buf[4:])
+    for fix in (True, False):
+        with pytest.raises(ChunkVersionError):
+            read_header(_patch(buf, 4, "<H", 2, fix))
+    with pytest.raises(ChunkFormatError):
+        read_header(_patch(buf, 6, "<H", 128))  # header size
+    cases = [(32, "<I", 3), (36, "<I", 2), (32, "<I", 0), (44, "<B", 9), (45, "<B", 99),
+             (46, "<B", 7), (47, "<B", 1), (48, "<Q", 17), (56, "<I", 0)]  # fmt: skip
+    for offset, fmt, value in cases:
+        with pytest.raises(ChunkFormatError):
+            read_header(_patch(buf, offset, fmt, value))
+    with pytest.raises(ChunkFormatError):  # a raw chunk's header on an int8-sized buffer
+        read_header(_patch(buf, 45, "<B", SCHEMES["raw"]))
+    with pytest.raises(ChecksumError):  # header edited without fixing the header check
+        read_header(_patch(buf, 24, "<I", 8, fix_check=False))
+    with pytest.raises(ChecksumError):  # a consistent header, but the chunk checksum fails
+        verify_chunk(_patch(buf, 24, "<I", 8))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=600))
+def test_random_garbage_never_decodes(data: bytes) -> None:
+    with pytest.raises(ChunkError):
+        decode_chunk(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=0, max_size=400))
+def test_garbage_behind_a_valid_header_never_decodes(tail: bytes) -> None:
+    buf = _small_chunk()
+    with pytest.raises(ChunkError):
+        decode_chunk(buf[:HEADER_NBYTES] + tail)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_random_bit_flips_in_larger_chunks(data: st.DataObject) -> None:
+    quant = data.draw(st.sampled_from(sorted(QUANT_SCHEMES)))
+    checksum = data.draw(st.sampled_from(["xxh3_64", "mulsum64"]))
+    buf = bytearray(
+        encode_chunk(_kv(16, 2, 8, torch.bfloat16), quant, KEY, checksum=checksum).numpy()
+    )
+    flips = data.draw(
+        st.lists(st.integers(0, len(buf) * 8 - 1), min_size=1, max_size=3, unique=True)
+    )
+    for bit in flips:
+        buf[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(ChunkError):
+        decode_chunk(buf)

@@ -1,0 +1,234 @@
+"""End to end over real processes on loopback: ``kvstore serve`` as a subprocess, writer
+and reader in their own processes, real gRPC, the real ``tcp://`` data plane."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvclient
+from kvclient.errors import BadShape, CapacityError, KVStoreError, KVTimeout, Unreachable
+from kvstore.core.kvgen import realistic_kv
+from tests.cluster import Server, start_server
+from tests.kvproc import layer_kv, namespace, prompt
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    srv = start_server(
+        "serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
+        "--host-mem", "512MiB",
+    )  # fmt: skip
+    yield srv
+    rc, out = srv.stop()
+    assert rc == 0, out
+    assert "kvstore stopped pinned_slots=0" in out, out
+
+
+def _proc(role: str, master: str, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "kvproc.py"), role, master, *extra],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(HERE.parent)),
+    )
+
+
+def _events(proc: subprocess.Popen[str], timeout: float = 120) -> list[dict]:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def test_stream_while_writing_across_processes(server: Server) -> None:
+    """The reader starts first; layer 0 reaches it before the writer starts its last
+    layer; every layer decodes within the int8 error bound."""
+    layers = 32
+    reader = _proc("reader", server.grpc, "--layers", str(layers), "--seed", "11")
+    assert reader.stdout is not None
+    first = json.loads(reader.stdout.readline())  # connected and about to watch
+    assert first.get("ready") is True
+    writer = _proc("writer", server.grpc, "--layers", str(layers), "--seed", "11",
+                   "--pause-s", "0.05")  # fmt: skip
+    wrote = _events(writer)
+    got = [first, *_events(reader)]
+    stored = [e["stored"] for e in wrote if e.get("phase") == "done"]
+    assert stored == [2048] * layers
+    arrivals = [e for e in got if "got" in e]
+    assert [e["got"] for e in arrivals] == list(range(layers))
+    assert all(e["tokens"] == 2048 for e in arrivals)
+    assert max(e["err"] for e in arrivals) <= 0.015
+    last_start = next(e["t"] for e in wrote if e.get("put") == layers - 1)
+    assert arrivals[0]["t"] < last_start
+
+
+async def test_match_prefix_and_get_from_a_third_process(server: Server) -> None:
+    """A writer process stores a prompt with a partial tail; this process matches and
+    reads it back."""
+    n, layers = 1000, 4  # 3 full blocks + a 232-token tail
+    wrote = _events(_proc("writer", server.grpc, "--tokens", str(n), "--layers", str(layers),
+                          "--seed", "21"))  # fmt: skip
+    assert [e["stored"] for e in wrote if e.get("phase") == "done"] == [768] * layers
+    tokens = prompt(n, 21)
+    async with await kvclient.KVClient.connect(server.grpc, namespace(layers)) as kv:
+        assert await kv.match_prefix(tokens) == 768
+        assert await kv.match_prefix(tokens[:700]) == 512
+        other = [*tokens[:300], 7, *tokens[301:]]
+        assert await kv.match_prefix(other) == 256  # diverges inside block 1
+        assert await kv.match_prefix(prompt(n, 99)) == 0
+        for layer in range(layers):
+            t = await kv.get_layer(tokens, layer)
+            assert t.shape == (2, 768, 8, 128) and t.dtype == torch.bfloat16
+            ref = layer_kv(n, layer, 21)[:, :768].float()
+            assert (t.float() - ref).norm() / ref.norm() < 0.02
+        out = torch.zeros(2, 1024, 8, 128, dtype=torch.bfloat16)
+        view = await kv.get_layer(tokens, 2, out=out)
+        assert view.data_ptr() == out.data_ptr() and view.shape[1] == 768
+        assert torch.equal(view, await kv.get_layer(tokens, 2))
+        assert out[:, 768:].abs().sum() == 0
+        assert (await kv.get_layer(prompt(n, 98), 0)).shape == (2, 0, 8, 128)
+        # Held match: the slots are pinned on the node until the hold expires.
+        assert await kv.match_prefix(tokens, hold_s=0.5) == 768
+
+
+async def test_objects_and_bad_input(server: Server) -> None:
+    ns = namespace(2)
+    async with await kvclient.KVClient.connect(server.grpc, ns, timeout_s=10) as kv:
+        value = os.urandom(3 * 2**20 + 17)
+        assert not await kv.exists("cfg/a")
+        assert await kv.get_object("cfg/a") is None
+        await kv.put_object("cfg/a", value)
+        assert await kv.exists("cfg/a")
+        assert await kv.get_object("cfg/a") == value
+        await kv.put_object("cfg/a", b"second")
+        assert await kv.get_object("cfg/a") == b"second"
+        assert await kv.remove("cfg/a") is True
+        assert await kv.remove("cfg/a") is False
+        assert await kv.get_object("cfg/a") is None
+        with pytest.raises(CapacityError):
+            await kv.put_object("big", bytes(kv.max_object_bytes + 1))
+        tokens = list(range(512))
+        with pytest.raises(BadShape):
+            await kv.put_layer(tokens, 0, torch.zeros(2, 512, 8, 64, dtype=torch.bfloat16))
+        with pytest.raises(BadShape):
+            await kv.put_layer(tokens, 0, torch.zeros(2, 500, 8, 128, dtype=torch.bfloat16))
+        with pytest.raises(BadShape):
+            await kv.put_layer(tokens, 0, torch.zeros(2, 512, 8, 128, dtype=torch.float16))
+        with pytest.raises(KVStoreError):
+            await kv.put_layer(tokens, 5, torch.zeros(2, 512, 8, 128, dtype=torch.bfloat16))
+        # The server goes on serving.
+        t = realistic_kv(512, 8, 128, torch.bfloat16, seed=5)
+        assert await kv.put_layer(tokens, 1, t) == 512
+        assert (await kv.get_layer(tokens, 1)).shape[1] == 512
+
+
+async def test_garbage_on_ports_leaves_server_serving(server: Server) -> None:
+    host, port = server.data.removeprefix("tcp://").rsplit(":", 1)
+    ghost, gport = server.grpc.rsplit(":", 1)
+    junk = os.urandom(64 * 1024)
+    for addr in ((host, int(port)), (ghost, int(gport))):
+        with socket.create_connection(addr, timeout=5) as s:
+            s.sendall(junk)
+            s.settimeout(5)
+            try:
+                while s.recv(65536):
+                    pass
+            except (TimeoutError, ConnectionResetError):
+                pass
+    ns = namespace(1)
+    async with await kvclient.KVClient.connect(server.grpc, ns) as kv:
+        tokens = list(range(1000, 1256))
+        t = realistic_kv(256, 8, 128, torch.bfloat16, seed=9)
+        assert await kv.put_layer(tokens, 0, t) == 256
+        assert await kv.match_prefix(tokens) == 256
+
+
+def test_metrics_endpoint(server: Server) -> None:
+    body = urllib.request.urlopen(f"http://{server.addresses['metrics']}/metrics", timeout=5)
+    text = body.read().decode()
+    for name in (
+        "kvstore_pool_bytes",
+        "kvstore_blocks",
+        "kvstore_prefix_lookups_total",
+        "kvstore_prefix_hit_tokens_total",
+        "kvstore_transfer_bytes_total",
+        "kvstore_transfer_seconds",
+        "kvstore_evictions_total",
+        "kvstore_stale_misses_total",
+        "kvstore_rpc_seconds",
+    ):
+        assert name in text, name
+    assert 'kvstore_transfer_bytes_total{op="put",transport="tcp"}' in text
+
+
+async def test_killed_server_gives_typed_error_within_timeout() -> None:
+    srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
+                       "--host-mem", "64MiB")  # fmt: skip
+    ns = namespace(1)
+    tokens = list(range(256))
+    try:
+        kv = await kvclient.KVClient.connect(srv.grpc, ns, timeout_s=3)
+        assert await kv.put_layer(tokens, 0, realistic_kv(256, 8, 128, torch.bfloat16)) == 256
+    finally:
+        srv.kill()
+    t0 = time.monotonic()
+    with pytest.raises((Unreachable, KVTimeout)):
+        await kv.get_layer(tokens, 0)
+    assert time.monotonic() - t0 < 3 + 2
+    await kv.close()
+
+
+async def test_full_pool_evicts_without_corrupting_reads() -> None:
+    """A 48 MiB pool holds 5 blocks of this namespace; writing 24 evicts the oldest
+    while a reader keeps reading: every read returns a correct prefix (maybe short)."""
+    srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
+                       "--host-mem", "48MiB")  # fmt: skip
+    ns = namespace(16)  # 16 layers x ~0.5 MiB = 8 MiB per slot
+    try:
+        async with await kvclient.KVClient.connect(srv.grpc, ns) as kv:
+            prompts = [prompt(256, 100 + i) for i in range(24)]
+            kvs = [realistic_kv(256, 8, 128, torch.bfloat16, seed=100 + i) for i in range(24)]
+            stop = asyncio.Event()
+            checked = 0
+
+            async def read_loop() -> None:
+                nonlocal checked
+                while not stop.is_set():
+                    for i in range(24):
+                        t = await kv.get_layer(prompts[i], 3)
+                        if t.shape[1]:
+                            err = (t.float() - kvs[i][:, :256].float()).norm() / kvs[
+                                i
+                            ].float().norm()
+                            assert err < 0.02, (i, float(err))
+                            checked += 1
+                    await asyncio.sleep(0)
+
+            reader = asyncio.create_task(read_loop())
+            for i in range(24):
+                for layer in range(16):
+                    assert await kv.put_layer(prompts[i], layer, kvs[i]) == 256
+            stop.set()
+            await reader
+            assert checked > 0
+            present = [await kv.match_prefix(p) for p in prompts]
+            assert present[-1] == 256 and present[0] == 0
+            assert sum(1 for p in present if p) <= 5
+    finally:
+        rc, out = srv.stop()
+    assert rc == 0 and "pinned_slots=0" in out
