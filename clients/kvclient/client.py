@@ -17,7 +17,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -225,35 +225,66 @@ class KVClient:
 
         ``T`` must equal ``len(token_ids)``; the partial tail block is ignored. Chunks
         already in the pool are skipped and count as stored (first writer wins). Returns
-        the tokens stored, a multiple of ``block_tokens``. Blocks up to the deadline.
-        Raises :class:`BadShape`/:class:`InvalidArgument` before any I/O,
-        :class:`CapacityError` when a node has no room, :class:`KVTimeout`,
-        :class:`TransportError` subclasses.
+        the tokens stored (the leading blocks that were stored), a multiple of
+        ``block_tokens``. Blocks up to the deadline. Raises :class:`BadShape` or
+        :class:`InvalidArgument` before any I/O, :class:`CapacityError` when a node has no
+        room, :class:`KVTimeout`, :class:`TransportError` subclasses.
         """
         hashes = self.block_hashes(token_ids)
         self._check_layer_tensor(t, len(token_ids))
         index = self._chunk_index(layer, shard)
         if not hashes:
             return 0
-        task = asyncio.ensure_future(self._put_layer(hashes, layer, shard, index, t))
+
+        async def put() -> set[int]:
+            chunks = await self._encode_layer(t, hashes, layer, shard)
+            return await self._send_chunks(hashes, index, chunks)
+
+        stored = await self._tracked_put(put(), hashes, timeout, "put_layer")
+        return _prefix_len(stored, len(hashes)) * self.ns.block_tokens
+
+    async def _tracked_put(
+        self, coro: Awaitable[set[int]], hashes: list[bytes], timeout: float | None, what: str
+    ) -> set[int]:
+        """Run a put under the deadline, registered as in flight; on failure or
+        cancellation, stop it and publish an ABORT for its blocks to their watchers."""
+        task = asyncio.ensure_future(coro)
         self._inflight.add(task)
         try:
-            return int(await self._deadline(asyncio.shield(task), timeout, "put_layer"))
+            return set(await self._deadline(asyncio.shield(task), timeout, what))
         except BaseException:
             if not task.done():
                 task.cancel()
                 await asyncio.wait([task], timeout=1.0)
-            await self._abort(hashes, "put_layer failed or was cancelled")
+            await self._abort(hashes, f"{what} failed or was cancelled")
             raise
         finally:
             self._inflight.discard(task)
 
-    async def _put_layer(
-        self, hashes: list[bytes], layer: int, shard: int, index: int, t: torch.Tensor
-    ) -> int:
+    async def _encode_layer(
+        self, t: torch.Tensor, hashes: list[bytes], layer: int, shard: int
+    ) -> list[torch.Tensor]:
+        """Quantize the layer's full blocks into one chunk each.
+
+        CPU tensors are encoded on the client's codec thread. CUDA tensors are encoded on
+        the caller's current stream from the calling thread (kernel launches only), and the
+        transport waits on an event recorded after them, never on a device-wide sync.
+        """
         keys = [ChunkKey(h, layer, shard) for h in hashes]
-        quant = self.ns.quant
-        chunks = await self._run_codec(encode_blocks, t, self.ns.block_tokens, keys, quant)
+        B, quant = self.ns.block_tokens, self.ns.quant
+        if t.is_cuda:
+            chunks = encode_blocks(t, B, keys, quant)
+            event = torch.cuda.Event()
+            event.record()
+            await self._run_codec(event.synchronize)
+            return [c.cpu() for c in chunks]
+        return await self._run_codec(encode_blocks, t, B, keys, quant)
+
+    async def _send_chunks(
+        self, hashes: list[bytes], index: int, chunks: Sequence[torch.Tensor]
+    ) -> set[int]:
+        """Send chunk ``i`` of ``hashes[i]`` to its placement nodes; the indices stored on
+        every one of them."""
         nodes = await self._live_nodes()
         groups: dict[str, list[int]] = {}
         by_id: dict[str, _Node] = {}
@@ -261,21 +292,24 @@ class KVClient:
             for node in self._place(h, nodes):
                 groups.setdefault(node.node_id, []).append(i)
                 by_id[node.node_id] = node
+        parts = [(nid, part) for nid, idx in groups.items() for part in _batches(idx)]
         results = await asyncio.gather(
-            *(
-                self._put_to_node(by_id[nid], part, hashes, index, chunks)
-                for nid, idx in groups.items()
-                for part in _batches(idx)
-            )
+            *(self._put_to_node(by_id[nid], part, hashes, index, chunks) for nid, part in parts),
+            return_exceptions=True,
         )
-        stored: set[int] = set()
-        for ok in results:
-            stored.update(ok)
-        # Tokens stored: the leading blocks every one of whose placements succeeded.
-        n = 0
-        while n < len(hashes) and n in stored:
-            n += 1
-        return n * self.ns.block_tokens
+        stored = set(range(len(hashes)))
+        errors = []
+        for (_, part), res in zip(parts, results, strict=True):
+            if isinstance(res, BaseException):
+                if not isinstance(res, KVStoreError):
+                    raise res
+                errors.append(res)
+                stored.difference_update(part)
+            else:
+                stored.difference_update(set(part) - res)
+        if errors and not stored:
+            raise errors[0]
+        return stored
 
     async def _put_to_node(
         self,
@@ -283,7 +317,7 @@ class KVClient:
         idx: list[int],
         hashes: list[bytes],
         index: int,
-        chunks: list[torch.Tensor],
+        chunks: Sequence[torch.Tensor],
     ) -> set[int]:
         spec = [
             [hashes[i].hex(), hashes[i - 1].hex() if i else "", index, self._chunk_bytes]
@@ -298,8 +332,8 @@ class KVClient:
             bufs = [chunks[i].numpy() for i, a in zip(idx, accept, strict=True) if a]
             await conn.send({"op": "data"}, bufs)
             ack = raise_if_error((await conn.recv_header()).header, "ack")
-        failed = set(ack.get("failed", []))
-        return {i for k, i in enumerate(idx) if k not in failed}
+        failed = {idx[k] for k in ack.get("failed", [])}
+        return set(idx) - failed
 
     async def _abort(self, hashes: list[bytes], reason: str) -> None:
         """Tell watchers that this writer gave up (best effort, short deadline)."""
@@ -326,58 +360,75 @@ class KVClient:
         Returns ``[2, n, H, D]`` (``n`` a multiple of ``block_tokens``, possibly 0) on
         ``device`` (default CPU), or a view of ``out`` (``[2, >= n, H, D]``, written in
         place) when given. A miss is a short (or empty) result, never an error. Raises
-        :class:`BadShape` for a wrong ``out``, :class:`KVTimeout`, transport errors when no
-        holder can be read at all.
+        :class:`BadShape` for a wrong ``out``, :class:`KVTimeout`, transport errors when the
+        master cannot be asked.
         """
         hashes = self.block_hashes(token_ids)
         index = self._chunk_index(layer, shard)
+        B = self.ns.block_tokens
         if out is not None:
             self._check_layer_tensor(out, out.shape[1] if out.dim() == 4 else -1, "out")
-            if out.shape[1] < len(hashes) * self.ns.block_tokens:
+            if out.shape[1] < len(hashes) * B:
                 raise BadShape(f"out holds {out.shape[1]} tokens, prompt has more full blocks")
-        result, _ = await self._deadline(
-            self._get_layer(hashes, index, layer, shard, device, out), timeout, "get_layer"
-        )
-        return result  # type: ignore[no-any-return]
 
-    async def _get_layer(
-        self,
-        hashes: list[bytes],
-        index: int,
-        layer: int,
-        shard: int,
-        device: Any,
-        out: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, int]:
-        ns = self.ns
-        B = ns.block_tokens
-        holders = await self._master.lookup(ns.id, hashes, self._chunks_per_block) if hashes else []
-        n = 0
-        plan: dict[str, list[int]] = {}
-        uris: dict[str, str] = {}
+        async def get() -> torch.Tensor:
+            located = await self._locate(hashes, index, load_all=False)
+            target = out
+            if target is None:
+                n = len(located)
+                shape = (2, n * B, self.ns.num_kv_heads, self.ns.head_dim)
+                target = torch.empty(shape, dtype=self._dtype, device=device)
+            loaded = await self._fetch(hashes, layer, shard, located, self._into(target))
+            return target[:, : _prefix_len(loaded, len(located)) * B]
+
+        return await self._deadline(get(), timeout, "get_layer")  # type: ignore[no-any-return]
+
+    def _into(self, out: torch.Tensor) -> Callable[[int, torch.Tensor, ChunkKey], None]:
+        """A sink that dequantizes block ``i``'s chunk straight into ``out``'s slice."""
+        B = self.ns.block_tokens
+
+        def sink(i: int, buf: torch.Tensor, key: ChunkKey) -> None:
+            decode_chunk(buf, out=out[:, i * B : (i + 1) * B], expect_key=key)
+
+        return sink
+
+    async def _locate(self, hashes: list[bytes], index: int, *, load_all: bool) -> dict[int, Any]:
+        """Block index → a live holder of chunk ``index``: the leading run of blocks that
+        have one, or (``load_all``) every block that has one."""
+        if not hashes:
+            return {}
+        holders = await self._master.lookup(self.ns.id, hashes, self._chunks_per_block)
+        located: dict[int, Any] = {}
         for i, block in enumerate(holders):
             having = [h for h in block if h.has(index)]
-            if not having:
+            if having:
+                located[i] = having[0]
+            elif not load_all:
                 break
-            plan.setdefault(having[0].node_id, []).append(i)
-            uris[having[0].node_id] = having[0].data_uri
-            n += 1
-        if out is None:
-            out = torch.empty(
-                2, n * B, ns.num_kv_heads, ns.head_dim, dtype=self._dtype, device=device
-            )
+        return located
+
+    async def _fetch(
+        self,
+        hashes: list[bytes],
+        layer: int,
+        shard: int,
+        located: dict[int, Any],
+        sink: Callable[[int, torch.Tensor, ChunkKey], None],
+    ) -> set[int]:
+        """Read the located chunks (one exchange per node per batch) and hand each intact
+        one to ``sink`` on the codec thread; the block indices loaded."""
+        index = layer * self.ns.tp_size + shard
+        plan: dict[str, list[int]] = {}
+        for i, holder in located.items():
+            plan.setdefault(holder.data_uri, []).append(i)
         got = await asyncio.gather(
             *(
-                self._get_from_node(uris[nid], part, hashes, layer, shard, index, out)
-                for nid, idx in plan.items()
+                self._get_from_node(uri, part, hashes, layer, shard, index, sink)
+                for uri, idx in plan.items()
                 for part in _batches(idx)
             )
         )
-        present: set[int] = set().union(*got) if got else set()
-        m = 0
-        while m < n and m in present:
-            m += 1
-        return out[:, : m * B], m
+        return set().union(*got) if got else set()
 
     async def _get_from_node(
         self,
@@ -387,11 +438,10 @@ class KVClient:
         layer: int,
         shard: int,
         index: int,
-        out: torch.Tensor,
+        sink: Callable[[int, torch.Tensor, ChunkKey], None],
     ) -> set[int]:
-        """Fetch chunks ``idx`` from one node and decode them into ``out``; return the
-        indices that arrived intact. A node that fails is a miss for its blocks."""
-        B = self.ns.block_tokens
+        """Fetch chunks ``idx`` from one node and pass them to ``sink``; return the indices
+        that arrived intact. A node that fails is a miss for its blocks."""
         spec = [[hashes[i].hex(), index] for i in idx]
         try:
             async with self._pool.use(uri, self.timeout_s) as conn:
@@ -413,11 +463,7 @@ class KVClient:
             ok: set[int] = set()
             for k, i in enumerate(have):
                 try:
-                    decode_chunk(
-                        bufs[k],
-                        out=out[:, i * B : (i + 1) * B],
-                        expect_key=ChunkKey(hashes[i], layer, shard),
-                    )
+                    sink(i, bufs[k], ChunkKey(hashes[i], layer, shard))
                     ok.add(i)
                 except ChunkError as exc:
                     logger.warning("chunk %d from %s rejected: %s", i, uri, exc)
@@ -606,6 +652,14 @@ class KVClient:
             return removed
 
         return bool(await self._deadline(run(), timeout, "remove"))
+
+
+def _prefix_len(present: set[int], n: int) -> int:
+    """How many leading indices ``0, 1, ...`` (below ``n``) are in ``present``."""
+    m = 0
+    while m < n and m in present:
+        m += 1
+    return m
 
 
 def _batches(idx: list[int]) -> list[list[int]]:
