@@ -363,9 +363,7 @@ def _check_key(key: Any) -> ChunkKey:
     if key is None or (isinstance(key, (bytes, bytearray)) and len(key) == 0):
         return ChunkKey(_ZERO_KEY_HASH, 0, 0)
     if not isinstance(key, tuple) or len(key) != 3:
-        raise InvalidArgument(
-            f"chunk key must be a ChunkKey(block_hash, layer, shard), got {key!r}"
-        )
+        raise InvalidArgument(f"chunk key must be a ChunkKey(hash, layer, shard), got {key!r}")
     block_hash, layer, shard = key
     if not isinstance(block_hash, (bytes, bytearray)) or len(block_hash) != 16:
         raise InvalidArgument(f"chunk key block_hash must be 16 bytes, got {block_hash!r}")
@@ -391,17 +389,13 @@ def _parse_header(raw: bytes, size: int) -> tuple[ChunkHeader, _Layout]:
     if magic != MAGIC:
         raise ChunkFormatError(f"not a kvstore chunk: magic {magic!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
-        raise ChunkVersionError(
-            f"chunk format version {version}; this build reads version {FORMAT_VERSION}"
-        )
+        raise ChunkVersionError(f"chunk version {version}; this build reads {FORMAT_VERSION}")
     if hsize != HEADER_NBYTES:
         raise ChunkFormatError(f"chunk header size {hsize}, expected {HEADER_NBYTES}")
     if check != xxhash.xxh3_64_intdigest(raw[:_CHECKED]) & 0xFFFFFFFF:
         raise ChecksumError("chunk header is corrupted (header check does not match)")
     if dcode not in _DTYPES or scheme not in _SCHEME_NAMES or ckind not in _CHECKSUM_NAMES:
-        raise ChunkFormatError(
-            f"chunk header names unknown dtype {dcode}, scheme {scheme} or checksum {ckind}"
-        )
+        raise ChunkFormatError(f"unknown dtype {dcode}, scheme {scheme} or checksum {ckind}")
     if flags != 0 or min(t, h, d) == 0:
         raise ChunkFormatError(f"inconsistent chunk header: flags {flags}, shape T={t} H={h} D={d}")
     layout = _layout(t, h, d, _DTYPES[dcode], scheme)
@@ -428,30 +422,22 @@ def _host_bytes(t: Tensor) -> bytes:
 
 def _as_bytes_tensor(buf: Any) -> Tensor:
     """View ``buf`` as a 1-D, 8-byte-aligned uint8 tensor, copying only if it must."""
-    if isinstance(buf, torch.Tensor):
-        t = buf
-        if t.dtype not in (torch.uint8, torch.int8) or t.dim() != 1:
-            raise InvalidArgument(
-                f"chunk buffer must be a 1-D uint8 tensor, got {t.dtype} {tuple(t.shape)}"
-            )
-        t = t.view(torch.uint8)
-    elif isinstance(buf, (bytes, bytearray, memoryview, np.ndarray)):
+    if isinstance(buf, (bytes, bytearray, memoryview)):
         try:
-            arr = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+            buf = np.frombuffer(buf, dtype=np.uint8)
         except (ValueError, TypeError, BufferError) as exc:
             raise InvalidArgument(f"chunk buffer is not contiguous bytes: {exc}") from exc
-        if arr.dtype not in (np.uint8, np.int8) or arr.ndim != 1:
-            raise InvalidArgument(
-                f"chunk buffer must be a 1-D uint8 array, got {arr.dtype} {arr.shape}"
-            )
-        if not arr.flags.c_contiguous:
-            _count(extra_copies=1, extra_bytes=arr.nbytes)
-            arr = np.ascontiguousarray(arr)
+    if isinstance(buf, np.ndarray) and buf.dtype in (np.uint8, np.int8) and buf.ndim == 1:
+        if not buf.flags.c_contiguous:
+            _count(extra_copies=1, extra_bytes=buf.nbytes)
+            buf = np.ascontiguousarray(buf)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only buffers: we only read
-            t = torch.from_numpy(arr.view(np.uint8))
-    else:
-        raise InvalidArgument(f"cannot read a chunk from {type(buf).__name__}")
+            buf = torch.from_numpy(buf.view(np.uint8))
+    if not isinstance(buf, Tensor) or buf.dtype not in (torch.uint8, torch.int8) or buf.dim() != 1:
+        got = f"{type(buf).__name__} {getattr(buf, 'dtype', '')} {getattr(buf, 'shape', '')}"
+        raise InvalidArgument(f"a chunk buffer is 1-D uint8 bytes, got {got}")
+    t = buf.view(torch.uint8)
     if (t.numel() and t.stride(0) != 1) or t.data_ptr() % 8 or t.storage_offset() % 8:
         _count(extra_copies=1, extra_bytes=t.numel())
         t = t.clone()
@@ -620,8 +606,9 @@ def _check_out_buf(out: Any, shape: tuple[int, ...], device: torch.device) -> Te
         raise InvalidArgument(f"out has shape {tuple(out.shape)}; the chunks need {shape}")
     if out.device != device:
         raise InvalidArgument(f"out is on {out.device}, the KV on {device}")
-    if out.stride(-1) != 1 or out.data_ptr() % 8 or (out.dim() == 2 and out.stride(0) % 8):
-        raise InvalidArgument("out must be contiguous bytes (row stride too) and 8-byte aligned")
+    rows_ok = out.dim() == 1 or (out.stride(0) % 8 == 0 and out.stride(0) >= shape[-1])
+    if out.stride(-1) != 1 or out.data_ptr() % 8 or not rows_ok:
+        raise InvalidArgument("out must be contiguous, 8-byte aligned, non-overlapping rows")
     return out
 
 
@@ -749,15 +736,23 @@ def verify_chunk(buf: Any, expect_key: ChunkKey | None = None) -> ChunkHeader:
     return header
 
 
-def _check_out_kv(out: Any, header: ChunkHeader, device: torch.device | str | None) -> Tensor:
+def _target(device: Any, out: Tensor | None, buf: Tensor) -> torch.device:
+    try:
+        wanted = None if device is None else torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidArgument(f"bad device {device!r}: {exc}") from exc
+    if out is not None and wanted is not None and out.device != wanted:
+        raise InvalidArgument(f"out is on {out.device} but device={device} was requested")
+    return out.device if out is not None else wanted or buf.device
+
+
+def _check_out_kv(out: Any, header: ChunkHeader) -> Tensor:
     if not isinstance(out, Tensor):
         raise InvalidArgument(f"out must be a Tensor, got {type(out).__name__}")
     if tuple(out.shape) != header.shape or out.dtype != header.dtype:
         raise BadShape(
             f"out is {tuple(out.shape)} {out.dtype}; chunk is {header.shape} {header.dtype}"
         )
-    if device is not None and out.device != torch.device(device):
-        raise InvalidArgument(f"out is on {out.device} but device={device} was requested")
     return out
 
 
@@ -782,13 +777,16 @@ def decode_chunk(
     header, layout = _read(t)
     _check_expected(header, expect_key)
     if out is not None:
-        _check_out_kv(out, header, device)
-    target = out.device if out is not None else torch.device(device or t.device)
+        _check_out_kv(out, header)
+    target = _target(device, out, t)
     with torch.no_grad():
         _verify_checksum(t, header, layout)
         if t.device != target:
             _count(extra_copies=1, extra_bytes=t.numel())
-            t = t.to(target)
+            try:
+                t = t.to(target)
+            except (RuntimeError, AssertionError) as exc:  # e.g. torch built without CUDA
+                raise InvalidArgument(f"cannot move the chunk to {target}: {exc}") from exc
         if out is None:
             out = torch.empty(header.shape, dtype=header.dtype, device=target)
         _decode_into(t.view(1, -1), layout, out)

@@ -95,9 +95,9 @@ def realistic_kv(
 ) -> torch.Tensor:
     """Return a realistic KV chunk ``[2, T, H, D]`` (K then V) in ``dtype`` on the CPU.
 
-    Deterministic: the same arguments give the same bits on every run and platform torch
-    supports. Pure computation; never blocks on I/O. Raises :class:`InvalidArgument` for
-    non-positive sizes.
+    Deterministic: the same arguments give the same bits on every run of a given torch
+    build (CPU generator). Pure computation; never blocks on I/O. Raises
+    :class:`InvalidArgument` for non-positive sizes.
     """
     if min(T, H, D) <= 0:
         raise InvalidArgument(f"realistic_kv needs positive sizes, got T={T} H={H} D={D}")
@@ -105,6 +105,19 @@ def realistic_kv(
     k = _k_cache(T, H, D, gen)
     v = _v_cache(T, H, D, gen)
     return torch.stack([k, v]).to(dtype)
+
+
+def _attend(kv: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """``softmax(q Kᵀ/√D) V`` in float64: ``[Q, H, D]`` for ``kv [2, T, H, D]``."""
+    k, v = kv[0].double(), kv[1].double()
+    logits = torch.einsum("qhd,thd->hqt", queries.double(), k) / math.sqrt(kv.shape[-1])
+    return torch.einsum("hqt,thd->qhd", torch.softmax(logits, dim=-1), v)
+
+
+def _compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rel = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
+    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
+    return rel.flatten(), cos.flatten()
 
 
 def attention_error(
@@ -115,17 +128,7 @@ def attention_error(
     ``kv``/``kv_hat`` are ``[2, T, H, D]``; ``queries`` is ``[Q, H, D]``. Returns two
     float64 tensors of ``Q·H`` values: ``‖o' - o‖ / ‖o‖`` and ``cos(o', o)``.
     """
-    d = kv.shape[-1]
-
-    def attend(x: torch.Tensor) -> torch.Tensor:
-        k, v = x[0].double(), x[1].double()
-        logits = torch.einsum("qhd,thd->hqt", queries.double(), k) / math.sqrt(d)
-        return torch.einsum("hqt,thd->qhd", torch.softmax(logits, dim=-1), v)
-
-    ref, got = attend(kv), attend(kv_hat)
-    rel = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
-    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
-    return rel.flatten(), cos.flatten()
+    return _compare(_attend(kv, queries), _attend(kv_hat, queries))
 
 
 @dataclass(frozen=True)
@@ -158,19 +161,19 @@ def compare_schemes(
     given (default: every INT8 scheme the codec ships).
     """
     names = schemes or tuple(s for s in codec.SCHEMES if s.startswith("int8-"))
+    rels: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    coss: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    for c in range(chunks):
+        kv = realistic_kv(T, H, D, dtype, seed=seed + c)
+        q = torch.randn(queries, H, D, generator=torch.Generator().manual_seed(10_000 + seed + c))
+        ref = _attend(kv, q)
+        for name in names:
+            rel, cos = _compare(ref, _attend(codec.decode_chunk(codec.encode_chunk(kv, name)), q))
+            rels[name].append(rel)
+            coss[name].append(cos)
     rows = []
-    fp16_bytes = 2 * T * H * D * 2
     for name in names:
-        rels, coss = [], []
-        for c in range(chunks):
-            kv = realistic_kv(T, H, D, dtype, seed=seed + c)
-            gen = torch.Generator().manual_seed(10_000 + seed + c)
-            q = torch.randn(queries, H, D, generator=gen)
-            kv_hat = codec.decode_chunk(codec.encode_chunk(kv, quant=name))
-            rel, cos = attention_error(kv, kv_hat, q)
-            rels.append(rel)
-            coss.append(cos)
-        rel_all, cos_all = torch.cat(rels), torch.cat(coss)
+        rel_all, cos_all = torch.cat(rels[name]), torch.cat(coss[name])
         rows.append(
             SchemeAccuracy(
                 scheme=name,
@@ -178,7 +181,7 @@ def compare_schemes(
                 p99_rel_err=float(torch.quantile(rel_all, 0.99)),
                 mean_cosine=float(cos_all.mean()),
                 min_cosine=float(cos_all.min()),
-                size_ratio=codec.chunk_nbytes(T, H, D, dtype, name) / fp16_bytes,
+                size_ratio=codec.chunk_nbytes(T, H, D, dtype, name) / (4 * T * H * D),
             )
         )
     return rows
