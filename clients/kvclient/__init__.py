@@ -12,13 +12,19 @@ from kvstore.core.hashing import BlockHash, Namespace, block_hashes
 from . import errors
 from .client import KVClient
 from .errors import KVStoreError
+from .handles import Handle, Result, StreamHandle
+from .sync import SyncKVClient
 
 __all__ = [
     "BlockHash",
     "ChunkKey",
+    "Handle",
     "KVClient",
     "KVStoreError",
     "Namespace",
+    "Result",
+    "StreamHandle",
+    "SyncKVClient",
     "block_hashes",
     "decode_chunk",
     "encode_chunk",

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 import xxhash
 
-from kvstore.core.codec import ChunkKey, chunk_nbytes, decode_chunk, encode_blocks
+from kvstore.core.codec import ChunkKey, chunk_nbytes, decode_chunk
 from kvstore.core.hashing import Namespace, block_hashes, dtype_name
 from kvstore.core.placement import Candidate, rank_nodes, weight_for_free
 from kvstore.errors import (
@@ -41,6 +41,7 @@ from kvstore.errors import (
 from kvstore.master.client import MasterClient
 from kvstore.node.protocol import MAX_CHUNKS_PER_REQUEST, MAX_KEY_LEN, raise_if_error
 
+from .engine import EngineOps
 from .pool import ConnectionPool
 
 __all__ = ["DEFAULT_MAX_OBJECT_BYTES", "KVClient"]
@@ -66,7 +67,7 @@ def _torch_dtype(name: str) -> torch.dtype:
     return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
-class KVClient:
+class KVClient(EngineOps):
     """Reads and writes one namespace's KV in the pool. Create with :meth:`connect`.
 
     Not fork-safe: create clients after an engine forks its workers. Safe to use from many
@@ -104,6 +105,7 @@ class KVClient:
         self._nodes_lock = asyncio.Lock()
         self._codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvclient-codec")
         self._inflight: set[asyncio.Task[Any]] = set()
+        self._loop = asyncio.get_running_loop()
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -236,9 +238,10 @@ class KVClient:
         if not hashes:
             return 0
 
+        encoded = self._launch_encode(t, hashes, layer, shard)
+
         async def put() -> set[int]:
-            chunks = await self._encode_layer(t, hashes, layer, shard)
-            return await self._send_chunks(hashes, index, chunks)
+            return await self._send_chunks(hashes, index, await encoded())
 
         stored = await self._tracked_put(put(), hashes, timeout, "put_layer")
         return _prefix_len(stored, len(hashes)) * self.ns.block_tokens
@@ -260,25 +263,6 @@ class KVClient:
             raise
         finally:
             self._inflight.discard(task)
-
-    async def _encode_layer(
-        self, t: torch.Tensor, hashes: list[bytes], layer: int, shard: int
-    ) -> list[torch.Tensor]:
-        """Quantize the layer's full blocks into one chunk each.
-
-        CPU tensors are encoded on the client's codec thread. CUDA tensors are encoded on
-        the caller's current stream from the calling thread (kernel launches only), and the
-        transport waits on an event recorded after them, never on a device-wide sync.
-        """
-        keys = [ChunkKey(h, layer, shard) for h in hashes]
-        B, quant = self.ns.block_tokens, self.ns.quant
-        if t.is_cuda:
-            chunks = encode_blocks(t, B, keys, quant)
-            event = torch.cuda.Event()
-            event.record()
-            await self._run_codec(event.synchronize)
-            return [c.cpu() for c in chunks]
-        return await self._run_codec(encode_blocks, t, B, keys, quant)
 
     async def _send_chunks(
         self, hashes: list[bytes], index: int, chunks: Sequence[torch.Tensor]

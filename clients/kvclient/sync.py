@@ -1,0 +1,142 @@
+"""``SyncKVClient``: every :class:`~kvclient.KVClient` method without ``await``.
+
+Derived, not rewritten: each blocking method is generated from the async method of the
+same name and runs it on one process-wide event-loop thread that all sync clients share
+(:func:`~kvclient.handles.shared_loop`). Engine threads may call one client concurrently;
+the calls interleave on the loop. ``start_*`` calls are the async client's own (they may be
+called from any thread) and return handles at once.
+
+    with SyncKVClient.connect("127.0.0.1:50051", ns) as kv:
+        kv.put_layer(token_ids, layer, t)
+        for layer, t in kv.stream_layers(token_ids, timeout=30): ...
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvstore.core.hashing import Namespace
+from kvstore.errors import Miss
+
+from .client import KVClient
+from .handles import LoopThread, shared_loop
+
+__all__ = ["SyncKVClient"]
+
+_GRACE_S = 2.0
+"""Slack on top of a call's own deadline before the loop thread is given up on."""
+
+_BLOCKING = (
+    "match_prefix",
+    "put_layer",
+    "get_layer",
+    "put_layer_paged",
+    "get_layer_paged",
+    "put_object",
+    "get_object",
+    "exists",
+    "remove",
+)
+_DIRECT = ("block_hashes", "start_put_layer", "start_get_layer", "start_stream_layers")
+
+
+class SyncKVClient:
+    """A blocking client; see the module docstring. Create with :meth:`connect`."""
+
+    def __init__(self, client: KVClient, runner: LoopThread) -> None:
+        self._client = client
+        self._runner = runner
+
+    @classmethod
+    def connect(cls, master: str, ns: Namespace, **options: Any) -> SyncKVClient:
+        """Connect like :meth:`KVClient.connect` (same arguments), blocking."""
+        runner = shared_loop()
+        limit = float(options.get("timeout_s", 10.0)) + _GRACE_S
+        client = runner.run(KVClient.connect(master, ns, **options), limit)
+        return cls(client, runner)
+
+    @property
+    def ns(self) -> Namespace:
+        """The client's namespace."""
+        return self._client.ns
+
+    @property
+    def timeout_s(self) -> float:
+        """Default deadline of every call."""
+        return self._client.timeout_s
+
+    def close(self) -> None:
+        """Close the client (aborting puts in flight); idempotent."""
+        self._runner.run(self._client.close(), self._client.timeout_s + _GRACE_S)
+
+    def __enter__(self) -> SyncKVClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def stream_layers(
+        self,
+        token_ids: Sequence[int] | Any,
+        timeout: float | None = None,
+        *,
+        shard: int = 0,
+        device: Any = None,
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Blocking twin of :meth:`KVClient.stream_layers` (same contract)."""
+        limit = self._client.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        agen = self._client.stream_layers(token_ids, limit, shard=shard, device=device)
+
+        async def step() -> tuple[int, torch.Tensor] | None:
+            try:
+                return await anext(agen)
+            except StopAsyncIteration:
+                return None
+
+        try:
+            while True:
+                left = max(0.0, deadline - time.monotonic()) + _GRACE_S
+                item = self._runner.run(step(), left)
+                if item is None:
+                    return
+                yield item
+        except TimeoutError as exc:
+            raise Miss("stream timed out", layer=None) from exc
+        finally:
+            self._runner.run(agen.aclose(), _GRACE_S)
+
+
+def _blocking(name: str) -> Callable[..., Any]:
+    method = getattr(KVClient, name)
+
+    @functools.wraps(method)
+    def call(self: SyncKVClient, *args: Any, **kwargs: Any) -> Any:
+        timeout = kwargs.get("timeout")
+        limit = (self._client.timeout_s if timeout is None else timeout) + _GRACE_S
+        return self._runner.run(method(self._client, *args, **kwargs), limit)
+
+    call.__doc__ = f"Blocking twin of :meth:`KVClient.{name}`.\n\n{method.__doc__ or ''}"
+    return call
+
+
+def _direct(name: str) -> Callable[..., Any]:
+    method = getattr(KVClient, name)
+
+    @functools.wraps(method)
+    def call(self: SyncKVClient, *args: Any, **kwargs: Any) -> Any:
+        return method(self._client, *args, **kwargs)
+
+    return call
+
+
+for _name in _BLOCKING:
+    if hasattr(KVClient, _name):
+        setattr(SyncKVClient, _name, _blocking(_name))
+for _name in _DIRECT:
+    setattr(SyncKVClient, _name, _direct(_name))

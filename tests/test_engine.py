@@ -1,0 +1,183 @@
+"""The engine-facing client: the sync twin from many threads, start/wait handles,
+cancellation without leaked pins, and partial misses reported block by block — against
+real ``kvstore`` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import kvclient
+from kvclient.errors import BadShape, Cancelled, KVTimeout
+from kvstore.core.kvgen import realistic_kv
+from kvstore.transport import connect
+from tests.cluster import Server, start_server
+
+pytestmark = pytest.mark.slow
+
+H, D = 8, 128
+
+
+def _ns(layers: int = 4) -> kvclient.Namespace:
+    return kvclient.Namespace(
+        model="engine-test", revision="r", num_layers=layers, num_kv_heads=H, head_dim=D,
+        dtype=torch.bfloat16, block_tokens=256,
+    )  # fmt: skip
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return [(seed * 1_000_003 + i * 7919) % 150_000 for i in range(n)]
+
+
+async def _node_stats(data_uri: str) -> dict:
+    conn = await connect(data_uri, timeout=5)
+    try:
+        await conn.send({"op": "stats"})
+        return (await conn.recv_header(timeout=5)).header
+    finally:
+        await conn.close()
+
+
+def node_stats(data_uri: str) -> dict:
+    return asyncio.run(_node_stats(data_uri))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
+                       "--host-mem", "512MiB")  # fmt: skip
+    yield srv
+    rc, out = srv.stop()
+    assert rc == 0 and "pinned_slots=0" in out, out
+
+
+def test_sync_client_from_eight_threads(server: Server) -> None:
+    errors: list[BaseException] = []
+    with kvclient.SyncKVClient.connect(server.grpc, _ns()) as kv:
+
+        def work(i: int) -> None:
+            try:
+                tokens = _tokens(i, 768)
+                for layer in range(4):
+                    t = realistic_kv(768, H, D, torch.bfloat16, seed=i * 10 + layer)
+                    assert kv.put_layer(tokens, layer, t) == 768
+                for layer in range(4):
+                    got = kv.get_layer(tokens, layer)
+                    ref = realistic_kv(768, H, D, torch.bfloat16, seed=i * 10 + layer)
+                    assert (got.float() - ref.float()).norm() / ref.float().norm() < 0.02
+                assert kv.match_prefix(tokens) == 768
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+        assert not errors, errors
+        assert not any(th.is_alive() for th in threads)
+        assert node_stats(server.data)["pinned_slots"] == 0
+
+
+def test_start_put_then_wait_while_caller_works(server: Server) -> None:
+    with kvclient.SyncKVClient.connect(server.grpc, _ns()) as kv:
+        tokens = _tokens(100, 2048)
+        t = realistic_kv(2048, H, D, torch.bfloat16, seed=100)
+        handle = kv.start_put_layer(tokens, 0, t)
+        busy = torch.randn(256, 256)
+        for _ in range(20):  # the caller computes the next layer meanwhile
+            busy = busy @ busy.T / 256
+        result = handle.wait(timeout=30)
+        assert handle.done()
+        assert result.tokens == 2048 and result.missing == []
+        out = torch.zeros(2, 2048, H, D, dtype=torch.bfloat16)
+        got = kv.start_get_layer(tokens, 0, out).wait(timeout=30)
+        assert got.tokens == 2048 and got.missing == []
+        assert torch.equal(out, kv.get_layer(tokens, 0))
+        with pytest.raises(BadShape):
+            kv.start_put_layer(tokens, 0, t[:, :100])
+        # Not yet written: every block of layer 1 is reported missing, nothing raised.
+        miss = kv.start_get_layer(tokens, 1, out).wait(timeout=30)
+        assert miss.tokens == 0 and miss.missing == [(i, 1) for i in range(8)]
+
+
+def test_stream_handle_waits_for_layers(server: Server) -> None:
+    with kvclient.SyncKVClient.connect(server.grpc, _ns()) as kv:
+        tokens = _tokens(200, 1024)
+        stream = kv.start_stream_layers(tokens, timeout=30)
+        with pytest.raises(KVTimeout):
+            stream.layer(0, timeout=0.2)
+        for layer in range(4):
+            kv.put_layer(tokens, layer, realistic_kv(1024, H, D, torch.bfloat16, seed=layer))
+        for layer in range(4):
+            assert stream.layer(layer, timeout=30).shape == (2, 1024, H, D)
+        assert stream.wait(timeout=30).tokens == 1024
+
+
+def test_cancel_mid_transfer_leaves_no_pins(server: Server) -> None:
+    with kvclient.SyncKVClient.connect(server.grpc, _ns(1)) as kv:
+        tokens = _tokens(300, 64 * 256)  # 64 blocks: a 32 MiB int8 layer in flight
+        t = realistic_kv(64 * 256, H, D, torch.bfloat16, seed=300)
+        cancelled = 0
+        for delay in (0.0, 0.005, 0.02, 0.05):
+            handle = kv.start_put_layer(tokens, 0, t)
+            time.sleep(delay)
+            if handle.cancel():
+                cancelled += 1
+                with pytest.raises(Cancelled):
+                    handle.wait(timeout=5)
+            assert handle.done()
+        assert cancelled >= 1
+        out = torch.zeros(2, 64 * 256, H, D, dtype=torch.bfloat16)
+        get = kv.start_get_layer(tokens, 0, out)
+        get.cancel()
+        assert get.done()
+    deadline = time.monotonic() + 10
+    while (stats := node_stats(server.data))["pinned_slots"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stats["pinned_slots"] == 0 and stats["leases"] == 0, stats
+
+
+def test_partial_miss_reported_block_by_block() -> None:
+    """Two nodes share the blocks by HRW placement; one is killed: a get loads what the
+    survivor holds and names exactly the blocks the dead node held."""
+    master = start_server("master", "--grpc-port", "0", "--metrics-port", "0",
+                          "--node-lease-s", "1")  # fmt: skip
+    nodes = []
+    for i in range(2):
+        args = ["--master", master.grpc, "--data-port", "0", "--metrics-port", "0",
+                "--host-mem", "256MiB", "--node-id", f"n{i}"]  # fmt: skip
+        nodes.append(start_server("node", *args))
+    try:
+        with kvclient.SyncKVClient.connect(master.grpc, _ns(2)) as kv:
+            tokens = _tokens(400, 16 * 256)
+            t = realistic_kv(16 * 256, H, D, torch.bfloat16, seed=400)
+            assert kv.put_layer(tokens, 0, t) == 16 * 256
+            held = [node_stats(n.data)["slots"] for n in nodes]
+            assert all(held), "placement should spread 16 blocks over both nodes"
+            nodes[1].kill()
+            time.sleep(1.5)  # one lease: the master declares the node dead
+            out = torch.zeros(2, 16 * 256, H, D, dtype=torch.bfloat16)
+            result = kv.start_get_layer(tokens, 0, out).wait(timeout=30)
+            missing = [i for i, _ in result.missing]
+            assert len(missing) == held[1]
+            assert result.tokens == held[0] * 256
+            for i in range(16):
+                block = out[:, i * 256 : (i + 1) * 256].float()
+                if i in missing:
+                    assert block.abs().sum() == 0
+                else:
+                    ref = t[:, i * 256 : (i + 1) * 256].float()
+                    assert (block - ref).norm() / ref.norm() < 0.02
+            prefix = kv.get_layer(tokens, 0).shape[1]
+            assert prefix == (min(missing) if missing else 16) * 256
+    finally:
+        for n in nodes:
+            n.kill()
+        rc, out = master.stop()
+        assert rc == 0, out
