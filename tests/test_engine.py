@@ -181,3 +181,56 @@ def test_partial_miss_reported_block_by_block() -> None:
             n.kill()
         rc, out = master.stop()
         assert rc == 0, out
+
+
+@pytest.mark.parametrize(
+    ("layout", "engine_bs"), [("blocks_first", 16), ("kv_first", 16), ("kv_first", 512),
+                              ("blocks_first", 96)]
+)  # fmt: skip
+def test_paged_round_trip_equals_contiguous(server: Server, layout: str, engine_bs: int) -> None:
+    """Put from a paged cache with shuffled block ids, get into another paged cache: the
+    tokens equal what the contiguous path returns, and no other engine block is touched."""
+    n = 1024 + 100  # 4 full blocks of ours and a tail
+    seed = 500 + engine_bs + len(layout)
+    tokens = _tokens(seed, n)
+    layer_kv = realistic_kv(n, H, D, torch.bfloat16, seed=seed)
+    per_req = -(-n // engine_bs)
+    num_blocks = per_req * 2 + 3
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(num_blocks, generator=gen)[:per_req].tolist()
+
+    def paged_from(kv: torch.Tensor) -> torch.Tensor:
+        shape = (num_blocks, 2, engine_bs, H, D) if layout == "blocks_first" else (
+            2, num_blocks, engine_bs, H, D)  # fmt: skip
+        cache = torch.full(shape, 7.0, dtype=torch.bfloat16)
+        for j, b in enumerate(ids):
+            lo, hi = j * engine_bs, min(n, (j + 1) * engine_bs)
+            dst = cache[b] if layout == "blocks_first" else cache[:, b]
+            dst[:, : hi - lo] = kv[:, lo:hi]
+        return cache
+
+    def tokens_of(cache: torch.Tensor, count: int) -> torch.Tensor:
+        parts = [cache[b] if layout == "blocks_first" else cache[:, b] for b in ids]
+        return torch.cat(parts, dim=1)[:, :count]
+
+    with kvclient.SyncKVClient.connect(server.grpc, _ns()) as kv:
+        src = paged_from(layer_kv)
+        assert kv.put_layer_paged(tokens, 2, src, ids, layout=layout) == 1024
+        contiguous = kv.get_layer(tokens, 2)
+        assert contiguous.shape[1] == 1024
+        dst = torch.full_like(src, 7.0)
+        assert kv.get_layer_paged(tokens, 2, dst, ids, layout=layout) == 1024
+        assert torch.equal(tokens_of(dst, 1024), contiguous)
+        # Engine blocks outside the request, and the request's tail, keep the sentinel.
+        untouched = [b for b in range(num_blocks) if b not in ids]
+        for b in untouched:
+            blk = dst[b] if layout == "blocks_first" else dst[:, b]
+            assert torch.all(blk == 7.0)
+        assert torch.all(tokens_of(dst, n)[:, 1024:] == 7.0)
+        # The handle variant reports the same tokens and no missing block.
+        dst2 = torch.full_like(src, 7.0)
+        res = kv.start_get_layer_paged(tokens, 2, dst2, ids, layout=layout).wait(timeout=30)
+        assert res.tokens == 1024 and res.missing == []
+        assert torch.equal(dst2, dst)
+        with pytest.raises(BadShape):
+            kv.put_layer_paged(tokens, 2, src[..., :64], ids, layout=layout)

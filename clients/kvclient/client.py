@@ -42,6 +42,7 @@ from kvstore.master.client import MasterClient
 from kvstore.node.protocol import MAX_CHUNKS_PER_REQUEST, MAX_KEY_LEN, raise_if_error
 
 from .engine import EngineOps
+from .handles import prefix_len
 from .pool import ConnectionPool
 
 __all__ = ["DEFAULT_MAX_OBJECT_BYTES", "KVClient"]
@@ -244,7 +245,7 @@ class KVClient(EngineOps):
             return await self._send_chunks(hashes, index, await encoded())
 
         stored = await self._tracked_put(put(), hashes, timeout, "put_layer")
-        return _prefix_len(stored, len(hashes)) * self.ns.block_tokens
+        return prefix_len(stored, len(hashes)) * self.ns.block_tokens
 
     async def _tracked_put(
         self, coro: Awaitable[set[int]], hashes: list[bytes], timeout: float | None, what: str
@@ -363,7 +364,7 @@ class KVClient(EngineOps):
                 shape = (2, n * B, self.ns.num_kv_heads, self.ns.head_dim)
                 target = torch.empty(shape, dtype=self._dtype, device=device)
             loaded = await self._fetch(hashes, layer, shard, located, self._into(target))
-            return target[:, : _prefix_len(loaded, len(located)) * B]
+            return target[:, : prefix_len(loaded, len(located)) * B]
 
         return await self._deadline(get(), timeout, "get_layer")  # type: ignore[no-any-return]
 
@@ -636,14 +637,6 @@ class KVClient(EngineOps):
             return removed
 
         return bool(await self._deadline(run(), timeout, "remove"))
-
-
-def _prefix_len(present: set[int], n: int) -> int:
-    """How many leading indices ``0, 1, ...`` (below ``n``) are in ``present``."""
-    m = 0
-    while m < n and m in present:
-        m += 1
-    return m
 
 
 def _batches(idx: list[int]) -> list[list[int]]:

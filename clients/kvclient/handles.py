@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from kvstore.errors import Cancelled, InvalidArgument, KVStoreError, KVTimeout
 
-__all__ = ["Handle", "LoopThread", "Result", "StreamHandle", "shared_loop"]
+__all__ = ["Handle", "LoopThread", "Result", "StreamHandle", "prefix_len", "shared_loop"]
 
 T = TypeVar("T")
 
@@ -151,6 +151,14 @@ class StreamHandle(Handle):
             event.wait(step)
             waited += step
         return self._layers[layer]
+
+
+def prefix_len(present: set[int], n: int) -> int:
+    """How many leading indices ``0, 1, ...`` (below ``n``) are in ``present``."""
+    m = 0
+    while m < n and m in present:
+        m += 1
+    return m
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:

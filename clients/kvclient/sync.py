@@ -42,7 +42,14 @@ _BLOCKING = (
     "exists",
     "remove",
 )
-_DIRECT = ("block_hashes", "start_put_layer", "start_get_layer", "start_stream_layers")
+_DIRECT = (
+    "block_hashes",
+    "start_put_layer",
+    "start_get_layer",
+    "start_put_layer_paged",
+    "start_get_layer_paged",
+    "start_stream_layers",
+)
 
 
 class SyncKVClient:
@@ -136,7 +143,6 @@ def _direct(name: str) -> Callable[..., Any]:
 
 
 for _name in _BLOCKING:
-    if hasattr(KVClient, _name):
-        setattr(SyncKVClient, _name, _blocking(_name))
+    setattr(SyncKVClient, _name, _blocking(_name))
 for _name in _DIRECT:
     setattr(SyncKVClient, _name, _direct(_name))
