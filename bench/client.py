@@ -1,0 +1,137 @@
+"""The engine-facing client's overheads, against a running ``kvstore serve`` it starts.
+
+    python bench/client.py [--calls 300]
+
+Prints Markdown: per-call time of the sync twin next to the async client for the same
+calls (so the difference is the cost of the loop-thread hop), and how long the caller's
+thread is blocked by ``start_put_layer`` for one 2048-token layer next to a blocking
+``put_layer`` of the same layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import Table, machine_markdown, percentile, progress
+
+import kvclient
+from kvstore.core.kvgen import realistic_kv
+from tests.cluster import start_server
+
+NS = kvclient.Namespace(
+    model="bench-client", revision="r", num_layers=2, num_kv_heads=8, head_dim=128,
+    dtype=torch.bfloat16, block_tokens=256,
+)  # fmt: skip
+
+
+def _us(samples: list[float]) -> tuple[str, str]:
+    return f"{percentile(samples, 50) * 1e6:.0f}", f"{percentile(samples, 99) * 1e6:.0f}"
+
+
+async def async_calls(master: str, tokens: list[int], calls: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"match_prefix": [], "get_layer (512 tok)": []}
+    async with await kvclient.KVClient.connect(master, NS) as kv:
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            await kv.match_prefix(tokens)
+            t1 = time.perf_counter()
+            await kv.get_layer(tokens, 0)
+            t2 = time.perf_counter()
+            out["match_prefix"].append(t1 - t0)
+            out["get_layer (512 tok)"].append(t2 - t1)
+    return out
+
+
+def sync_calls(master: str, tokens: list[int], calls: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"match_prefix": [], "get_layer (512 tok)": []}
+    with kvclient.SyncKVClient.connect(master, NS) as kv:
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            kv.match_prefix(tokens)
+            t1 = time.perf_counter()
+            kv.get_layer(tokens, 0)
+            t2 = time.perf_counter()
+            out["match_prefix"].append(t1 - t0)
+            out["get_layer (512 tok)"].append(t2 - t1)
+    return out
+
+
+def blocked_time(master: str, reps: int) -> tuple[list[float], list[float], list[float]]:
+    """Caller-thread time of start_put_layer, of the whole put via wait(), and of put_layer."""
+    starts, totals, blocking = [], [], []
+    with kvclient.SyncKVClient.connect(master, NS) as kv:
+        for r in range(reps):
+            tokens = [(r * 100_003 + i) % 150_000 for i in range(2048)]
+            t = realistic_kv(2048, 8, 128, torch.bfloat16, seed=r)
+            t0 = time.perf_counter()
+            handle = kv.start_put_layer(tokens, 0, t)
+            t1 = time.perf_counter()
+            handle.wait(timeout=30)
+            t2 = time.perf_counter()
+            kv.put_layer(tokens, 1, t)
+            t3 = time.perf_counter()
+            if r:  # the first round warms caches and threads
+                starts.append(t1 - t0)
+                totals.append(t2 - t0)
+                blocking.append(t3 - t2)
+    return starts, totals, blocking
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--reps", type=int, default=21)
+    args = parser.parse_args()
+    srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
+                       "--host-mem", "256MiB")  # fmt: skip
+    try:
+        with progress() as bar:
+            task = bar.add_task("client bench", total=3)
+            tokens = list(range(512))
+            with kvclient.SyncKVClient.connect(srv.grpc, NS) as kv:
+                kv.put_layer(tokens, 0, realistic_kv(512, 8, 128, torch.bfloat16))
+            a = asyncio.run(async_calls(srv.grpc, tokens, args.calls))
+            bar.advance(task)
+            s = sync_calls(srv.grpc, tokens, args.calls)
+            bar.advance(task)
+            starts, totals, blocking = blocked_time(srv.grpc, args.reps)
+            bar.advance(task)
+    finally:
+        srv.stop()
+    table = Table(
+        f"Sync twin vs async client, same calls ({args.calls} each, µs)",
+        ["call", "async p50", "async p99", "sync p50", "sync p99", "sync overhead p50"],
+    )
+    for name in a:
+        ap50, ap99 = _us(a[name])
+        sp50, sp99 = _us(s[name])
+        delta = (statistics.median(s[name]) - statistics.median(a[name])) * 1e6
+        table.add(name, ap50, ap99, sp50, sp99, f"{delta:+.0f}")
+    blocked = Table(
+        "Caller thread blocked, one 2048-token layer (H=8, D=128, bf16 = 8 MiB), ms",
+        ["what", "p50", "max"],
+    )
+    for name, xs in (
+        ("start_put_layer returns", starts),
+        ("start_put_layer → wait() done (whole put)", totals),
+        ("put_layer (blocking)", blocking),
+    ):
+        blocked.add(name, f"{statistics.median(xs) * 1e3:.2f}", f"{max(xs) * 1e3:.2f}")
+    print(machine_markdown())
+    print(table.to_markdown())
+    print(blocked.to_markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
