@@ -234,3 +234,18 @@ def test_paged_round_trip_equals_contiguous(server: Server, layout: str, engine_
         assert torch.equal(dst2, dst)
         with pytest.raises(BadShape):
             kv.put_layer_paged(tokens, 2, src[..., :64], ids, layout=layout)
+
+
+def test_closing_a_writer_with_puts_in_flight_aborts_streams(server: Server) -> None:
+    tokens = _tokens(600, 64 * 256)
+    t = realistic_kv(64 * 256, H, D, torch.bfloat16, seed=600)
+    with kvclient.SyncKVClient.connect(server.grpc, _ns(2)) as reader:
+        stream = reader.start_stream_layers(tokens, timeout=60)
+        writer = kvclient.SyncKVClient.connect(server.grpc, _ns(2))
+        writer.start_put_layer(tokens, 0, t)  # 64 MiB of bf16 still quantizing ...
+        writer.close()  # ... when the writer goes away
+        t0 = time.monotonic()
+        with pytest.raises(kvclient.errors.Miss, match="abort") as info:
+            stream.layer(0, timeout=30)
+        assert info.value.layer == 0
+        assert time.monotonic() - t0 < 10  # told by the abort, not by the stream's timeout

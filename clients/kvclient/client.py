@@ -250,20 +250,26 @@ class KVClient(EngineOps):
     async def _tracked_put(
         self, coro: Awaitable[set[int]], hashes: list[bytes], timeout: float | None, what: str
     ) -> set[int]:
-        """Run a put under the deadline, registered as in flight; on failure or
-        cancellation, stop it and publish an ABORT for its blocks to their watchers."""
-        task = asyncio.ensure_future(coro)
+        """Run a put as a task registered in flight, under the call's deadline. If it
+        fails, times out or is cancelled — by the caller or by :meth:`close` — the task
+        publishes an ABORT for its blocks to their watchers before it ends."""
+
+        async def put_or_abort() -> set[int]:
+            try:
+                return set(await coro)
+            except BaseException:
+                await asyncio.shield(self._abort(hashes, f"{what} failed or was cancelled"))
+                raise
+
+        task = asyncio.ensure_future(put_or_abort())
         self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
         try:
             return set(await self._deadline(asyncio.shield(task), timeout, what))
         except BaseException:
-            if not task.done():
-                task.cancel()
-                await asyncio.wait([task], timeout=1.0)
-            await self._abort(hashes, f"{what} failed or was cancelled")
+            task.cancel()
+            await asyncio.wait([task], timeout=min(2.0, self.timeout_s))
             raise
-        finally:
-            self._inflight.discard(task)
 
     async def _send_chunks(
         self, hashes: list[bytes], index: int, chunks: Sequence[torch.Tensor]
