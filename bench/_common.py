@@ -1,0 +1,424 @@
+"""Shared pieces of the benchmarks in ``bench/``.
+
+- Report: :func:`machine_markdown` (CPU, cores, torch, commit), :class:`Table` (Markdown),
+  :func:`progress` (rich, on stderr), :func:`save_bar_plot` (optional PNG).
+- Measure: :func:`meter` (wall time, CPU and page faults of this and another process),
+  :func:`time_calls` / :func:`time_calls_async` / :func:`latency_stats` (p50, p99, mean),
+  :func:`proc_stat`, :func:`percentile`.
+- Processes: :class:`Serve` (a ``kvstore serve`` on port 0) and :class:`SpawnedServer`
+  (a baseline server in a spawned process).
+
+Benchmarks print their Markdown on stdout (so ``python bench/x.py > out.md`` is clean) and
+their progress on stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import platform
+import re
+import resource
+import selectors
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection as Pipe
+from pathlib import Path
+from typing import IO, Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+__all__ = [
+    "BarPanel",
+    "ProcStat",
+    "Serve",
+    "SpawnedServer",
+    "Table",
+    "latency_stats",
+    "machine_info",
+    "machine_markdown",
+    "meter",
+    "percentile",
+    "proc_stat",
+    "progress",
+    "save_bar_plot",
+    "time_calls",
+    "time_calls_async",
+]
+
+_REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Table:
+    """One Markdown table with a title and notes printed under it."""
+
+    title: str
+    headers: Sequence[str]
+    rows: list[Sequence[object]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, *cells: object) -> None:
+        """Append one row (cells are formatted with ``str``)."""
+        if len(cells) != len(self.headers):
+            raise ValueError(f"row has {len(cells)} cells, table has {len(self.headers)}")
+        self.rows.append(cells)
+
+    def to_markdown(self) -> str:
+        """The title as a level-3 heading, the table (numbers right-aligned), the notes."""
+        first = self.rows[0] if self.rows else [""] * len(self.headers)
+        align = ["---:" if isinstance(c, int | float) or _numeric(c) else "---" for c in first]
+        lines = [f"### {self.title}", ""]
+        lines.append("| " + " | ".join(str(h) for h in self.headers) + " |")
+        lines.append("|" + "|".join(align) + "|")
+        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in self.rows]
+        if self.notes:
+            lines.append("")
+            lines += [f"- {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+
+def _numeric(cell: object) -> bool:
+    text = str(cell).replace(",", "").replace("x", "").replace("%", "").strip()
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def machine_info() -> dict[str, str]:
+    """CPU model, cores, memory, OS, Python, torch and commit of this machine and tree.
+
+    Reads ``/proc`` and runs ``git rev-parse`` (read only); fields that cannot be read say
+    ``unknown``. Imports torch.
+    """
+    import torch
+
+    info = {
+        "cpu": _cpuinfo_field("model name"),
+        "cores": f"{os.cpu_count()} logical, {len(os.sched_getaffinity(0))} usable",
+        "memory": _meminfo_total(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "torch": f"{torch.__version__} ({torch.get_num_threads()} intra-op threads)",
+        "commit": _git_commit(),
+    }
+    return info
+
+
+def machine_markdown() -> str:
+    """:func:`machine_info` as one Markdown bullet line per field."""
+    return "\n".join(f"- **{k}**: {v}" for k, v in machine_info().items()) + "\n"
+
+
+def _cpuinfo_field(name: str) -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _meminfo_total() -> str:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return "unknown"
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(_REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip()
+
+
+@dataclass
+class Serve:
+    """A ``kvstore serve`` subprocess (loopback, every port 0) and its ready-line addresses
+    (``grpc``, ``data``, ``node``, ``metrics``). Start with :meth:`start`; always
+    :meth:`stop` (also a context manager)."""
+
+    proc: subprocess.Popen[str]
+    addresses: dict[str, str]
+    stderr: IO[str]
+
+    @classmethod
+    def start(cls, *flags: str, timeout: float = 60.0) -> Serve:
+        """Run ``python -m kvstore.cli serve --grpc-port 0 --data-port 0 --metrics-port 0
+        FLAGS`` and wait up to ``timeout`` s for its ``kvstore ready`` line. Raises
+        ``RuntimeError`` (with the tail of its stderr) when it exits or stays silent."""
+        ports = ["--grpc-port", "0", "--data-port", "0", "--metrics-port", "0"]
+        # Kept open for the life of the process (read on failure, closed by stop()).
+        err = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.cli", "serve", *ports, *flags],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        serve = cls(proc, {}, err)
+        line = serve._ready_line(timeout)
+        if line is None:
+            serve.stop()
+            raise RuntimeError(f"kvstore serve did not become ready: {serve.stderr_tail()}")
+        serve.addresses = dict(re.findall(r"(\w+)=(\S+)", line))
+        return serve
+
+    def _ready_line(self, timeout: float) -> str | None:
+        out = self.proc.stdout
+        if out is None:
+            return None
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(out, selectors.EVENT_READ)
+            while sel.select(max(0.0, deadline - time.monotonic())):
+                line = out.readline()
+                if not line:
+                    return None
+                if "kvstore ready" in line:
+                    return line
+        return None
+
+    def stderr_tail(self, nbytes: int = 2000) -> str:
+        """The last ``nbytes`` characters the server wrote on stderr."""
+        if self.stderr.closed:
+            return ""
+        self.stderr.seek(0)
+        return self.stderr.read()[-nbytes:]
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM, wait ``timeout`` s (then SIGKILL); return the exit status. Idempotent."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate(timeout=5)
+        if self.proc.returncode != 0:
+            sys.stderr.write(f"kvstore serve exited with {self.proc.returncode}: "
+                             f"{self.stderr_tail()}\n")  # fmt: skip
+        self.stderr.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> Serve:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """CPU seconds (user + system, all threads) and minor page faults of one process."""
+
+    cpu_s: float
+    minor_faults: int
+
+    def __sub__(self, other: ProcStat) -> ProcStat:
+        return ProcStat(self.cpu_s - other.cpu_s, self.minor_faults - other.minor_faults)
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_stat(pid: int) -> ProcStat:
+    """Read ``/proc/<pid>/stat`` (utime + stime, minflt). Never blocks; resolution is one
+    clock tick (usually 10 ms). Raises ``OSError`` when the process is gone."""
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    fields = raw[raw.rindex(")") + 2 :].split()  # after "pid (comm) ": state is fields[0]
+    minflt, utime, stime = int(fields[7]), int(fields[11]), int(fields[12])
+    return ProcStat((utime + stime) / _CLK_TCK, minflt)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values`` by linear interpolation.
+
+    Raises ``ValueError`` for an empty sequence or ``q`` outside [0, 100].
+    """
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must lie in [0, 100], got {q}")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
+
+
+@contextlib.contextmanager
+def meter(pid: int) -> Iterator[dict[str, float]]:
+    """Measure the ``with`` body: ``s`` (wall seconds), ``server_cpu`` / ``server_faults``
+    (CPU seconds and minor faults of process ``pid``, e.g. a server) and ``client_cpu`` /
+    ``client_faults`` (the same for this process, every thread). The yielded dict is filled
+    when the body exits. Raises ``OSError`` when ``pid`` is gone."""
+    rec: dict[str, float] = {}
+    s0, c0 = proc_stat(pid), resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    yield rec
+    t1 = time.perf_counter()
+    s1, c1 = proc_stat(pid), resource.getrusage(resource.RUSAGE_SELF)
+    rec["s"] = t1 - t0
+    rec["server_cpu"] = (s1 - s0).cpu_s
+    rec["server_faults"] = (s1 - s0).minor_faults
+    rec["client_cpu"] = (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
+    rec["client_faults"] = c1.ru_minflt - c0.ru_minflt
+
+
+def latency_stats(samples: Sequence[float]) -> dict[str, float]:
+    """``p50``, ``p99`` and ``mean`` of ``samples`` (seconds in, seconds out)."""
+    return {
+        "p50": percentile(samples, 50),
+        "p99": percentile(samples, 99),
+        "mean": statistics.fmean(samples),
+    }
+
+
+def time_calls(fn: Callable[[], object], n: int, warmup: int = 50) -> dict[str, float]:
+    """Call ``fn`` ``warmup`` times, then time ``n`` sequential calls: :func:`latency_stats`."""
+    for _ in range(warmup):
+        fn()
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        lat.append(time.perf_counter() - t0)
+    return latency_stats(lat)
+
+
+async def time_calls_async(
+    call: Callable[[], Awaitable[object]], n: int, warmup: int = 50
+) -> dict[str, float]:
+    """Like :func:`time_calls` for a coroutine function, awaited one call at a time."""
+    for _ in range(warmup):
+        await call()
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await call()
+        lat.append(time.perf_counter() - t0)
+    return latency_stats(lat)
+
+
+@dataclass
+class SpawnedServer:
+    """A helper server in a process of its own (``spawn`` start method) and the address it
+    reported. Start with :meth:`start`; always :meth:`stop`."""
+
+    proc: mp.process.BaseProcess
+    address: Any
+
+    @classmethod
+    def start(cls, target: Callable[[Pipe], None], timeout: float = 60.0) -> SpawnedServer:
+        """Spawn ``target(pipe)`` — a module-level function that binds, sends its address
+        through ``pipe`` and serves until terminated — and wait up to ``timeout`` s for
+        that address. Raises ``RuntimeError`` when none comes."""
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=target, args=(child,), daemon=True)
+        proc.start()
+        child.close()
+        if not parent.poll(timeout):
+            proc.kill()
+            proc.join(5)
+            raise RuntimeError(f"{target.__name__} did not report an address")
+        return cls(proc, parent.recv())
+
+    @property
+    def pid(self) -> int:
+        """The server's process id."""
+        return self.proc.pid or 0
+
+    def stop(self) -> None:
+        """SIGTERM, reap (SIGKILL after 10 s). Idempotent."""
+        self.proc.terminate()
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def progress() -> Progress:
+    """A rich progress bar on stderr (so stdout stays clean Markdown); use as a context
+    manager: ``with progress() as p: task = p.add_task("…", total=n); p.advance(task)``."""
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+    )
+
+
+@dataclass
+class BarPanel:
+    """One subplot: a bar per label, optionally several series side by side."""
+
+    title: str
+    ylabel: str
+    labels: list[str]
+    series: dict[str, list[float]]
+
+
+def save_bar_plot(path: str | Path, panels: Sequence[BarPanel], suptitle: str = "") -> None:
+    """Write ``panels`` side by side as a PNG at ``path`` (matplotlib, Agg backend).
+
+    Imports matplotlib on first use; raises ``ImportError`` when it is not installed and
+    ``OSError`` when ``path`` cannot be written. Blocks for about a second.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        n = len(panel.series)
+        width = 0.8 / max(n, 1)
+        for k, (name, values) in enumerate(panel.series.items()):
+            xs = [i + (k - (n - 1) / 2) * width for i in range(len(panel.labels))]
+            bars = ax.bar(xs, values, width, label=name)
+            ax.bar_label(bars, fmt="%.3g", fontsize=7)
+        ax.set_xticks(range(len(panel.labels)), panel.labels, rotation=25, ha="right", fontsize=8)
+        ax.set_title(panel.title, fontsize=10)
+        ax.set_ylabel(panel.ylabel)
+        if n > 1:
+            ax.legend(fontsize=8)
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
