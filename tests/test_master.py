@@ -178,6 +178,8 @@ async def test_lookup_and_match_prefix_use_the_union_of_holders(
     assert server.service.counters.hit_tokens == 512
     assert [sorted(h.node_id for h in hs) for hs in match.holders] == [["a", "b"], ["a"]]
     assert {h.node_id: h.mask for h in match.holders[0]} == {"a": 0b0011, "b": 0b1100}
+    count_only = await client.match_prefix(NS, hashes, CPB, skip_holders=True)
+    assert count_only.blocks == 2 and count_only.holders == []
 
     located = await client.lookup(NS, [*hashes, bh(9)], CPB)
     assert [[h.node_id for h in hs] for hs in located] == [["a", "b"], ["a"], ["b"], ["a"], []]

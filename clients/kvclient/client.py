@@ -482,7 +482,11 @@ class KVClient(EngineOps):
 
     async def _match(self, hashes: list[bytes], hold_s: float) -> int:
         blocks, holders = await self._master.match_prefix(
-            self.ns.id, hashes, self._chunks_per_block, block_tokens=self.ns.block_tokens
+            self.ns.id,
+            hashes,
+            self._chunks_per_block,
+            block_tokens=self.ns.block_tokens,
+            skip_holders=hold_s <= 0,
         )
         if hold_s > 0 and blocks:
             by_uri: dict[str, list[int]] = {}

@@ -218,16 +218,19 @@ class MasterClient:
         chunks_per_block: int,
         *,
         block_tokens: int = 0,
+        skip_holders: bool = False,
         timeout: float | None = None,
     ) -> PrefixMatch:
         """Leading blocks whose every chunk is present (union of live holders) and their
         holders; ``blocks, holders = await ...`` works. A miss is ``blocks == 0``.
-        ``block_tokens`` only feeds the master's hit-token counter."""
+        ``block_tokens`` only feeds the master's hit-token counter; ``skip_holders``
+        leaves ``holders`` empty (cheaper when only the count matters)."""
         req = pb.MatchPrefixRequest(
             ns_id=ns_id,
             block_hashes=block_hashes,
             chunks_per_block=chunks_per_block,
             block_tokens=block_tokens,
+            skip_holders=skip_holders,
         )
         resp = await self._call("MatchPrefix", req, timeout)
         return PrefixMatch(resp.blocks, [wire.holders_from_pb(b) for b in resp.holders])

@@ -307,7 +307,9 @@ class MasterService(pb_grpc.MasterServicer):
         self.counters.miss_blocks += len(hashes) - matched
         return pb.MatchPrefixResponse(
             blocks=matched,
-            holders=[wire.block_holders_to_pb(h, uris, cpb) for h in located[:matched]],
+            holders=[]
+            if request.skip_holders
+            else [wire.block_holders_to_pb(h, uris, cpb) for h in located[:matched]],
         )
 
     @_unary

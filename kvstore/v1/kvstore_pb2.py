@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"@\n\x04Tier\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\"\x9e\x01\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61ta_uri\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x15\n\rnixl_metadata\x18\x04 \x01(\x0c\x12\x1f\n\x05tiers\x18\x05 \x03(\x0b\x32\x10.kvstore.v1.Tier\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x0c\n\x04host\x18\x07 \x01(\t\"2\n\x10RegisterResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"\xc2\x01\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x1f\n\x05tiers\x18\x03 \x03(\x0b\x32\x10.kvstore.v1.Tier\x12<\n\x08\x63ounters\x18\x04 \x03(\x0b\x32*.kvstore.v1.HeartbeatRequest.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"3\n\x11HeartbeatResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x12\n\nreregister\x18\x02 \x01(\x08\"=\n\x08\x42lockAdd\x12\r\n\x05ns_id\x18\x01 \x01(\x0c\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63hunks\x18\x03 \x03(\r\"-\n\x08\x42lockRef\x12\r\n\x05ns_id\x18\x01 \x01(\x0c\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\"(\n\tObjectAdd\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\"\xca\x01\n\rCommitRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\"\n\x04\x61\x64\x64s\x18\x04 \x03(\x0b\x32\x14.kvstore.v1.BlockAdd\x12$\n\x06\x65victs\x18\x05 \x03(\x0b\x32\x14.kvstore.v1.BlockRef\x12*\n\x0bobject_adds\x18\x06 \x03(\x0b\x32\x15.kvstore.v1.ObjectAdd\x12\x16\n\x0eobject_removes\x18\x07 \x03(\t\"%\n\x0e\x43ommitResponse\x12\x13\n\x0b\x61pplied_seq\x18\x01 \x01(\x04\"H\n\x06Holder\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61ta_uri\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0c\n\x04mask\x18\x04 \x01(\x0c\"3\n\x0c\x42lockHolders\x12#\n\x07holders\x18\x01 \x03(\x0b\x32\x12.kvstore.v1.Holder\"N\n\rLookupRequest\x12\r\n\x05ns_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x18\n\x10\x63hunks_per_block\x18\x03 \x01(\r\":\n\x0eLookupResponse\x12(\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x18.kvstore.v1.BlockHolders\"i\n\x12MatchPrefixRequest\x12\r\n\x05ns_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x18\n\x10\x63hunks_per_block\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x04 \x01(\r\"P\n\x13MatchPrefixResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12)\n\x07holders\x18\x02 \x03(\x0b\x32\x18.kvstore.v1.BlockHolders\"\x0e\n\x0cNodesRequest\"\xed\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x0f\n\x07suspect\x18\x03 \x01(\x08\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x13\n\x0blease_age_s\x18\x05 \x01(\x01\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x10\n\x08\x64\x61ta_uri\x18\x07 \x01(\t\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x15\n\rnixl_metadata\x18\t \x01(\x0c\x12\x1f\n\x05tiers\x18\n \x03(\x0b\x32\x10.kvstore.v1.Tier\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x0c\n\x04host\x18\x0c \x01(\t\"4\n\rNodesResponse\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.kvstore.v1.NodeInfo\"M\n\x0cWatchRequest\x12\r\n\x05ns_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x18\n\x10\x63hunks_per_block\x18\x03 \x01(\r\"\xdf\x01\n\nWatchEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.kvstore.v1.WatchEvent.Kind\x12\x13\n\x0b\x62lock_index\x18\x02 \x01(\r\x12\x0e\n\x06\x63hunks\x18\x03 \x03(\r\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\"Q\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06\x43OMMIT\x10\x01\x12\t\n\x05\x45VICT\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x12\x11\n\rSNAPSHOT_DONE\x10\x04\"7\n\rWatchResponse\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.WatchEvent\"C\n\x0c\x41\x62ortRequest\x12\r\n\x05ns_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0f\n\rAbortResponse\"\"\n\x13LookupObjectRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"P\n\x0cObjectHolder\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61ta_uri\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"A\n\x14LookupObjectResponse\x12)\n\x07holders\x18\x01 \x03(\x0b\x32\x18.kvstore.v1.ObjectHolder\"\x0e\n\x0cStatsRequest\"\x9d\x01\n\rStatsResponse\x12\r\n\x05nodes\x18\x01 \x01(\x04\x12\x12\n\nlive_nodes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x05 \x01(\x04\x12\x0f\n\x07objects\x18\x06 \x01(\x04\x12\x0c\n\x04hits\x18\x07 \x01(\x04\x12\x0e\n\x06misses\x18\x08 \x01(\x04\"0\n\x0c\x44rainRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07undrain\x18\x02 \x01(\x08\"!\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x32\xf6\x05\n\x06Master\x12\x45\n\x08Register\x12\x1b.kvstore.v1.RegisterRequest\x1a\x1c.kvstore.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.kvstore.v1.HeartbeatRequest\x1a\x1d.kvstore.v1.HeartbeatResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12N\n\x0bMatchPrefix\x12\x1e.kvstore.v1.MatchPrefixRequest\x1a\x1f.kvstore.v1.MatchPrefixResponse\x12<\n\x05Nodes\x12\x18.kvstore.v1.NodesRequest\x1a\x19.kvstore.v1.NodesResponse\x12>\n\x05Watch\x12\x18.kvstore.v1.WatchRequest\x1a\x19.kvstore.v1.WatchResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.AbortRequest\x1a\x19.kvstore.v1.AbortResponse\x12Q\n\x0cLookupObject\x12\x1f.kvstore.v1.LookupObjectRequest\x1a .kvstore.v1.LookupObjectResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12<\n\x05\x44rain\x12\x18.kvstore.v1.DrainRequest\x1a\x19.kvstore.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"@\n\x04Tier\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\"\x9e\x01\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61ta_uri\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x15\n\rnixl_metadata\x18\x04 \x01(\x0c\x12\x1f\n\x05tiers\x18\x05 \x03(\x0b\x32\x10.kvstore.v1.Tier\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x0c\n\x04host\x18\x07 \x01(\t\"2\n\x10RegisterResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"\xc2\x01\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x1f\n\x05tiers\x18\x03 \x03(\x0b\x32\x10.kvstore.v1.Tier\x12<\n\x08\x63ounters\x18\x04 \x03(\x0b\x32*.kvstore.v1.HeartbeatRequest.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"3\n\x11HeartbeatResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x12\n\nreregister\x18\x02 \x01(\x08\"=\n\x08\x42lockAdd\x12\r\n\x05ns_id\x18\x01 \x01(\x0c\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63hunks\x18\x03 \x03(\r\"-\n\x08\x42lockRef\x12\r\n\x05ns_id\x18\x01 \x01(\x0c\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\"(\n\tObjectAdd\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\"\xca\x01\n\rCommitRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\"\n\x04\x61\x64\x64s\x18\x04 \x03(\x0b\x32\x14.kvstore.v1.BlockAdd\x12$\n\x06\x65victs\x18\x05 \x03(\x0b\x32\x14.kvstore.v1.BlockRef\x12*\n\x0bobject_adds\x18\x06 \x03(\x0b\x32\x15.kvstore.v1.ObjectAdd\x12\x16\n\x0eobject_removes\x18\x07 \x03(\t\"%\n\x0e\x43ommitResponse\x12\x13\n\x0b\x61pplied_seq\x18\x01 \x01(\x04\"H\n\x06Holder\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61ta_uri\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0c\n\x04mask\x18\x04 \x01(\x0c\"3\n\x0c\x42lockHolders\x12#\n\x07holders\x18\x01 \x03(\x0b\x32\x12.kvstore.v1.Holder\"N\n\rLookupRequest\x12\r\n\x05ns_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x18\n\x10\x63hunks_per_block\x18\x03 \x01(\r\":\n\x0eLookupResponse\x12(\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x18.kvstore.v1.BlockHolders\"\x7f\n\x12MatchPrefixRequest\x12\r\n\x05ns_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x18\n\x10\x63hunks_per_block\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x04 \x01(\r\x12\x14\n\x0cskip_holders\x18\x05 \x01(\x08\"P\n\x13MatchPrefixResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12)\n\x07holders\x18\x02 \x03(\x0b\x32\x18.kvstore.v1.BlockHolders\"\x0e\n\x0cNodesRequest\"\xed\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x0f\n\x07suspect\x18\x03 \x01(\x08\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x13\n\x0blease_age_s\x18\x05 \x01(\x01\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x10\n\x08\x64\x61ta_uri\x18\x07 \x01(\t\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x15\n\rnixl_metadata\x18\t \x01(\x0c\x12\x1f\n\x05tiers\x18\n \x03(\x0b\x32\x10.kvstore.v1.Tier\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x0c\n\x04host\x18\x0c \x01(\t\"4\n\rNodesResponse\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.kvstore.v1.NodeInfo\"M\n\x0cWatchRequest\x12\r\n\x05ns_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x18\n\x10\x63hunks_per_block\x18\x03 \x01(\r\"\xdf\x01\n\nWatchEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.kvstore.v1.WatchEvent.Kind\x12\x13\n\x0b\x62lock_index\x18\x02 \x01(\r\x12\x0e\n\x06\x63hunks\x18\x03 \x03(\r\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\"Q\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06\x43OMMIT\x10\x01\x12\t\n\x05\x45VICT\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x12\x11\n\rSNAPSHOT_DONE\x10\x04\"7\n\rWatchResponse\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.WatchEvent\"C\n\x0c\x41\x62ortRequest\x12\r\n\x05ns_id\x18\x01 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0f\n\rAbortResponse\"\"\n\x13LookupObjectRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"P\n\x0cObjectHolder\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61ta_uri\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"A\n\x14LookupObjectResponse\x12)\n\x07holders\x18\x01 \x03(\x0b\x32\x18.kvstore.v1.ObjectHolder\"\x0e\n\x0cStatsRequest\"\x9d\x01\n\rStatsResponse\x12\r\n\x05nodes\x18\x01 \x01(\x04\x12\x12\n\nlive_nodes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x05 \x01(\x04\x12\x0f\n\x07objects\x18\x06 \x01(\x04\x12\x0c\n\x04hits\x18\x07 \x01(\x04\x12\x0e\n\x06misses\x18\x08 \x01(\x04\"0\n\x0c\x44rainRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07undrain\x18\x02 \x01(\x08\"!\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x32\xf6\x05\n\x06Master\x12\x45\n\x08Register\x12\x1b.kvstore.v1.RegisterRequest\x1a\x1c.kvstore.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.kvstore.v1.HeartbeatRequest\x1a\x1d.kvstore.v1.HeartbeatResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12N\n\x0bMatchPrefix\x12\x1e.kvstore.v1.MatchPrefixRequest\x1a\x1f.kvstore.v1.MatchPrefixResponse\x12<\n\x05Nodes\x12\x18.kvstore.v1.NodesRequest\x1a\x19.kvstore.v1.NodesResponse\x12>\n\x05Watch\x12\x18.kvstore.v1.WatchRequest\x1a\x19.kvstore.v1.WatchResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.AbortRequest\x1a\x19.kvstore.v1.AbortResponse\x12Q\n\x0cLookupObject\x12\x1f.kvstore.v1.LookupObjectRequest\x1a .kvstore.v1.LookupObjectResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12<\n\x05\x44rain\x12\x18.kvstore.v1.DrainRequest\x1a\x19.kvstore.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -64,41 +64,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPRESPONSE']._serialized_start=1172
   _globals['_LOOKUPRESPONSE']._serialized_end=1230
   _globals['_MATCHPREFIXREQUEST']._serialized_start=1232
-  _globals['_MATCHPREFIXREQUEST']._serialized_end=1337
-  _globals['_MATCHPREFIXRESPONSE']._serialized_start=1339
-  _globals['_MATCHPREFIXRESPONSE']._serialized_end=1419
-  _globals['_NODESREQUEST']._serialized_start=1421
-  _globals['_NODESREQUEST']._serialized_end=1435
-  _globals['_NODEINFO']._serialized_start=1438
-  _globals['_NODEINFO']._serialized_end=1675
-  _globals['_NODESRESPONSE']._serialized_start=1677
-  _globals['_NODESRESPONSE']._serialized_end=1729
-  _globals['_WATCHREQUEST']._serialized_start=1731
-  _globals['_WATCHREQUEST']._serialized_end=1808
-  _globals['_WATCHEVENT']._serialized_start=1811
-  _globals['_WATCHEVENT']._serialized_end=2034
-  _globals['_WATCHEVENT_KIND']._serialized_start=1953
-  _globals['_WATCHEVENT_KIND']._serialized_end=2034
-  _globals['_WATCHRESPONSE']._serialized_start=2036
-  _globals['_WATCHRESPONSE']._serialized_end=2091
-  _globals['_ABORTREQUEST']._serialized_start=2093
-  _globals['_ABORTREQUEST']._serialized_end=2160
-  _globals['_ABORTRESPONSE']._serialized_start=2162
-  _globals['_ABORTRESPONSE']._serialized_end=2177
-  _globals['_LOOKUPOBJECTREQUEST']._serialized_start=2179
-  _globals['_LOOKUPOBJECTREQUEST']._serialized_end=2213
-  _globals['_OBJECTHOLDER']._serialized_start=2215
-  _globals['_OBJECTHOLDER']._serialized_end=2295
-  _globals['_LOOKUPOBJECTRESPONSE']._serialized_start=2297
-  _globals['_LOOKUPOBJECTRESPONSE']._serialized_end=2362
-  _globals['_STATSREQUEST']._serialized_start=2364
-  _globals['_STATSREQUEST']._serialized_end=2378
-  _globals['_STATSRESPONSE']._serialized_start=2381
-  _globals['_STATSRESPONSE']._serialized_end=2538
-  _globals['_DRAINREQUEST']._serialized_start=2540
-  _globals['_DRAINREQUEST']._serialized_end=2588
-  _globals['_DRAINRESPONSE']._serialized_start=2590
-  _globals['_DRAINRESPONSE']._serialized_end=2623
-  _globals['_MASTER']._serialized_start=2626
-  _globals['_MASTER']._serialized_end=3384
+  _globals['_MATCHPREFIXREQUEST']._serialized_end=1359
+  _globals['_MATCHPREFIXRESPONSE']._serialized_start=1361
+  _globals['_MATCHPREFIXRESPONSE']._serialized_end=1441
+  _globals['_NODESREQUEST']._serialized_start=1443
+  _globals['_NODESREQUEST']._serialized_end=1457
+  _globals['_NODEINFO']._serialized_start=1460
+  _globals['_NODEINFO']._serialized_end=1697
+  _globals['_NODESRESPONSE']._serialized_start=1699
+  _globals['_NODESRESPONSE']._serialized_end=1751
+  _globals['_WATCHREQUEST']._serialized_start=1753
+  _globals['_WATCHREQUEST']._serialized_end=1830
+  _globals['_WATCHEVENT']._serialized_start=1833
+  _globals['_WATCHEVENT']._serialized_end=2056
+  _globals['_WATCHEVENT_KIND']._serialized_start=1975
+  _globals['_WATCHEVENT_KIND']._serialized_end=2056
+  _globals['_WATCHRESPONSE']._serialized_start=2058
+  _globals['_WATCHRESPONSE']._serialized_end=2113
+  _globals['_ABORTREQUEST']._serialized_start=2115
+  _globals['_ABORTREQUEST']._serialized_end=2182
+  _globals['_ABORTRESPONSE']._serialized_start=2184
+  _globals['_ABORTRESPONSE']._serialized_end=2199
+  _globals['_LOOKUPOBJECTREQUEST']._serialized_start=2201
+  _globals['_LOOKUPOBJECTREQUEST']._serialized_end=2235
+  _globals['_OBJECTHOLDER']._serialized_start=2237
+  _globals['_OBJECTHOLDER']._serialized_end=2317
+  _globals['_LOOKUPOBJECTRESPONSE']._serialized_start=2319
+  _globals['_LOOKUPOBJECTRESPONSE']._serialized_end=2384
+  _globals['_STATSREQUEST']._serialized_start=2386
+  _globals['_STATSREQUEST']._serialized_end=2400
+  _globals['_STATSRESPONSE']._serialized_start=2403
+  _globals['_STATSRESPONSE']._serialized_end=2560
+  _globals['_DRAINREQUEST']._serialized_start=2562
+  _globals['_DRAINREQUEST']._serialized_end=2610
+  _globals['_DRAINRESPONSE']._serialized_start=2612
+  _globals['_DRAINRESPONSE']._serialized_end=2645
+  _globals['_MASTER']._serialized_start=2648
+  _globals['_MASTER']._serialized_end=3406
 # @@protoc_insertion_point(module_scope)

@@ -155,16 +155,18 @@ class LookupResponse(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[_Union[BlockHolders, _Mapping]]] = ...) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
-    __slots__ = ("ns_id", "block_hashes", "chunks_per_block", "block_tokens")
+    __slots__ = ("ns_id", "block_hashes", "chunks_per_block", "block_tokens", "skip_holders")
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     ns_id: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     chunks_per_block: int
     block_tokens: int
-    def __init__(self, ns_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., chunks_per_block: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
+    skip_holders: bool
+    def __init__(self, ns_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., chunks_per_block: _Optional[int] = ..., block_tokens: _Optional[int] = ..., skip_holders: _Optional[bool] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
     __slots__ = ("blocks", "holders")
