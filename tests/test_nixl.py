@@ -1,0 +1,518 @@
+"""The ``ucx://`` fast path's NIXL layer, between real processes over real UCX.
+
+Each peer is a separate process (``spawn``) that plays the storage node: it registers a
+patterned buffer with a :class:`NixlAgent` running NIXL's progress thread, sends its
+metadata and buffer span through a pipe, then answers small commands (hash a range, return
+notifications, measure its idle CPU). The test process is the initiator. One healthy peer
+serves the whole module; the destructive tests (SIGKILL, SIGSTOP) get a fresh peer each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import pytest
+
+try:
+    import nixl_cu12._bindings
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    pytest.skip(f"nixl-cu12 is not installed ({exc})", allow_module_level=True)
+
+import torch
+
+from kvstore.errors import (
+    Closed,
+    InvalidArgument,
+    KVTimeout,
+    PeerDisconnected,
+    ProtocolError,
+    TransportError,
+    UnknownScheme,
+)
+from kvstore.transport.nixl import NixlAgent, Span, net_device_for
+
+MiB = 1 << 20
+PEER_BYTES = 16 * MiB
+LOCAL_BYTES = 16 * MiB
+REPLY_S = 20.0
+
+
+def pattern(nbytes: int) -> np.ndarray:
+    """What every peer's buffer holds at start: byte i is i % 251."""
+    return (np.arange(nbytes, dtype=np.uint32) % 251).astype(np.uint8)
+
+
+def _peer_main(conn: Connection, nbytes: int) -> None:
+    """A storage-node stand-in: registers a patterned buffer and serves pipe commands."""
+    asyncio.run(_peer_serve(conn, nbytes))
+
+
+async def _peer_serve(conn: Connection, nbytes: int) -> None:
+    buf = torch.from_numpy(pattern(nbytes))
+    async with NixlAgent(f"peer-{os.getpid()}", progress_thread=True) as agent:
+        reg = await agent.register(buf)
+        conn.send((await agent.metadata(), reg.span().to_wire(), agent.name))
+        loop = asyncio.get_running_loop()
+        while True:
+            cmd, *args = await loop.run_in_executor(None, conn.recv)
+            if cmd == "stop":
+                break
+            if cmd == "sha":
+                start, size = args
+                conn.send(hashlib.sha256(buf[start : start + size].numpy().tobytes()).hexdigest())
+            elif cmd == "notifs":
+                conn.send(await agent.poll_notifs())
+            elif cmd == "idle_cpu":
+                before = time.process_time()
+                await asyncio.sleep(args[0])
+                conn.send(time.process_time() - before)
+    conn.send("stopped")
+
+
+@dataclass
+class Peer:
+    """A running peer process, as the initiator sees it."""
+
+    process: Any
+    conn: Connection
+    metadata: bytes
+    span: Span
+    name: str
+
+    def ask(self, *cmd: Any) -> Any:
+        self.conn.send(cmd)
+        if not self.conn.poll(REPLY_S):
+            raise AssertionError(f"peer did not answer {cmd[0]!r}")
+        return self.conn.recv()
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.process.pid, sig)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self.signal(signal.SIGCONT)
+            with contextlib.suppress(OSError, BrokenPipeError):
+                self.conn.send(("stop",))
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self.conn.close()
+
+
+@contextlib.contextmanager
+def running_peer(nbytes: int = PEER_BYTES) -> Iterator[Peer]:
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    process = ctx.Process(target=_peer_main, args=(there, nbytes), daemon=True)
+    process.start()
+    there.close()
+    try:
+        if not here.poll(60):
+            raise AssertionError("peer process did not start")
+        metadata, wire, name = here.recv()
+        peer = Peer(process, here, metadata, Span.from_wire(wire), name)
+    except BaseException:
+        process.kill()
+        raise
+    try:
+        yield peer
+    finally:
+        peer.stop()
+
+
+@dataclass
+class Initiator:
+    agent: NixlAgent
+    buf: torch.Tensor
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[Peer]:
+    with running_peer() as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def initiator() -> Iterator[Initiator]:
+    """One client agent for the module (nothing in it is bound to an event loop)."""
+    agent = NixlAgent("test-initiator")
+    buf = torch.zeros(LOCAL_BYTES, dtype=torch.uint8)
+    asyncio.run(agent.start())
+    asyncio.run(agent.register(buf))
+    yield Initiator(agent, buf)
+    asyncio.run(agent.close())
+    assert agent.pending_releases == 0
+
+
+def sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.numpy().tobytes()).hexdigest()
+
+
+# ---- data moves, byte-exact --------------------------------------------------------------
+
+
+async def test_write_then_read_back(peer: Peer, initiator: Initiator) -> None:
+    agent, buf = initiator.agent, initiator.buf
+    name = await agent.add_peer(peer.metadata)
+    assert name == peer.name
+    size, offset = 6 * MiB + 123, 4096 + 7
+    payload = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    buf[:size] = payload
+    moved = await agent.write(name, [(peer.span.addr + offset, size)], [buf[:size]], timeout=10)
+    assert moved == size
+    assert peer.ask("sha", offset, size) == sha(payload)
+
+    buf.zero_()
+    back = buf[MiB : MiB + size]
+    await agent.read(name, [Span(peer.span.addr + offset, size)], [back], timeout=10)
+    assert torch.equal(back, payload)
+
+
+async def test_read_the_peers_own_bytes(peer: Peer, initiator: Initiator) -> None:
+    agent, buf = initiator.agent, initiator.buf
+    name = await agent.add_peer(peer.metadata)
+    tail = peer.span.nbytes - 8 * MiB  # a range the write test never touches
+    await agent.read(name, [(peer.span.addr + tail, 8 * MiB)], [buf[: 8 * MiB]], timeout=10)
+    assert np.array_equal(buf[: 8 * MiB].numpy(), pattern(peer.span.nbytes)[tail:])
+
+
+async def test_many_descriptors_both_ways(peer: Peer, initiator: Initiator) -> None:
+    agent, buf = initiator.agent, initiator.buf
+    name = await agent.add_peer(peer.metadata)
+    n, size, stride = 1024, 4096, 5000  # scattered remote spans, packed local ones
+    base = 3 * MiB
+    remote = [Span(peer.span.addr + base + i * stride, size) for i in range(n)]
+    payload = torch.randint(0, 256, (n * size,), dtype=torch.uint8)
+    buf[: n * size] = payload
+    local_views = [buf[i * size : (i + 1) * size] for i in range(n)]
+    assert await agent.write(name, remote, local_views, timeout=10) == n * size
+    for i in (0, 1, n // 2, n - 1):
+        assert peer.ask("sha", base + i * stride, size) == sha(payload[i * size : (i + 1) * size])
+
+    buf.zero_()
+    local_tuples = [(buf.data_ptr() + 8 * MiB + i * size, size) for i in range(n)]
+    assert await agent.read(name, remote, local_tuples, timeout=10) == n * size
+    assert torch.equal(buf[8 * MiB : 8 * MiB + n * size], payload)
+
+
+async def test_concurrent_transfers_interleave(peer: Peer, initiator: Initiator) -> None:
+    agent, buf = initiator.agent, initiator.buf
+    name = await agent.add_peer(peer.metadata)
+    size = MiB
+    offsets = [i * 2 * MiB + 11 for i in range(6)]
+    reads = [
+        agent.read(name, [(peer.span.addr + off, size)], [buf[i * size : (i + 1) * size]])
+        for i, off in enumerate(offsets)
+    ]
+    assert await asyncio.gather(*reads) == [size] * len(offsets)
+    for i, off in enumerate(offsets):  # other tests wrote parts: ask the peer what it holds
+        assert sha(buf[i * size : (i + 1) * size]) == peer.ask("sha", off, size)
+
+
+async def test_notifications_reach_the_peer(peer: Peer, initiator: Initiator) -> None:
+    agent, buf = initiator.agent, initiator.buf
+    name = await agent.add_peer(peer.metadata)
+    buf[:4096] = 7
+    await agent.write(name, [(peer.span.addr, 4096)], [buf[:4096]], notif=b"landed:\x00\xff")
+    await agent.notify(name, b"standalone")
+    got: list[bytes] = []
+    for _ in range(100):
+        got += peer.ask("notifs").get(agent.name, [])
+        if len(got) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert got == [b"landed:\x00\xff", b"standalone"]
+
+
+# ---- bad calls ---------------------------------------------------------------------------
+
+
+async def test_bad_calls_raise_typed_errors(peer: Peer, initiator: Initiator) -> None:
+    agent, buf = initiator.agent, initiator.buf
+    name = await agent.add_peer(peer.metadata)
+    remote = [peer.span.addr, 4096]
+    with pytest.raises(InvalidArgument, match="remote spans but"):
+        await agent.read(name, [remote, remote], [buf[:4096]])
+    with pytest.raises(InvalidArgument, match="lengths differ"):
+        await agent.read(name, [remote], [buf[:100]])
+    with pytest.raises(InvalidArgument, match="not inside memory this agent registered"):
+        await agent.read(name, [remote], [torch.zeros(4096, dtype=torch.uint8)])
+    with pytest.raises(InvalidArgument, match="unknown NIXL peer"):
+        await agent.read("nobody", [remote], [buf[:4096]])
+    with pytest.raises(InvalidArgument, match="timeout"):
+        await agent.read(name, [remote], [buf[:4096]], timeout=0)
+    outside = (peer.span.addr + peer.span.nbytes - 10, 4096)
+    with pytest.raises(ProtocolError, match="not inside memory the peer registered"):
+        await agent.read(name, [outside], [buf[:4096]])
+    with pytest.raises(ProtocolError):
+        await agent.add_peer(b"not nixl metadata")
+    assert await agent.read(name, [], []) == 0
+    # the agent is still fine afterwards
+    await agent.read(name, [remote], [buf[:4096]])
+    assert sha(buf[:4096]) == peer.ask("sha", 0, 4096)
+
+
+def test_span_wire_format() -> None:
+    span = Span(0x7F00_0000_1000, 4096, 1, "VRAM")
+    assert span.to_wire() == [0x7F00_0000_1000, 4096, 1, 1]
+    assert Span.from_wire(span.to_wire()) == span
+    assert Span.from_wire([10, 20, 0]) == Span(10, 20, 0, "DRAM")
+    assert Span.from_wire((10, 20)) == Span(10, 20)
+    for bad in (
+        [1],
+        [1, -2, 0],
+        [1, 2, 0, 7],
+        [1, 2, 0, "HBM"],
+        "x",
+        [1.0, 2, 0],
+        [0, 5, 0],
+        [1, 0, 0],
+    ):
+        with pytest.raises(ProtocolError):
+            Span.from_wire(bad)
+
+
+async def test_registration_spans_and_deregister() -> None:
+    async with NixlAgent("test-reg") as agent:
+        t = torch.zeros(10_000, dtype=torch.uint8)
+        reg = await agent.register(t)
+        assert (reg.addr, reg.nbytes, reg.mem, reg.dev_id) == (t.data_ptr(), 10_000, "DRAM", 0)
+        assert reg.span(100, 50) == Span(t.data_ptr() + 100, 50, 0, "DRAM")
+        assert reg.span(9_000).nbytes == 1_000
+        for offset, n in ((9_999, 2), (-1, 1), (0, 0)):
+            with pytest.raises(InvalidArgument):
+                reg.span(offset, n)
+        with pytest.raises(InvalidArgument, match="contiguous"):
+            await agent.register(torch.zeros(4, 4, dtype=torch.uint8).t())
+        assert len(await agent.metadata()) > 0
+        assert await agent.deregister(reg) is True
+        assert await agent.deregister(reg) is False
+
+
+# ---- failures: killed, frozen, closed ----------------------------------------------------
+
+
+async def test_peer_killed_mid_transfer_raises_peer_disconnected(initiator: Initiator) -> None:
+    agent, buf = initiator.agent, initiator.buf
+    with running_peer() as doomed:
+        name = await agent.add_peer(doomed.metadata)
+        whole = [(doomed.span.addr, LOCAL_BYTES)]
+        await agent.read(name, whole, [buf], timeout=10)  # connected and warm
+        killer = threading.Timer(0.05, doomed.signal, (signal.SIGKILL,))
+        killer.start()
+        try:
+            with pytest.raises(PeerDisconnected):
+                for _ in range(2000):  # ~10 ms each; the kill lands in one of them
+                    await agent.read(name, whole, [buf], timeout=10)
+        finally:
+            killer.join()
+        with pytest.raises(PeerDisconnected):  # fails fast from now on, never hangs
+            await agent.write(name, whole, [buf], timeout=10)
+        assert await agent.remove_peer(name) is True
+        assert await agent.remove_peer(name) is False
+    assert agent.pending_releases == 0
+
+
+async def test_peer_killed_before_connecting_raises_peer_disconnected(
+    initiator: Initiator,
+) -> None:
+    agent, buf = initiator.agent, initiator.buf
+    with running_peer(MiB) as doomed:
+        name = await agent.add_peer(doomed.metadata)
+        doomed.signal(signal.SIGKILL)
+        doomed.process.join(10)
+        with pytest.raises(PeerDisconnected):
+            await agent.read(name, [(doomed.span.addr, MiB)], [buf[:MiB]], timeout=10)
+        await agent.remove_peer(name)
+
+
+async def test_frozen_peer_times_out_then_recovers(initiator: Initiator) -> None:
+    # A stopped target cannot answer UCX's connection handshake, so the first transfer
+    # stays in flight (once connected, CMA would not need the target at all).
+    agent, buf = initiator.agent, initiator.buf
+    with running_peer(MiB) as frozen:
+        name = await agent.add_peer(frozen.metadata)
+        frozen.signal(signal.SIGSTOP)
+        with pytest.raises(KVTimeout):
+            await agent.read(name, [(frozen.span.addr, MiB)], [buf[:MiB]], timeout=0.3)
+        assert agent.pending_releases == 0  # NIXL cancelled the in-flight transfer
+
+        # NIXL has always accepted the release here; make it refuse once (fault injection
+        # at the foreign boundary) to see the handle parked and released later.
+        real = agent._agent
+        agent._agent = RefusesOneRelease(real)
+        try:
+            with pytest.raises(KVTimeout):
+                await agent.read(name, [(frozen.span.addr, MiB)], [buf[:MiB]], timeout=0.3)
+            assert agent.pending_releases == 1
+        finally:
+            agent._agent = real
+        frozen.signal(signal.SIGCONT)
+        buf[:MiB] = 0
+        await agent.read(name, [(frozen.span.addr, MiB)], [buf[:MiB]], timeout=10)
+        assert np.array_equal(buf[:MiB].numpy(), pattern(MiB))
+        assert agent.pending_releases == 0  # retried before that post
+        await agent.remove_peer(name)
+
+
+class RefusesOneRelease:
+    """A NIXL agent whose first ``releaseXferReq`` answers "still active"."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self._refuse = 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def releaseXferReq(self, handle: int) -> Any:
+        if self._refuse:
+            self._refuse -= 1
+            return nixl_cu12._bindings.NIXL_ERR_REPOST_ACTIVE
+        return self._real.releaseXferReq(handle)
+
+
+async def test_cancelled_transfer_is_released(initiator: Initiator) -> None:
+    agent, buf = initiator.agent, initiator.buf
+    with running_peer(MiB) as frozen:
+        name = await agent.add_peer(frozen.metadata)
+        frozen.signal(signal.SIGSTOP)
+        task = asyncio.create_task(
+            agent.read(name, [(frozen.span.addr, MiB)], [buf[:MiB]], timeout=30)
+        )
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await agent.metadata()  # runs after the release on the (FIFO) worker thread
+        assert agent.pending_releases == 0
+        await agent.remove_peer(name)
+
+
+async def test_close_is_bounded_idempotent_and_final() -> None:
+    agent = NixlAgent("test-close")
+    await agent.close()  # never started: fine
+    agent = NixlAgent("test-close")
+    buf = torch.zeros(MiB, dtype=torch.uint8)
+    with running_peer(MiB) as frozen:
+        await agent.start()
+        await agent.register(buf)
+        name = await agent.add_peer(frozen.metadata)
+        frozen.signal(signal.SIGSTOP)
+        pending = asyncio.create_task(
+            agent.read(name, [(frozen.span.addr, MiB)], [buf], timeout=60)
+        )
+        await asyncio.sleep(0.2)
+        await asyncio.wait_for(agent.close(timeout=5), 10)
+        with pytest.raises(Closed):
+            await asyncio.wait_for(pending, 10)
+        await agent.close()
+        for call in (agent.metadata(), agent.register(buf), agent.add_peer(frozen.metadata)):
+            with pytest.raises(Closed):
+                await call
+        with pytest.raises(Closed):
+            await agent.start()
+    for _ in range(100):  # the worker thread exits right after the teardown job
+        if not any(t.name.startswith("nixl-test-close") for t in threading.enumerate()):
+            break
+        await asyncio.sleep(0.02)
+    else:
+        raise AssertionError("the NIXL worker thread outlived close()")
+
+
+# ---- idle cost, environment, import --------------------------------------------------------
+
+
+async def test_idle_agents_do_not_spin(peer: Peer, initiator: Initiator) -> None:
+    name = await initiator.agent.add_peer(peer.metadata)
+    await initiator.agent.read(name, [(peer.span.addr, 4096)], [initiator.buf[:4096]])
+    peer.conn.send(("idle_cpu", 2.0))  # the target: progress thread, registered memory
+    before = time.process_time()
+    await asyncio.sleep(2.0)  # the initiator, in this process, at the same time
+    initiator_cpu = (time.process_time() - before) / 2.0
+    assert peer.conn.poll(REPLY_S)
+    target_cpu = peer.conn.recv() / 2.0
+    print(f"idle CPU (cores): target {target_cpu:.4f}, initiator {initiator_cpu:.4f}")
+    assert target_cpu < 0.15
+    assert initiator_cpu < 0.15
+
+
+def test_net_device_for() -> None:
+    assert net_device_for("127.0.0.1") == "lo"
+    assert net_device_for("127.0.0.53") == "lo"
+    assert net_device_for("localhost") == "lo"
+    assert net_device_for(None) is None
+    assert net_device_for("0.0.0.0") is None
+    with pytest.raises(InvalidArgument):
+        net_device_for("203.0.113.254")  # TEST-NET-3: nobody here owns it
+    with pytest.raises(InvalidArgument):
+        net_device_for("no-such-host.invalid")
+
+
+def test_net_device_for_a_real_interface() -> None:
+    import socket
+
+    pairs = []
+    for _, iface in socket.if_nameindex():
+        out = subprocess.run(
+            ["ip", "-4", "-o", "addr", "show", "dev", iface], capture_output=True, text=True
+        )
+        for line in out.stdout.splitlines():
+            pairs.append((iface, line.split()[3].split("/")[0]))
+    pairs = [(i, a) for i, a in pairs if not a.startswith("127.")]
+    if not pairs:
+        pytest.skip("no non-loopback IPv4 interface (or no `ip`)")
+    iface, addr = pairs[0]
+    assert net_device_for(addr) == iface
+
+
+def test_importing_the_module_does_not_import_nixl() -> None:
+    code = "import sys, kvstore.transport.nixl; print('nixl_cu12' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_missing_nixl_is_an_unknown_scheme(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "nixl_cu12", None)
+    monkeypatch.setitem(sys.modules, "nixl_cu12._bindings", None)
+    with pytest.raises(UnknownScheme, match="ucx:// needs nixl-cu12"):
+        NixlAgent("nope")
+
+
+def test_bad_constructor_arguments() -> None:
+    with pytest.raises(InvalidArgument):
+        NixlAgent("")
+    with pytest.raises(InvalidArgument):
+        NixlAgent("x", progress_delay_us=0)
+
+
+async def test_failed_start_is_a_transport_error_and_close_still_works() -> None:
+    agent = NixlAgent("test-bad-start", net_devices="no-such-nic0")
+    with pytest.raises(TransportError):
+        await agent.start()
+    await agent.close()
+    await agent.close()
+    with pytest.raises(Closed):
+        await agent.metadata()
+
+
+async def test_unstarted_agent_says_so() -> None:
+    agent = NixlAgent("never-started")
+    with pytest.raises(InvalidArgument, match="start"):
+        await agent.metadata()
