@@ -92,7 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--data-port", type=_port, default=50052)
         p.add_argument("--node-id", default="")
         p.add_argument("--host-mem", type=_size, default=parse_size("512MiB"))
-        p.add_argument("--transport", choices=["tcp"], default="tcp")
+        p.add_argument(
+            "--transport",
+            choices=["tcp", "ucx"],
+            default="tcp",
+            help="ucx: also serve one-sided NIXL/UCX reads and writes (needs nixl-cu12)",
+        )
 
     serve = sub.add_parser("serve", help="master + one node in one process")
     common(serve, 9400)

@@ -19,6 +19,7 @@ import torch
 
 import kvclient
 from kvclient.errors import BadShape, CapacityError, KVStoreError, KVTimeout, Unreachable
+from kvclient.ucx import nixl_available
 from kvstore.core.kvgen import realistic_kv
 from tests.cluster import Server, start_server
 from tests.kvproc import layer_kv, namespace, prompt
@@ -28,12 +29,29 @@ pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
 
 
+TRANSPORTS = [
+    "tcp",
+    pytest.param(
+        "ucx", marks=pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 not installed")
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    """Every test runs once per real data-plane transport."""
+    return str(request.param)
+
+
+def serve(transport: str, host_mem: str) -> Server:
+    """``kvstore serve`` on free ports with the given transport and pool size."""
+    return start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
+                        "--host-mem", host_mem, "--transport", transport)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    srv = start_server(
-        "serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
-        "--host-mem", "512MiB",
-    )  # fmt: skip
+def server(transport: str) -> Iterator[Server]:
+    srv = serve(transport, "512MiB")
     yield srv
     rc, out = srv.stop()
     assert rc == 0, out
@@ -158,7 +176,7 @@ async def test_garbage_on_ports_leaves_server_serving(server: Server) -> None:
         assert await kv.match_prefix(tokens) == 256
 
 
-def test_metrics_endpoint(server: Server) -> None:
+def test_metrics_endpoint(server: Server, transport: str) -> None:
     body = urllib.request.urlopen(f"http://{server.addresses['metrics']}/metrics", timeout=5)
     text = body.read().decode()
     for name in (
@@ -173,12 +191,12 @@ def test_metrics_endpoint(server: Server) -> None:
         "kvstore_rpc_seconds",
     ):
         assert name in text, name
-    assert 'kvstore_transfer_bytes_total{op="put",transport="tcp"}' in text
+    for op in ("put", "get"):
+        assert f'kvstore_transfer_bytes_total{{op="{op}",transport="{transport}"}}' in text
 
 
-async def test_killed_server_gives_typed_error_within_timeout() -> None:
-    srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
-                       "--host-mem", "64MiB")  # fmt: skip
+async def test_killed_server_gives_typed_error_within_timeout(transport: str) -> None:
+    srv = serve(transport, "64MiB")
     ns = namespace(1)
     tokens = list(range(256))
     try:
@@ -193,11 +211,10 @@ async def test_killed_server_gives_typed_error_within_timeout() -> None:
     await kv.close()
 
 
-async def test_full_pool_evicts_without_corrupting_reads() -> None:
+async def test_full_pool_evicts_without_corrupting_reads(transport: str) -> None:
     """A 48 MiB pool holds 5 blocks of this namespace; writing 24 evicts the oldest
     while a reader keeps reading: every read returns a correct prefix (maybe short)."""
-    srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
-                       "--host-mem", "48MiB")  # fmt: skip
+    srv = serve(transport, "48MiB")
     ns = namespace(16)  # 16 layers x ~0.5 MiB = 8 MiB per slot
     try:
         async with await kvclient.KVClient.connect(srv.grpc, ns) as kv:

@@ -44,6 +44,7 @@ from kvstore.node.protocol import MAX_CHUNKS_PER_REQUEST, MAX_KEY_LEN, raise_if_
 from .engine import EngineOps
 from .handles import prefix_len
 from .pool import ConnectionPool
+from .ucx import DEFAULT_STAGING_BYTES, UcxPath, prefer_ucx
 
 __all__ = ["DEFAULT_MAX_OBJECT_BYTES", "KVClient"]
 
@@ -62,6 +63,9 @@ class _Node:
     node_id: str
     data_uri: str
     free_bytes: int
+    ucx: bool = False
+    """Move bulk bytes to/from this node by NIXL (see :func:`kvclient.ucx.prefer_ucx`)."""
+    nixl_metadata: bytes = b""
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -84,6 +88,8 @@ class KVClient(EngineOps):
         timeout_s: float = 10.0,
         max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
         connections_per_node: int = 4,
+        ucx: bool = True,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> None:
         if replicas < 1:
             raise InvalidArgument(f"replicas must be >= 1, got {replicas}")
@@ -102,6 +108,9 @@ class KVClient(EngineOps):
         )
         self._ns_hex = ns.canonical_bytes().hex()
         self._nodes: list[_Node] = []
+        self._by_uri: dict[str, _Node] = {}
+        self._allow_ucx = ucx
+        self._ucx = UcxPath(None, staging_bytes)
         self._nodes_at = -1e9
         self._nodes_lock = asyncio.Lock()
         self._codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvclient-codec")
@@ -144,6 +153,7 @@ class KVClient(EngineOps):
         if self._inflight:
             await asyncio.wait(list(self._inflight), timeout=self.timeout_s)
         await self._pool.close()
+        await self._ucx.close()
         await self._master.close()
         self._codec.shutdown(wait=False, cancel_futures=True)
 
@@ -191,9 +201,19 @@ class KVClient(EngineOps):
             now = time.monotonic()
             if refresh or now - self._nodes_at > _NODES_TTL_S:
                 infos = await self._master.nodes()
-                self._nodes = [
-                    _Node(n.node_id, n.data_uri, n.free_bytes) for n in infos if n.placeable
-                ]
+                known = {
+                    n.node_id: _Node(
+                        n.node_id,
+                        n.data_uri,
+                        n.free_bytes,
+                        self._allow_ucx and prefer_ucx(n.transport, n.host, n.nixl_metadata),
+                        n.nixl_metadata,
+                    )
+                    for n in infos
+                    if n.alive
+                }
+                self._by_uri = {n.data_uri: n for n in known.values()}
+                self._nodes = [known[n.node_id] for n in infos if n.placeable]
                 self._nodes_at = now
             return self._nodes
 
@@ -310,21 +330,39 @@ class KVClient(EngineOps):
         index: int,
         chunks: Sequence[torch.Tensor],
     ) -> set[int]:
+        """One put exchange: ``put`` → READY → data → ack over ``tcp://``, or ``reserve``
+        → spans → one-sided WRITE → ``landed`` → ack over ``ucx://``."""
         spec = [
             [hashes[i].hex(), hashes[i - 1].hex() if i else "", index, self._chunk_bytes]
             for i in idx
         ]
+        op, answer = ("reserve", "reserved") if node.ucx else ("put", "ready")
         async with self._pool.use(node.data_uri, self.timeout_s) as conn:
-            await conn.send({"op": "put", "ns": self._ns_hex, "chunks": spec})
-            ready = raise_if_error((await conn.recv_header()).header, "ready")
+            await conn.send({"op": op, "ns": self._ns_hex, "chunks": spec})
+            ready = raise_if_error((await conn.recv_header()).header, answer)
             accept = ready.get("accept")
             if not isinstance(accept, list) or len(accept) != len(idx):
-                raise TransportError(f"node {node.node_id} sent a malformed ready")
-            bufs = [chunks[i].numpy() for i, a in zip(idx, accept, strict=True) if a]
-            await conn.send({"op": "data"}, bufs)
+                raise TransportError(f"node {node.node_id} sent a malformed {answer}")
+            picked = [chunks[i] for i, a in zip(idx, accept, strict=True) if a]
+            if node.ucx:
+                await self._write_ucx(node, ready.get("spans"), picked)
+                await conn.send({"op": "landed"})
+            else:
+                await conn.send({"op": "data"}, [c.numpy() for c in picked])
             ack = raise_if_error((await conn.recv_header()).header, "ack")
         failed = {idx[k] for k in ack.get("failed", [])}
         return set(idx) - failed
+
+    async def _write_ucx(self, node: _Node, spans: Any, chunks: list[torch.Tensor]) -> None:
+        if not isinstance(spans, list) or len(spans) != len(chunks):
+            raise TransportError(f"node {node.node_id} sent malformed spans")
+        if not chunks:
+            return
+        peer = await self._ucx.peer(node.nixl_metadata)
+        async with self._ucx.staging(len(chunks), self._chunk_bytes) as rows:
+            for k, chunk in enumerate(chunks):
+                rows[k].copy_(chunk)
+            await self._ucx.write(peer, spans, list(rows.unbind(0)), self.timeout_s)
 
     async def _abort(self, hashes: list[bytes], reason: str) -> None:
         """Tell watchers that this writer gave up (best effort, short deadline)."""
@@ -434,33 +472,78 @@ class KVClient(EngineOps):
         """Fetch chunks ``idx`` from one node and pass them to ``sink``; return the indices
         that arrived intact. A node that fails is a miss for its blocks."""
         spec = [[hashes[i].hex(), index] for i in idx]
+        node = self._by_uri.get(uri)
+        if node is None:
+            await self._live_nodes(refresh=True)
+            node = self._by_uri.get(uri)
         try:
+            if node is not None and node.ucx:
+                return await self._get_ucx(node, idx, spec, hashes, layer, shard, sink)
             async with self._pool.use(uri, self.timeout_s) as conn:
                 await conn.send({"op": "get", "ns_id": self.ns.id.hex(), "chunks": spec})
-                frame = await conn.recv_header()
-                head = raise_if_error(frame.header, "data")
-                found = head.get("found")
-                if not isinstance(found, list) or len(found) != len(idx):
-                    raise TransportError("node sent a malformed get answer")
-                have = [i for i, f in zip(idx, found, strict=True) if f]
+                have = self._found(idx, (await conn.recv_header()).header, "data")
                 bufs = torch.empty(len(have), self._chunk_bytes, dtype=torch.uint8)
                 await conn.recv_payload_into([bufs[k].numpy() for k in range(len(have))])
         except TransportError as exc:
             logger.warning("get from %s failed: %s", uri, exc)
             await self._pool.discard(uri)
             return set()
+        return await self._run_codec(self._decode_all, have, bufs, hashes, layer, shard, sink)
 
-        def decode_all() -> set[int]:
-            ok: set[int] = set()
-            for k, i in enumerate(have):
-                try:
-                    sink(i, bufs[k], ChunkKey(hashes[i], layer, shard))
-                    ok.add(i)
-                except ChunkError as exc:
-                    logger.warning("chunk %d from %s rejected: %s", i, uri, exc)
-            return ok
+    def _found(self, idx: list[int], head: dict[str, Any], expect: str) -> list[int]:
+        found = raise_if_error(head, expect).get("found")
+        if not isinstance(found, list) or len(found) != len(idx):
+            raise TransportError(f"node sent a malformed {expect} answer")
+        return [i for i, f in zip(idx, found, strict=True) if f]
 
-        return await self._run_codec(decode_all)
+    async def _get_ucx(
+        self,
+        node: _Node,
+        idx: list[int],
+        spec: list[list[Any]],
+        hashes: list[bytes],
+        layer: int,
+        shard: int,
+        sink: Callable[[int, torch.Tensor, ChunkKey], None],
+    ) -> set[int]:
+        """``lease`` → spans → one-sided READ into staging → ``release`` → decode."""
+        peer = await self._ucx.peer(node.nixl_metadata)
+        async with self._pool.use(node.data_uri, self.timeout_s) as conn:
+            await conn.send(
+                {"op": "lease", "ns_id": self.ns.id.hex(), "chunks": spec,
+                 "lease_s": self.timeout_s}
+            )  # fmt: skip
+            head = (await conn.recv_header()).header
+            have = self._found(idx, head, "leased")
+            spans = head.get("spans")
+            if not isinstance(spans, list) or len(spans) != len(have):
+                raise TransportError(f"node {node.node_id} sent malformed spans")
+            async with self._ucx.staging(len(have), self._chunk_bytes) as rows:
+                if have:
+                    await self._ucx.read(peer, spans, list(rows.unbind(0)), self.timeout_s)
+                await conn.send({"op": "release"})
+                return await self._run_codec(
+                    self._decode_all, have, rows, hashes, layer, shard, sink
+                )
+
+    @staticmethod
+    def _decode_all(
+        have: list[int],
+        bufs: torch.Tensor,
+        hashes: list[bytes],
+        layer: int,
+        shard: int,
+        sink: Callable[[int, torch.Tensor, ChunkKey], None],
+    ) -> set[int]:
+        """Verify and hand each received chunk to ``sink``; a bad chunk is a miss."""
+        ok: set[int] = set()
+        for k, i in enumerate(have):
+            try:
+                sink(i, bufs[k], ChunkKey(hashes[i], layer, shard))
+                ok.add(i)
+            except ChunkError as exc:
+                logger.warning("chunk %d rejected: %s", i, exc)
+        return ok
 
     # ------------------------------------------------------------------ prefix match
 

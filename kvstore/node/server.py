@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import torch
 
 from kvstore import __version__
 from kvstore.core.arena import Arena
@@ -40,6 +41,7 @@ from kvstore.errors import (
     ChunkError,
     InvalidArgument,
     KVStoreError,
+    KVTimeout,
     ProtocolError,
     TransportError,
 )
@@ -56,6 +58,7 @@ from kvstore.node.protocol import (
 )
 from kvstore.transport import listen
 from kvstore.transport.base import Connection, Listener
+from kvstore.transport.nixl import NixlAgent, Registration
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -94,8 +97,8 @@ class StorageNode:
     drains. Owned by one event loop; heartbeats run on a thread of their own."""
 
     def __init__(self, config: NodeConfig, metrics: Metrics | None = None) -> None:
-        if config.transport != "tcp":
-            raise InvalidArgument(f"transport {config.transport!r} is not available (tcp only)")
+        if config.transport not in ("tcp", "ucx"):
+            raise InvalidArgument(f"transport must be 'tcp' or 'ucx', got {config.transport!r}")
         if config.host_mem <= 0:
             raise InvalidArgument("--host-mem must be positive")
         self.config = config
@@ -126,6 +129,9 @@ class StorageNode:
         self._reregister = asyncio.Event()
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._nixl: NixlAgent | None = None
+        self._nixl_metadata = b""
+        self._arena_reg: Registration | None = None
         self.data_uri = ""
 
     # ------------------------------------------------------------------ lifecycle
@@ -141,6 +147,8 @@ class StorageNode:
         self._listener = listen(f"tcp://{cfg.host}:{cfg.data_port}", self._serve)
         await self._listener.start()
         self.data_uri = self._listener.address
+        if cfg.transport == "ucx":
+            await self._start_nixl()
         await self._register()
         self._refresh_usage()
         self._hb_thread = threading.Thread(
@@ -148,6 +156,16 @@ class StorageNode:
         )
         self._hb_thread.start()
         self._tasks.append(asyncio.create_task(self._sweeper(), name="kvstore-node-sweeper"))
+
+    async def _start_nixl(self) -> None:
+        """Create the node's NIXL agent (event-driven progress thread: a target must make
+        progress or peers cannot connect) and register the whole arena once."""
+        self._nixl = NixlAgent(
+            f"{self.node_id}-{uuid.uuid4().hex[:8]}", host=self.config.host, progress_thread=True
+        )
+        await self._nixl.start()
+        self._arena_reg = await self._nixl.register(self.arena.tensor)
+        self._nixl_metadata = await self._nixl.metadata()
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop accepting, let exchanges in flight finish within ``grace``, release holds."""
@@ -167,6 +185,8 @@ class StorageNode:
         if self._hb_thread is not None:
             await asyncio.to_thread(self._hb_thread.join, 5.0)
         await self._master.close()
+        if self._nixl is not None:
+            await self._nixl.close()
 
     @property
     def pinned_slots(self) -> int:
@@ -185,6 +205,7 @@ class StorageNode:
                 self.node_id,
                 self.data_uri,
                 transport=self.config.transport,
+                nixl_metadata=self._nixl_metadata,
                 tiers=self._tiers(),
                 version=__version__,
                 host=self.config.host,
@@ -295,6 +316,8 @@ class StorageNode:
         """One client connection: exchanges one after another until it closes."""
         handlers = {
             "put": self._on_put,
+            "reserve": self._on_put,
+            "lease": self._on_lease,
             "get": self._on_get,
             "hold": self._on_hold,
             "unhold": self._on_unhold,
@@ -322,8 +345,10 @@ class StorageNode:
                     return
                 await conn.discard_payload(self.config.io_timeout_s)
                 await conn.send(error_header(exc), timeout=self.config.io_timeout_s)
-            except TransportError as exc:
+            except (TransportError, KVTimeout) as exc:
+                # Mid-exchange: the stream may be unframed, so the connection goes.
                 logger.info("connection %s dropped: %s", conn.peer, exc)
+                await conn.close()
                 return
 
     def _namespace(self, canonical_hex: Any) -> tuple[Namespace, int]:
@@ -376,8 +401,20 @@ class StorageNode:
                     self._inflight.add((key, index))
                     claimed.append((key, index))
                 accept.append(1 if take else 0)
-            await conn.send({"op": "ready", "accept": accept}, timeout=self.config.io_timeout_s)
-            await self._receive_chunks(conn, ns, wanted, slots, accept, chunk_bytes)
+            picked = [i for i, a in enumerate(accept) if a]
+            views = [self.table.chunk_view(slots[i], wanted[i][2]) for i in picked]
+            t0 = time.perf_counter()
+            if header["op"] == "reserve":
+                await self._land_by_ucx(conn, accept, views, [slots[i] for i in picked])
+                transport = "ucx"
+            else:
+                await conn.send({"op": "ready", "accept": accept}, timeout=self.config.io_timeout_s)
+                await self._receive_chunks(conn, views, chunk_bytes)
+                transport = "tcp"
+            stored, failed = await self._verify_and_commit(conn, ns, wanted, slots, picked, views)
+            self._count("put", transport, len(views) * chunk_bytes, t0)
+            ack = {"op": "ack", "stored": stored, "skipped": len(accept) - len(picked)}
+            await conn.send({**ack, "failed": failed}, timeout=self.config.io_timeout_s)
         finally:
             for lease in leases:
                 lease.release()
@@ -403,24 +440,66 @@ class StorageNode:
         return [by_key[key] for key, _, _ in wanted]
 
     async def _receive_chunks(
+        self, conn: Connection, views: list[torch.Tensor], chunk_bytes: int
+    ) -> None:
+        """``tcp://``: the data frame's buffers land straight in the slots' chunk views."""
+        timeout = self.config.io_timeout_s
+        frame = await conn.recv_header(timeout=timeout)
+        if frame.header.get("op") != "data":
+            raise ProtocolError(f"expected the data frame, got {frame.header.get('op')!r}")
+        if frame.sizes != [chunk_bytes] * len(views):
+            raise ProtocolError("data frame does not match the accepted chunks")
+        await conn.recv_payload_into([v.numpy() for v in views], timeout)
+
+    async def _land_by_ucx(
+        self, conn: Connection, accept: list[int], views: list[torch.Tensor], slots: list[Slot]
+    ) -> None:
+        """``ucx://``: hand the writer the chunk views' spans, wait for its ``landed``.
+
+        If the writer never says ``landed`` (timeout, disconnect, garbage), it may still be
+        writing one-sidedly into those slots: they are quarantined for a while, unreadable
+        and not reused, instead of being handed to someone else.
+        """
+        timeout = self.config.io_timeout_s
+        spans = [self._span(v) for v in views]
+        await conn.send({"op": "reserved", "accept": accept, "spans": spans}, timeout=timeout)
+        try:
+            frame = await conn.recv_header(timeout=timeout)
+            if frame.header.get("op") != "landed" or frame.sizes:
+                raise ProtocolError(f"expected 'landed', got {frame.header.get('op')!r}")
+        except BaseException:
+            self._quarantine(slots)
+            raise
+
+    def _span(self, view: torch.Tensor) -> list[int]:
+        if self._arena_reg is None:
+            raise InvalidArgument("this node does not serve ucx://")
+        offset = view.data_ptr() - self.arena.tensor.data_ptr()
+        return self._arena_reg.span(offset, view.numel()).to_wire()  # type: ignore[no-any-return]
+
+    def _quarantine(self, slots: Iterable[Slot]) -> None:
+        """Quarantine ``slots`` for one I/O timeout (a peer may still write into them)."""
+        loop = asyncio.get_running_loop()
+        for slot in set(slots):
+            if self.table.get(slot.key) is slot:
+                self.table.quarantine(slot)
+                loop.call_later(self.config.io_timeout_s, self._unquarantine, slot)
+
+    def _unquarantine(self, slot: Slot) -> None:
+        if slot.alive and slot.quarantined:
+            self.table.unquarantine(slot)
+
+    async def _verify_and_commit(
         self,
         conn: Connection,
         ns: Namespace,
         wanted: list[tuple[SlotKey, bytes | None, int]],
         slots: list[Slot],
-        accept: list[int],
-        chunk_bytes: int,
-    ) -> None:
-        timeout = self.config.io_timeout_s
-        frame = await conn.recv_header(timeout=timeout)
-        if frame.header.get("op") != "data":
-            raise ProtocolError(f"expected the data frame, got {frame.header.get('op')!r}")
-        picked = [i for i, a in enumerate(accept) if a]
-        if frame.sizes != [chunk_bytes] * len(picked):
-            raise ProtocolError("data frame does not match the accepted chunks")
-        views = [self.table.chunk_view(slots[i], wanted[i][2]) for i in picked]
-        t0 = time.perf_counter()
-        await conn.recv_payload_into([v.numpy() for v in views], timeout)
+        picked: list[int],
+        views: list[torch.Tensor],
+    ) -> tuple[int, list[int]]:
+        """Check every landed chunk's header, key and checksum, mark the good ones and
+        commit them to the master; (chunks stored, request positions that failed)."""
         failed: list[int] = []
         landed: dict[SlotKey, list[int]] = {}
         for i, view in zip(picked, views, strict=True):
@@ -435,55 +514,78 @@ class StorageNode:
             if self.table.mark_landed(slots[i], index):
                 landed.setdefault(key, []).append(index)
         await self._commit([BlockAdd(k[0], k[1], tuple(v)) for k, v in landed.items()])
-        self.metrics.transfer_bytes.labels(op="put", transport="tcp").inc(len(views) * chunk_bytes)
-        self.metrics.transfer_seconds.labels(op="put", transport="tcp").observe(
-            time.perf_counter() - t0
-        )
-        await conn.send(
-            {
-                "op": "ack",
-                "stored": len(picked) - len(failed),
-                "skipped": len(accept) - len(picked),
-                "failed": failed,
-            },
-            timeout=timeout,
-        )
+        return len(picked) - len(failed), failed
+
+    def _find(
+        self, header: dict[str, Any], leases: list[Lease[Slot]], ttl_s: float | None = None
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Pin every requested chunk that is here; (found flags, their chunk views)."""
+        ns_id = hex16(header.get("ns_id"), "ns_id")
+        views: list[torch.Tensor] = []
+        found: list[int] = []
+        keys: list[SlotKey] = []
+        for item in self._chunk_list(header):
+            if not isinstance(item, list) or len(item) != 2 or not isinstance(item[1], int):
+                raise ProtocolError("a get chunk is [block, index]")
+            key = (ns_id, hex16(item[0]))
+            slot = self.table.get(key)
+            if (
+                slot is None
+                or not 0 <= item[1] < slot.num_chunks
+                or not (slot.landed_mask >> item[1] & 1)
+            ):
+                found.append(0)
+                self.metrics.stale_misses.inc()
+                continue
+            leases.append(self.table.pin(slot, ttl_s=ttl_s))
+            views.append(self.table.chunk_view(slot, item[1]))
+            found.append(1)
+            keys.append(key)
+        self.table.touch(keys)
+        return found, views
 
     async def _on_get(self, conn: Connection, header: dict[str, Any]) -> None:
-        ns_id = hex16(header.get("ns_id"), "ns_id")
         leases: list[Lease[Slot]] = []
-        views = []
-        found = []
-        keys: list[SlotKey] = []
         try:
-            for item in self._chunk_list(header):
-                if not isinstance(item, list) or len(item) != 2 or not isinstance(item[1], int):
-                    raise ProtocolError("a get chunk is [block, index]")
-                key = (ns_id, hex16(item[0]))
-                slot = self.table.get(key)
-                if (
-                    slot is None
-                    or not 0 <= item[1] < slot.num_chunks
-                    or not (slot.landed_mask >> item[1] & 1)
-                ):
-                    found.append(0)
-                    self.metrics.stale_misses.inc()
-                    continue
-                leases.append(self.table.pin(slot))
-                views.append(self.table.chunk_view(slot, item[1]).numpy())
-                found.append(1)
-                keys.append(key)
-            self.table.touch(keys)
+            found, views = self._find(header, leases)
             t0 = time.perf_counter()
-            await conn.send({"op": "data", "found": found}, views, timeout=self.config.io_timeout_s)
-            nbytes = sum(v.nbytes for v in views)
-            self.metrics.transfer_bytes.labels(op="get", transport="tcp").inc(nbytes)
-            self.metrics.transfer_seconds.labels(op="get", transport="tcp").observe(
-                time.perf_counter() - t0
+            await conn.send(
+                {"op": "data", "found": found},
+                [v.numpy() for v in views],
+                timeout=self.config.io_timeout_s,
             )
+            self._count("get", "tcp", sum(v.numel() for v in views), t0)
         finally:
             for lease in leases:
                 lease.release()
+
+    async def _on_lease(self, conn: Connection, header: dict[str, Any]) -> None:
+        """``ucx://`` get: pin the chunks for at most ``lease_s``, send their spans, wait
+        for the reader's ``release``. The node never reuses a leased slot; a reader that
+        dies lets its lease expire, one that reads late verifies key and checksum."""
+        ttl = min(self.config.io_timeout_s, float(header.get("lease_s") or 10.0))
+        leases: list[Lease[Slot]] = []
+        try:
+            found, views = self._find(header, leases, ttl_s=ttl)
+            spans = [self._span(v) for v in views]
+            t0 = time.perf_counter()
+            await conn.send(
+                {"op": "leased", "found": found, "spans": spans, "lease_s": ttl},
+                timeout=self.config.io_timeout_s,
+            )
+            frame = await conn.recv_header(timeout=ttl)
+            if frame.header.get("op") != "release" or frame.sizes:
+                raise ProtocolError(f"expected 'release', got {frame.header.get('op')!r}")
+            self._count("get", "ucx", sum(v.numel() for v in views), t0)
+        finally:
+            for lease in leases:
+                lease.release()
+
+    def _count(self, op: str, transport: str, nbytes: int, t0: float) -> None:
+        self.metrics.transfer_bytes.labels(op=op, transport=transport).inc(nbytes)
+        self.metrics.transfer_seconds.labels(op=op, transport=transport).observe(
+            time.perf_counter() - t0
+        )
 
     async def _on_hold(self, conn: Connection, header: dict[str, Any]) -> None:
         ns_id = hex16(header.get("ns_id"), "ns_id")

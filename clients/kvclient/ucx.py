@@ -1,0 +1,195 @@
+"""The client's ``ucx://`` path: one NIXL agent, one registered staging arena, per-peer choice.
+
+Bulk bytes to and from nodes that serve ``ucx`` move by one-sided NIXL WRITE (put) and READ
+(get) between the client's registered staging memory and the node's registered arena; the
+small control messages (reserve / landed, lease / release) stay on the node's ``tcp://``
+connection (see :mod:`kvstore.node.protocol`).
+
+Staging: one contiguous arena registered once (registration pins memory on RDMA NICs and
+is too slow per call), carved into extents per transfer and bounded
+(``staging_bytes``, default 256 MiB); a transfer waits for room within its deadline. An
+extent whose transfer timed out or was cancelled may still be written or read by UCX, so it
+is kept out of use for a grace period before it is freed.
+
+Copies a chunk takes: put — quantized into a per-call buffer, copied once into staging
+(memcpy, ~10 GB/s), then one kernel copy by UCX (CMA) into the node's slot; get — one
+kernel copy from the slot into staging, then dequantized straight into ``out``.
+
+Per-peer choice (:func:`prefer_ucx`): same host (CMA/shared memory) or an RDMA NIC present
+→ ``ucx``; otherwise our ``tcp://``, which beats UCX's TCP emulation (measured: READ
+1.7-1.8 GB/s vs 2.2-3.2 for ``tcp://``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import lru_cache
+
+import torch
+
+from kvstore.core.arena import Arena
+from kvstore.errors import CapacityError, Closed
+from kvstore.transport.nixl import NixlAgent, Registration, Span
+
+__all__ = ["DEFAULT_STAGING_BYTES", "UcxPath", "nixl_available", "prefer_ucx"]
+
+logger = logging.getLogger("kvclient.ucx")
+
+DEFAULT_STAGING_BYTES = 256 * 2**20
+"""Registered staging memory per client for ``ucx://`` transfers."""
+
+_GRACE_S = 30.0  # how long an extent of a failed transfer stays out of use
+
+
+@lru_cache(maxsize=1)
+def nixl_available() -> bool:
+    """Whether ``nixl-cu12`` can be imported here (checked once)."""
+    try:
+        import nixl_cu12  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@lru_cache(maxsize=1)
+def _rdma_present() -> bool:
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
+@lru_cache(maxsize=256)
+def _is_local(host: str) -> bool:
+    """Whether ``host`` is this machine (loopback or one of its addresses)."""
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            addr = ipaddress.ip_address(socket.gethostbyname(host))
+        except OSError:
+            return False
+    if addr.is_loopback:
+        return True
+    try:
+        probe = socket.socket(socket.AF_INET6 if addr.version == 6 else socket.AF_INET)
+        with probe:
+            probe.bind((str(addr), 0))  # only succeeds for an address of this host
+        return True
+    except OSError:
+        return False
+
+
+def prefer_ucx(transport: str, host: str, metadata: bytes) -> bool:
+    """``ucx`` for a node that serves it, when NIXL is here and the peer is on this host
+    (CMA) or RDMA exists; ``tcp`` otherwise."""
+    if transport != "ucx" or not metadata or not nixl_available():
+        return False
+    return _is_local(host) or _rdma_present()
+
+
+class UcxPath:
+    """A client's NIXL agent and staging arena, created on first use; owned by one loop."""
+
+    def __init__(self, host: str | None, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        self._host = host
+        self._staging_bytes = staging_bytes
+        self._agent: NixlAgent | None = None
+        self._arena: Arena | None = None
+        self._reg: Registration | None = None
+        self._peers: dict[bytes, str] = {}
+        self._room = asyncio.Condition()
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    async def _ensure(self) -> NixlAgent:
+        async with self._lock:
+            if self._closed:
+                raise Closed("client is closed")
+            if self._agent is None:
+                agent = NixlAgent(f"kvclient-{uuid.uuid4().hex[:12]}", host=self._host)
+                await agent.start()
+                self._arena = Arena(self._staging_bytes, device="cpu")
+                self._reg = await agent.register(self._arena.tensor)
+                self._agent = agent
+            return self._agent
+
+    async def peer(self, metadata: bytes) -> str:
+        """The agent name of the node whose NIXL metadata this is (loaded once)."""
+        name = self._peers.get(metadata)
+        if name is None:
+            agent = await self._ensure()
+            name = await agent.add_peer(metadata)
+            self._peers[metadata] = name
+        return name
+
+    @asynccontextmanager
+    async def staging(self, rows: int, row_bytes: int) -> AsyncIterator[torch.Tensor]:
+        """A ``[rows, row_bytes]`` uint8 view of registered memory for one transfer.
+
+        Waits for room (the caller's deadline bounds the wait). Raises
+        :class:`CapacityError` when the request can never fit. If the body raises, the
+        extent is freed only after a grace period (UCX may still touch it).
+        """
+        await self._ensure()
+        arena = self._arena
+        if arena is None:
+            raise Closed("client is closed")
+        nbytes = max(1, rows * row_bytes)
+        if nbytes > arena.capacity_bytes // 2:
+            raise CapacityError(
+                f"a {nbytes}-byte transfer exceeds half the {arena.capacity_bytes}-byte "
+                "ucx staging arena; raise staging_bytes"
+            )
+        async with self._room:
+            while (offset := arena.alloc_extent(nbytes)) is None:
+                await self._room.wait()
+        ok = False
+        try:
+            yield arena.view(offset, nbytes)[: rows * row_bytes].view(rows, row_bytes)
+            ok = True
+        finally:
+            if ok:
+                await self._free(offset)
+            else:
+                asyncio.get_running_loop().call_later(
+                    _GRACE_S, lambda: asyncio.ensure_future(self._free(offset))
+                )
+
+    async def _free(self, offset: int) -> None:
+        if self._arena is None:
+            return
+        async with self._room:
+            self._arena.free_extent(offset)
+            self._room.notify_all()
+
+    async def write(self, peer: str, spans: list[list[int]], local: list[torch.Tensor],
+                    timeout: float) -> int:  # fmt: skip
+        """One-sided WRITE of ``local[i]`` into the node's ``spans[i]``; bytes moved."""
+        agent = await self._ensure()
+        return await agent.write(peer, [_span(s) for s in spans], local, timeout=timeout)
+
+    async def read(self, peer: str, spans: list[list[int]], local: list[torch.Tensor],
+                   timeout: float) -> int:  # fmt: skip
+        """One-sided READ of the node's ``spans[i]`` into ``local[i]``; bytes moved."""
+        agent = await self._ensure()
+        return await agent.read(peer, [_span(s) for s in spans], local, timeout=timeout)
+
+    async def close(self) -> None:
+        """Close the agent (bounded); idempotent."""
+        async with self._lock:
+            self._closed = True
+            agent, self._agent = self._agent, None
+        if agent is not None:
+            await agent.close()
+
+
+def _span(wire: list[int]) -> Span:
+    return Span.from_wire(wire)
