@@ -172,7 +172,8 @@ async def test_reader_with_expired_lease_never_gets_another_blocks_bytes(master:
             assert await kv.put_layer(tokens, 0, t) == 256
             block = kv.block_hashes(tokens)[0]
             ucx = kv._ucx
-            peer = await ucx.peer((await kv._live_nodes(refresh=True))[0].nixl_metadata)
+            node_info = (await kv._live_nodes(refresh=True))[0]
+            peer = await ucx.peer(node_info.nixl_metadata, node_info.host)
             conn = await connect(node.data, timeout=5)
             await conn.send({"op": "lease", "ns_id": ns.id.hex(), "chunks": [[block.hex(), 0]],
                              "lease_s": 0.3})  # fmt: skip

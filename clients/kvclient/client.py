@@ -66,6 +66,7 @@ class _Node:
     ucx: bool = False
     """Move bulk bytes to/from this node by NIXL (see :func:`kvclient.ucx.prefer_ucx`)."""
     nixl_metadata: bytes = b""
+    host: str = ""
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -110,7 +111,7 @@ class KVClient(EngineOps):
         self._nodes: list[_Node] = []
         self._by_uri: dict[str, _Node] = {}
         self._allow_ucx = ucx
-        self._ucx = UcxPath(None, staging_bytes)
+        self._ucx = UcxPath(staging_bytes)
         self._nodes_at = -1e9
         self._nodes_lock = asyncio.Lock()
         self._codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvclient-codec")
@@ -208,6 +209,7 @@ class KVClient(EngineOps):
                         n.free_bytes,
                         self._allow_ucx and prefer_ucx(n.transport, n.host, n.nixl_metadata),
                         n.nixl_metadata,
+                        n.host,
                     )
                     for n in infos
                     if n.alive
@@ -358,7 +360,7 @@ class KVClient(EngineOps):
             raise TransportError(f"node {node.node_id} sent malformed spans")
         if not chunks:
             return
-        peer = await self._ucx.peer(node.nixl_metadata)
+        peer = await self._ucx.peer(node.nixl_metadata, node.host)
         async with self._ucx.staging(len(chunks), self._chunk_bytes) as rows:
             for k, chunk in enumerate(chunks):
                 rows[k].copy_(chunk)
@@ -507,7 +509,7 @@ class KVClient(EngineOps):
         sink: Callable[[int, torch.Tensor, ChunkKey], None],
     ) -> set[int]:
         """``lease`` → spans → one-sided READ into staging → ``release`` → decode."""
-        peer = await self._ucx.peer(node.nixl_metadata)
+        peer = await self._ucx.peer(node.nixl_metadata, node.host)
         async with self._pool.use(node.data_uri, self.timeout_s) as conn:
             await conn.send(
                 {"op": "lease", "ns_id": self.ns.id.hex(), "chunks": spec,

@@ -98,8 +98,7 @@ def prefer_ucx(transport: str, host: str, metadata: bytes) -> bool:
 class UcxPath:
     """A client's NIXL agent and staging arena, created on first use; owned by one loop."""
 
-    def __init__(self, host: str | None, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
-        self._host = host
+    def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self._staging_bytes = staging_bytes
         self._agent: NixlAgent | None = None
         self._arena: Arena | None = None
@@ -109,23 +108,25 @@ class UcxPath:
         self._lock = asyncio.Lock()
         self._closed = False
 
-    async def _ensure(self) -> NixlAgent:
+    async def _ensure(self, host: str | None = None) -> NixlAgent:
+        """The agent, created on first use; UCX's interfaces follow the first peer's host
+        (loopback for a node on this host), like a node's follow its ``--host``."""
         async with self._lock:
             if self._closed:
                 raise Closed("client is closed")
             if self._agent is None:
-                agent = NixlAgent(f"kvclient-{uuid.uuid4().hex[:12]}", host=self._host)
+                agent = NixlAgent(f"kvclient-{uuid.uuid4().hex[:12]}", host=host)
                 await agent.start()
                 self._arena = Arena(self._staging_bytes, device="cpu")
                 self._reg = await agent.register(self._arena.tensor)
                 self._agent = agent
             return self._agent
 
-    async def peer(self, metadata: bytes) -> str:
+    async def peer(self, metadata: bytes, host: str | None = None) -> str:
         """The agent name of the node whose NIXL metadata this is (loaded once)."""
         name = self._peers.get(metadata)
         if name is None:
-            agent = await self._ensure()
+            agent = await self._ensure(host)
             name = await agent.add_peer(metadata)
             self._peers[metadata] = name
         return name

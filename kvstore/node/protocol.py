@@ -14,6 +14,18 @@ One request is in flight per connection; every exchange starts with a client hea
                 N: {op: ack, stored: n, skipped: n, failed: [i ...]}   (after the master commit)
     get         C: {op: get, ns_id, chunks: [[block, index]...]}
                 N: {op: data, found: [0|1 ...]} + one buffer per found chunk
+    reserve     C: {op: reserve, ns, chunks: [[block, parent, index, nbytes]...]}   (ucx://)
+                N: {op: reserved, accept: [0|1 ...], spans: [[addr, nbytes, dev, mem]...]}
+                   | {op: error, ...}               (slots pinned; one span per accepted chunk)
+                C: one-sided NIXL WRITE of each accepted chunk into its span, then
+                C: {op: landed}                     N: ack as for put (after the master commit)
+                   (no ``landed`` within the I/O timeout: the slots are quarantined, since
+                   the writer may still be writing into them)
+    lease       C: {op: lease, ns_id, chunks: [[block, index]...], lease_s}        (ucx://)
+                N: {op: leased, found: [0|1 ...], spans: [...], lease_s}  (pinned <= lease_s)
+                C: one-sided NIXL READ of the spans, then {op: release}   (no answer)
+                   (a reader that reads after its lease expired verifies each chunk's key
+                   and checksum: a reused slot is a miss, never another block's bytes)
     hold        C: {op: hold, ns_id, blocks: [block ...], ttl_s}
                 N: {op: held, hold_id, blocks: n}   (n leading blocks pinned until ttl or unhold)
     unhold      C: {op: unhold, hold_id}             N: {op: ok, released: bool}
