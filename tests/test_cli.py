@@ -1,0 +1,53 @@
+"""``kvstore`` entry points: one-line errors and exit codes, readiness, SIGTERM drain."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.cluster import start_server
+
+pytestmark = pytest.mark.slow
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", *args],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def test_bad_flag_exits_nonzero_with_one_line() -> None:
+    out = _run("serve", "--host-mem", "lots")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "host-mem" in lines[0], out.stderr
+    assert out.stdout == ""
+
+
+def test_unbindable_port_exits_nonzero_with_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        out = _run("serve", "--grpc-port", "0", "--data-port", port, "--metrics-port", "0",
+                   "--host-mem", "16MiB")  # fmt: skip
+    assert out.returncode == 1
+    lines = [ln for ln in out.stderr.strip().splitlines() if ln]
+    assert len(lines) == 1 and port in lines[0], out.stderr
+    assert "kvstore ready" not in out.stdout
+
+
+def test_node_and_master_split_and_sigterm() -> None:
+    master = start_server("master", "--grpc-port", "0", "--metrics-port", "0")
+    node = start_server("node", "--master", master.grpc, "--data-port", "0", "--metrics-port",
+                        "0", "--host-mem", "32MiB", "--node-id", "n-split")  # fmt: skip
+    assert node.addresses["node"] == "n-split" and node.data.startswith("tcp://127.0.0.1:")
+    assert "grpc" in master.addresses and "metrics" in master.addresses
+    rc, out = node.stop()
+    assert rc == 0 and "pinned_slots=0" in out, out
+    rc, out = master.stop()
+    assert rc == 0, out
