@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
+import kvclient
+from kvstore.core.kvgen import realistic_kv
 from tests.cluster import start_server
 
 pytestmark = pytest.mark.slow
@@ -50,4 +55,33 @@ def test_node_and_master_split_and_sigterm() -> None:
     rc, out = node.stop()
     assert rc == 0 and "pinned_slots=0" in out, out
     rc, out = master.stop()
+    assert rc == 0, out
+
+
+async def test_node_reregisters_and_rereports_after_master_restart() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    args = ("master", "--grpc-port", port, "--metrics-port", "0", "--node-lease-s", "1")
+    master = start_server(*args)
+    node = start_server("node", "--master", master.grpc, "--data-port", "0",
+                        "--metrics-port", "0", "--host-mem", "32MiB")  # fmt: skip
+    ns = kvclient.Namespace(model="restart", revision="r", num_layers=1, num_kv_heads=2,
+                            head_dim=64, dtype=torch.float16)  # fmt: skip
+    tokens = list(range(512))
+    try:
+        async with await kvclient.KVClient.connect(master.grpc, ns) as kv:
+            t = realistic_kv(512, 2, 64, torch.float16)
+            assert await kv.put_layer(tokens, 0, t) == 512
+        master.kill()
+        master = start_server(*args)  # a fresh master: an empty index
+        async with await kvclient.KVClient.connect(master.grpc, ns) as kv:
+            deadline = time.monotonic() + 15
+            while await kv.match_prefix(tokens) != 512:  # the node re-registers, re-reports
+                assert time.monotonic() < deadline, "node never re-reported its blocks"
+                await asyncio.sleep(0.2)
+            assert (await kv.get_layer(tokens, 0)).shape[1] == 512
+    finally:
+        rc, out = node.stop()
+        master.stop()
     assert rc == 0, out

@@ -43,6 +43,7 @@ from kvstore.errors import (
     KVStoreError,
     KVTimeout,
     ProtocolError,
+    StaleEpoch,
     TransportError,
 )
 from kvstore.master import wire
@@ -211,6 +212,9 @@ class StorageNode:
                 host=self.config.host,
             )
             self._epoch, self._lease_s, self._seq = reply.epoch, reply.lease_s, 0
+            # Entries of the old epoch are dead already; evictions need no report.
+            self._unreported.clear()
+            self.table.take_evictions()
             logger.info(
                 "registered %s epoch=%d lease=%.1fs", self.node_id, self._epoch, self._lease_s
             )
@@ -248,17 +252,22 @@ class StorageNode:
         object_removes: list[str],
     ) -> None:
         self._seq += 1
-        await self._master.commit(
-            CommitBatch(
-                self.node_id,
-                self._epoch,
-                self._seq,
-                tuple(adds),
-                tuple(evicts),
-                tuple(object_adds),
-                tuple(object_removes),
-            )
+        batch = CommitBatch(
+            self.node_id,
+            self._epoch,
+            self._seq,
+            tuple(adds),
+            tuple(evicts),
+            tuple(object_adds),
+            tuple(object_removes),
         )
+        try:
+            await self._master.commit(batch)
+        except StaleEpoch as exc:
+            # The master declared this epoch dead (lease lost, master restarted): register
+            # again; registration re-reports every slot and object held, these included.
+            self._reregister.set()
+            raise TransportError(f"node {self.node_id} is re-registering; retry") from exc
 
     def _heartbeat_loop(self) -> None:
         """Heartbeat every lease/3 on this thread; ask the loop to re-register when told."""
