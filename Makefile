@@ -33,6 +33,7 @@ test: setup
 	$(BIN)/python scripts/gen_proto.py --check
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -m mypy kvstore clients
 	$(BIN)/python -m pytest -q
 
 demo: setup

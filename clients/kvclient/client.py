@@ -17,14 +17,14 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import torch
 import xxhash
 
-from kvstore.core.codec import ChunkKey, chunk_nbytes, decode_chunk
+from kvstore.core.codec import ChunkKey, chunk_nbytes, decode_chunk, encode_blocks
 from kvstore.core.hashing import Namespace, block_hashes, dtype_name
 from kvstore.core.placement import Candidate, rank_nodes, weight_for_free
 from kvstore.errors import (
@@ -46,7 +46,7 @@ from .handles import prefix_len
 from .pool import ConnectionPool
 from .ucx import DEFAULT_STAGING_BYTES, UcxPath, prefer_ucx
 
-__all__ = ["DEFAULT_MAX_OBJECT_BYTES", "KVClient"]
+__all__ = ["DEFAULT_MAX_OBJECT_BYTES", "ClientCore", "KVClient"]
 
 logger = logging.getLogger("kvclient")
 
@@ -73,12 +73,10 @@ def _torch_dtype(name: str) -> torch.dtype:
     return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
-class KVClient(EngineOps):
-    """Reads and writes one namespace's KV in the pool. Create with :meth:`connect`.
-
-    Not fork-safe: create clients after an engine forks its workers. Safe to use from many
-    tasks of one event loop at once.
-    """
+class ClientCore:
+    """The core of :class:`KVClient`: connection, placement, put, get, match, stream,
+    objects. :class:`KVClient` adds the engine-facing calls of
+    :class:`~kvclient.engine.EngineOps` on top."""
 
     def __init__(
         self,
@@ -115,7 +113,7 @@ class KVClient(EngineOps):
         self._nodes_at = -1e9
         self._nodes_lock = asyncio.Lock()
         self._codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvclient-codec")
-        self._inflight: set[asyncio.Task[Any]] = set()
+        self._inflight: dict[asyncio.Task[Any], list[bytes]] = {}
         self._loop = asyncio.get_running_loop()
         self._closed = False
 
@@ -130,7 +128,7 @@ class KVClient(EngineOps):
         replicas: int = 1,
         timeout_s: float = 10.0,
         **options: Any,
-    ) -> KVClient:
+    ) -> Self:
         """Connect to the master at ``host:port`` and check that it answers.
 
         Blocks up to ``timeout_s``. Raises :class:`~kvstore.errors.Unreachable` or
@@ -149,16 +147,21 @@ class KVClient(EngineOps):
         if self._closed:
             return
         self._closed = True
-        for task in list(self._inflight):
+        inflight = dict(self._inflight)
+        for task in inflight:
             task.cancel()
-        if self._inflight:
-            await asyncio.wait(list(self._inflight), timeout=self.timeout_s)
+        if inflight:
+            await asyncio.wait(list(inflight), timeout=self.timeout_s)
+            # A put cancelled before it started never ran its own abort: publish them all
+            # here (watchers stop at the first abort, a second one is harmless).
+            hashes = list(dict.fromkeys(h for hs in inflight.values() for h in hs))
+            await self._abort(hashes, "client closed with puts in flight")
         await self._pool.close()
         await self._ucx.close()
         await self._master.close()
         self._codec.shutdown(wait=False, cancel_futures=True)
 
-    async def __aenter__(self) -> KVClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -266,11 +269,49 @@ class KVClient(EngineOps):
         async def put() -> set[int]:
             return await self._send_chunks(hashes, index, await encoded())
 
-        stored = await self._tracked_put(put(), hashes, timeout, "put_layer")
+        stored = await self._tracked_put(put, hashes, timeout, "put_layer")
         return prefix_len(stored, len(hashes)) * self.ns.block_tokens
 
+    def _launch_encode(
+        self, t: torch.Tensor, hashes: list[bytes], layer: int, shard: int
+    ) -> Callable[[], Awaitable[list[torch.Tensor]]]:
+        """Start quantizing a contiguous ``[2, T, H, D]`` layer (see :meth:`_launch`)."""
+        keys = [ChunkKey(h, layer, shard) for h in hashes]
+        B, quant = self.ns.block_tokens, self.ns.quant
+        return self._launch(t.is_cuda, lambda: encode_blocks(t, B, keys, quant))
+
+    def _launch(
+        self, on_cuda: bool, encode: Callable[[], list[torch.Tensor]]
+    ) -> Callable[[], Awaitable[list[torch.Tensor]]]:
+        """Start ``encode``; the returned coroutine function yields the chunks.
+
+        CUDA: the kernels are queued now, from the calling thread on its current stream,
+        and an event is recorded after them; the coroutine waits on that event (off the
+        loop), never on a device-wide sync. CPU: the coroutine runs ``encode`` on the
+        client's codec thread.
+        """
+        if on_cuda:
+            chunks = encode()
+            event = torch.cuda.Event()
+            event.record()
+
+            async def after_event() -> list[torch.Tensor]:
+                await self._run_codec(event.synchronize)
+                return [c.cpu() for c in chunks]
+
+            return after_event
+
+        async def on_codec_thread() -> list[torch.Tensor]:
+            return await self._run_codec(encode)
+
+        return on_codec_thread
+
     async def _tracked_put(
-        self, coro: Awaitable[set[int]], hashes: list[bytes], timeout: float | None, what: str
+        self,
+        put: Callable[[], Awaitable[set[int]]],
+        hashes: list[bytes],
+        timeout: float | None,
+        what: str,
     ) -> set[int]:
         """Run a put as a task registered in flight, under the call's deadline. If it
         fails, times out or is cancelled — by the caller or by :meth:`close` — the task
@@ -278,14 +319,14 @@ class KVClient(EngineOps):
 
         async def put_or_abort() -> set[int]:
             try:
-                return set(await coro)
+                return set(await put())
             except BaseException:
                 await asyncio.shield(self._abort(hashes, f"{what} failed or was cancelled"))
                 raise
 
         task = asyncio.ensure_future(put_or_abort())
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
+        self._inflight[task] = hashes
+        task.add_done_callback(lambda t: self._inflight.pop(t, None))
         try:
             return set(await self._deadline(asyncio.shield(task), timeout, what))
         except BaseException:
@@ -607,7 +648,7 @@ class KVClient(EngineOps):
         *,
         shard: int = 0,
         device: Any = None,
-    ) -> AsyncIterator[tuple[int, torch.Tensor]]:
+    ) -> AsyncGenerator[tuple[int, torch.Tensor], None]:
         """Yield ``(layer, [2, n_full_tokens, H, D])`` in layer order as layers land.
 
         Waits for blocks that do not exist yet: subscribes to the master's watch first,
@@ -732,6 +773,14 @@ class KVClient(EngineOps):
             return removed
 
         return bool(await self._deadline(run(), timeout, "remove"))
+
+
+class KVClient(EngineOps, ClientCore):
+    """Reads and writes one namespace's KV in the pool. Create with :meth:`connect`.
+
+    Not fork-safe: create clients after an engine forks its workers. Safe to use from many
+    tasks of one event loop at once; the ``start_*`` calls from any thread.
+    """
 
 
 def _batches(idx: list[int]) -> list[list[int]]:

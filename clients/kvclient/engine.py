@@ -14,57 +14,25 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstore.core.codec import ChunkKey, encode_blocks
+from kvstore.core.codec import ChunkKey
 from kvstore.errors import BadShape
 
 from .handles import Handle, Result, StreamHandle, prefix_len
 from .paged import ChunkView, chunk_views, decode_into, encode_paged
 
 if TYPE_CHECKING:
-    from .client import KVClient
+    from .client import ClientCore as _Base
+else:
+    _Base = object
 
 __all__ = ["EngineOps"]
 
 
-class EngineOps:
+class EngineOps(_Base):
     """Mixin of :class:`~kvclient.KVClient` with the engine-facing calls."""
 
-    def _launch_encode(
-        self: KVClient, t: torch.Tensor, hashes: list[bytes], layer: int, shard: int
-    ) -> Callable[[], Awaitable[list[torch.Tensor]]]:
-        """Start quantizing a contiguous ``[2, T, H, D]`` layer (see :meth:`_launch`)."""
-        keys = [ChunkKey(h, layer, shard) for h in hashes]
-        B, quant = self.ns.block_tokens, self.ns.quant
-        return self._launch(t.is_cuda, lambda: encode_blocks(t, B, keys, quant))
-
-    def _launch(
-        self: KVClient, on_cuda: bool, encode: Callable[[], list[torch.Tensor]]
-    ) -> Callable[[], Awaitable[list[torch.Tensor]]]:
-        """Start ``encode``; the returned coroutine function yields the chunks.
-
-        CUDA: the kernels are queued now, from the calling thread on its current stream,
-        and an event is recorded after them; the coroutine waits on that event (off the
-        loop), never on a device-wide sync. CPU: the coroutine runs ``encode`` on the
-        client's codec thread.
-        """
-        if on_cuda:
-            chunks = encode()
-            event = torch.cuda.Event()
-            event.record()
-
-            async def after_event() -> list[torch.Tensor]:
-                await self._run_codec(event.synchronize)
-                return [c.cpu() for c in chunks]
-
-            return after_event
-
-        async def on_codec_thread() -> list[torch.Tensor]:
-            return await self._run_codec(encode)
-
-        return on_codec_thread
-
     def _paged_views(
-        self: KVClient,
+        self,
         token_ids: Sequence[int] | Any,
         cache: torch.Tensor,
         block_ids: Any,
@@ -82,7 +50,7 @@ class EngineOps:
         return hashes, views
 
     def _put_paged(
-        self: KVClient,
+        self,
         token_ids: Sequence[int] | Any,
         layer: int,
         cache: torch.Tensor,
@@ -91,7 +59,7 @@ class EngineOps:
         shard: int,
         timeout: float | None,
         what: str,
-    ) -> tuple[list[bytes], Awaitable[set[int]]]:
+    ) -> tuple[list[bytes], Callable[[], Awaitable[set[int]]]]:
         hashes, views = self._paged_views(token_ids, cache, block_ids, layout, writable=False)
         index = self._chunk_index(layer, shard)
         keys = [ChunkKey(h, layer, shard) for h in hashes]
@@ -100,10 +68,12 @@ class EngineOps:
         async def put() -> set[int]:
             return await self._send_chunks(hashes, index, await encoded())
 
-        return hashes, self._tracked_put(put(), hashes, timeout, what) if hashes else _none()
+        if not hashes:
+            return hashes, _none
+        return hashes, lambda: self._tracked_put(put, hashes, timeout, what)
 
     async def put_layer_paged(
-        self: KVClient,
+        self,
         token_ids: Sequence[int] | Any,
         layer: int,
         cache: torch.Tensor,
@@ -121,10 +91,10 @@ class EngineOps:
         hashes, run = self._put_paged(
             token_ids, layer, cache, block_ids, layout, shard, timeout, "put_layer_paged"
         )
-        return prefix_len(await run, len(hashes)) * self.ns.block_tokens
+        return prefix_len(await run(), len(hashes)) * self.ns.block_tokens
 
     def start_put_layer_paged(
-        self: KVClient,
+        self,
         token_ids: Sequence[int] | Any,
         layer: int,
         cache: torch.Tensor,
@@ -139,16 +109,10 @@ class EngineOps:
         hashes, run = self._put_paged(
             token_ids, layer, cache, block_ids, layout, shard, timeout, "start_put_layer_paged"
         )
-
-        async def result() -> Result:
-            stored = await run
-            missing = [(i, layer) for i in range(len(hashes)) if i not in stored]
-            return Result(len(stored) * self.ns.block_tokens, missing)
-
-        return Handle(self._loop, result())
+        return self._result_handle(run, len(hashes), layer)
 
     def _get_paged(
-        self: KVClient,
+        self,
         token_ids: Sequence[int] | Any,
         layer: int,
         cache: torch.Tensor,
@@ -158,7 +122,7 @@ class EngineOps:
         timeout: float | None,
         *,
         load_all: bool,
-    ) -> tuple[list[bytes], Awaitable[set[int]]]:
+    ) -> tuple[list[bytes], Callable[[], Awaitable[set[int]]]]:
         hashes, views = self._paged_views(token_ids, cache, block_ids, layout, writable=True)
         index = self._chunk_index(layer, shard)
 
@@ -169,10 +133,10 @@ class EngineOps:
             located = await self._locate(hashes, index, load_all=load_all)
             return await self._fetch(hashes, layer, shard, located, sink)
 
-        return hashes, self._deadline(get(), timeout, "get_layer_paged")
+        return hashes, lambda: self._deadline(get(), timeout, "get_layer_paged")
 
     async def get_layer_paged(
-        self: KVClient,
+        self,
         token_ids: Sequence[int] | Any,
         layer: int,
         cache: torch.Tensor,
@@ -188,10 +152,10 @@ class EngineOps:
         hashes, run = self._get_paged(
             token_ids, layer, cache, block_ids, layout, shard, timeout, load_all=False
         )
-        return prefix_len(await run, len(hashes)) * self.ns.block_tokens
+        return prefix_len(await run(), len(hashes)) * self.ns.block_tokens
 
     def start_get_layer_paged(
-        self: KVClient,
+        self,
         token_ids: Sequence[int] | Any,
         layer: int,
         cache: torch.Tensor,
@@ -206,16 +170,10 @@ class EngineOps:
         hashes, run = self._get_paged(
             token_ids, layer, cache, block_ids, layout, shard, timeout, load_all=True
         )
-
-        async def result() -> Result:
-            loaded = await run
-            missing = [(i, layer) for i in range(len(hashes)) if i not in loaded]
-            return Result(len(loaded) * self.ns.block_tokens, missing)
-
-        return Handle(self._loop, result())
+        return self._result_handle(run, len(hashes), layer)
 
     def start_put_layer(
-        self: KVClient,
+        self,
         token_ids: Sequence[int] | Any,
         layer: int,
         t: torch.Tensor,
@@ -229,23 +187,19 @@ class EngineOps:
         hashes = self.block_hashes(token_ids)
         self._check_layer_tensor(t, len(token_ids))
         index = self._chunk_index(layer, shard)
-        encoded = self._launch_encode(t, hashes, layer, shard) if hashes else None
+        encoded = self._launch_encode(t, hashes, layer, shard)
 
-        async def run() -> Result:
-            if encoded is None:
-                return Result(0, [])
+        async def put() -> set[int]:
+            return await self._send_chunks(hashes, index, await encoded())
 
-            async def put() -> set[int]:
-                return await self._send_chunks(hashes, index, await encoded())
-
-            stored = await self._tracked_put(put(), hashes, timeout, "start_put_layer")
-            missing = [(i, layer) for i in range(len(hashes)) if i not in stored]
-            return Result(len(stored) * self.ns.block_tokens, missing)
-
-        return Handle(self._loop, run())
+        if not hashes:
+            return self._result_handle(_none, 0, layer)
+        return self._result_handle(
+            lambda: self._tracked_put(put, hashes, timeout, "start_put_layer"), len(hashes), layer
+        )
 
     def start_get_layer(
-        self: KVClient,
+        self,
         token_ids: Sequence[int] | Any,
         layer: int,
         out: torch.Tensor,
@@ -262,19 +216,16 @@ class EngineOps:
         if out.shape[1] < len(hashes) * self.ns.block_tokens:
             raise self._short_out(out, len(hashes))
 
-        async def run() -> Result:
-            async def get() -> set[int]:
-                located = await self._locate(hashes, index, load_all=True)
-                return await self._fetch(hashes, layer, shard, located, self._into(out))
+        async def get() -> set[int]:
+            located = await self._locate(hashes, index, load_all=True)
+            return await self._fetch(hashes, layer, shard, located, self._into(out))
 
-            loaded = await self._deadline(get(), timeout, "start_get_layer")
-            missing = [(i, layer) for i in range(len(hashes)) if i not in loaded]
-            return Result(len(loaded) * self.ns.block_tokens, missing)
-
-        return Handle(self._loop, run())
+        return self._result_handle(
+            lambda: self._deadline(get(), timeout, "start_get_layer"), len(hashes), layer
+        )
 
     def start_stream_layers(
-        self: KVClient,
+        self,
         token_ids: Sequence[int] | Any,
         timeout: float | None = None,
         *,
@@ -294,7 +245,18 @@ class EngineOps:
 
         return StreamHandle(self._loop, self.ns.num_layers, run)
 
-    def _short_out(self: KVClient, out: torch.Tensor, n_blocks: int) -> BadShape:
+    def _result_handle(self, run: Callable[[], Awaitable[set[int]]], n: int, layer: int) -> Handle:
+        """A handle whose result counts the blocks ``run`` stored or loaded and names the
+        other ones of the ``n`` as missing."""
+
+        async def result() -> Result:
+            done = await run()
+            missing = [(i, layer) for i in range(n) if i not in done]
+            return Result(len(done) * self.ns.block_tokens, missing)
+
+        return Handle(self._loop, result)
+
+    def _short_out(self, out: torch.Tensor, n_blocks: int) -> BadShape:
         return BadShape(
             f"out holds {out.shape[1]} tokens; {n_blocks} full blocks need "
             f"{n_blocks * self.ns.block_tokens}"

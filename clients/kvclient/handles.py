@@ -48,19 +48,23 @@ class Result:
 class Handle:
     """A running operation. Thread-safe; see the module docstring for the contract."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, start: Callable[[], Coroutine[Any, Any, Any]]
+    ) -> None:
+        """Run ``start()`` as a task on ``loop``; the coroutine is created only inside the
+        task, so a handle cancelled before it ran leaves nothing unawaited."""
         self._loop = loop
         self._finished = threading.Event()
         self._future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         if _in_loop(loop):
-            self._task: asyncio.Task[Any] | None = loop.create_task(self._run(coro))
+            self._task: asyncio.Task[Any] | None = loop.create_task(self._run(start))
         else:
             self._task = None
-            self._cf = asyncio.run_coroutine_threadsafe(self._run(coro), loop)
+            self._cf = asyncio.run_coroutine_threadsafe(self._run(start), loop)
 
-    async def _run(self, coro: Coroutine[Any, Any, Any]) -> None:
+    async def _run(self, start: Callable[[], Coroutine[Any, Any, Any]]) -> None:
         try:
-            result = await coro
+            result = await start()
         except asyncio.CancelledError:
             self._future.set_exception(Cancelled("the operation was cancelled"))
         except BaseException as exc:
@@ -127,7 +131,7 @@ class StreamHandle(Handle):
         async def body() -> Any:
             return await run(deliver)
 
-        super().__init__(loop, body())
+        super().__init__(loop, body)
 
     def layer(self, layer: int, timeout: float | None = None) -> Any:
         """Block until ``layer`` has arrived and return its ``[2, n, H, D]`` tensor.

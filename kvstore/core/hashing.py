@@ -174,7 +174,7 @@ def _tokens_le_u32(token_ids: Sequence[int] | np.ndarray | Any) -> np.ndarray:
             raise InvalidArgument(f"token ids must be integers in [0, 2**32): {exc}") from exc
         return np.frombuffer(packed, dtype=np.uint32).astype("<u4", copy=False)
     if hasattr(token_ids, "numpy") and not isinstance(token_ids, np.ndarray):
-        token_ids = token_ids.detach().cpu().numpy()  # a torch tensor
+        token_ids = token_ids.detach().cpu().numpy()  # type: ignore[union-attr]  # torch
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise InvalidArgument(f"token_ids must be 1-D, got shape {arr.shape}")
@@ -193,7 +193,7 @@ def block_hashes(ns: Namespace, token_ids: Sequence[int] | np.ndarray | Any) -> 
     """
     tokens = _tokens_le_u32(token_ids)
     step = ns.block_tokens * 4
-    data = memoryview(tokens.view(np.uint8))
+    data = memoryview(tokens.view(np.uint8))  # type: ignore[arg-type]
     out: list[BlockHash] = []
     prev = ns.id
     digest = xxhash.xxh3_128_digest
