@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from kvstore import __version__
 from kvstore.core.arena import parse_size
 from kvstore.errors import KVStoreError
+from kvstore.master.redis_store import RedisIndexStore
 from kvstore.master.server import MasterConfig, MasterServer, grpc_address
 from kvstore.metrics import Metrics, MetricsServer
 from kvstore.node.server import NodeConfig, StorageNode
@@ -106,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     master = sub.add_parser("master", help="the control plane only")
     common(master, 9400)
     master_flags(master)
+    master.add_argument(
+        "--redis",
+        metavar="URL",
+        help="keep the index in Redis (redis://host:port/db) instead of this process",
+    )
     node = sub.add_parser("node", help="one storage node")
     common(node, 9401)
     node_flags(node)
@@ -152,7 +158,12 @@ async def _run(args: argparse.Namespace) -> int:
                 grpc_port=0 if private else args.grpc_port,
                 node_lease_s=args.node_lease_s,
             )
-            master = MasterServer(mcfg)
+            store = None
+            if getattr(args, "redis", None):
+                store = RedisIndexStore(args.redis)
+                await store.start()
+                exits.push_async_callback(store.close)
+            master = MasterServer(mcfg, store)
             master.service.add_rpc_observer(
                 lambda method, seconds: metrics.rpc_seconds.labels(method=method).observe(seconds)
             )

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
 import time
 
 import pytest
+import redis
 import torch
 
 import kvclient
@@ -84,4 +86,34 @@ async def test_node_reregisters_and_rereports_after_master_restart() -> None:
     finally:
         rc, out = node.stop()
         master.stop()
+    assert rc == 0, out
+
+
+@pytest.mark.skipif(not os.environ.get("KVSTORE_TEST_REDIS"), reason="KVSTORE_TEST_REDIS unset")
+async def test_master_with_redis_index() -> None:
+    """``kvstore master --redis``: a put through one master is found by a match through a
+    second master sharing the Redis index."""
+    # A database of its own, emptied: nodes left registered by an earlier run would be
+    # restored with a grace lease and be placed on.
+    url = os.environ["KVSTORE_TEST_REDIS"].rsplit("/", 1)[0] + "/15"
+    with redis.Redis.from_url(url, socket_timeout=5) as r:
+        r.flushdb()
+    masters = [start_server("master", "--grpc-port", "0", "--metrics-port", "0",
+                            "--redis", url) for _ in range(2)]  # fmt: skip
+    node = start_server("node", "--master", masters[0].grpc, "--data-port", "0",
+                        "--metrics-port", "0", "--host-mem", "32MiB")  # fmt: skip
+    model = f"redis-{os.getpid()}-{time.time_ns()}"
+    ns = kvclient.Namespace(model=model, revision="r", num_layers=1, num_kv_heads=2,
+                            head_dim=64, dtype=torch.float16)  # fmt: skip
+    tokens = list(range(512))
+    try:
+        async with await kvclient.KVClient.connect(masters[0].grpc, ns) as kv:
+            assert await kv.put_layer(tokens, 0, realistic_kv(512, 2, 64, torch.float16)) == 512
+        async with await kvclient.KVClient.connect(masters[1].grpc, ns) as kv:
+            assert await kv.match_prefix(tokens) == 512
+            assert (await kv.get_layer(tokens, 0)).shape[1] == 512
+    finally:
+        rc, out = node.stop()
+        for m in masters:
+            m.stop()
     assert rc == 0, out

@@ -7,10 +7,14 @@ would be one entry, skipped without ``KVSTORE_TEST_REDIS``).
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
+import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +32,7 @@ from kvstore.master.records import (
     Tier,
     mask_of,
 )
+from kvstore.master.redis_store import RedisIndexStore
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))
@@ -37,10 +42,47 @@ async def _memory() -> IndexStore:
     return MemoryIndexStore(epoch_base=1000, purge_step=3)
 
 
-STORE_FACTORIES: dict[str, Callable[[], Awaitable[IndexStore]]] = {"memory": _memory}
+REDIS_URL = os.environ.get("KVSTORE_TEST_REDIS", "")
+_redis_prefixes = (f"kvtest:{uuid.uuid4().hex[:12]}:{i}" for i in itertools.count())
+_redis_used: list[str] = []
 
 
-@pytest.fixture(params=sorted(STORE_FACTORIES))
+async def _redis() -> IndexStore:
+    """A store under a fresh key prefix (deleted after the test by ``_redis_cleanup``)."""
+    _redis_used.append(next(_redis_prefixes))
+    return RedisIndexStore(REDIS_URL, namespace_prefix=_redis_used[-1], stream_maxlen=1000)
+
+
+def delete_redis_keys(prefix: str) -> None:
+    """Delete every key under ``prefix`` (sync client: also runs outside an event loop)."""
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        for i in range(0, len(keys), 500):
+            client.unlink(*keys[i : i + 500])
+    finally:
+        client.close()
+
+
+@pytest.fixture(autouse=True)
+def _redis_cleanup() -> Iterator[None]:
+    """Delete the keys of every Redis store the test made (after its fixtures closed them)."""
+    yield
+    while _redis_used:
+        delete_redis_keys(_redis_used.pop())
+
+
+STORE_FACTORIES: dict[str, Callable[[], Awaitable[IndexStore]]] = {
+    "memory": _memory,
+    "redis": _redis,
+}
+_NO_REDIS = pytest.mark.skipif(not REDIS_URL, reason="KVSTORE_TEST_REDIS (redis:// URL) unset")
+STORE_MARKS = {"redis": (pytest.mark.redis, _NO_REDIS)}
+
+
+@pytest.fixture(
+    params=[pytest.param(n, marks=STORE_MARKS.get(n, ())) for n in sorted(STORE_FACTORIES)]
+)
 def store_factory(request: pytest.FixtureRequest) -> Callable[[], Awaitable[IndexStore]]:
     return STORE_FACTORIES[request.param]
 
