@@ -5,6 +5,8 @@ real ``kvstore`` processes."""
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +16,7 @@ import torch
 
 import kvclient
 from kvclient.errors import BadShape, Cancelled, KVTimeout
+from kvctl.main import main as kvctl
 from kvstore.core.kvgen import realistic_kv
 from kvstore.transport import connect
 from tests.cluster import Server, start_server
@@ -249,3 +252,24 @@ def test_closing_a_writer_with_puts_in_flight_aborts_streams(server: Server) -> 
             stream.layer(0, timeout=30)
         assert info.value.layer == 0
         assert time.monotonic() - t0 < 10  # told by the abort, not by the stream's timeout
+
+
+def test_kvctl_evict_a_prompt_then_the_namespace(server: Server) -> None:
+    ns = _ns(1)
+    flags = ["--model", ns.model, "--revision", ns.revision, "--layers", "1", "--kv-heads",
+             str(H), "--head-dim", str(D), "--dtype", "bfloat16"]  # fmt: skip
+    with kvclient.SyncKVClient.connect(server.grpc, ns) as kv:
+        first, second = _tokens(700, 1024), _tokens(701, 512)
+        for tokens in (first, second):
+            assert kv.put_layer(tokens, 0, realistic_kv(len(tokens), H, D, torch.bfloat16)) > 0
+        out = io.StringIO()
+        args = ["--master", server.grpc, "evict", *flags, "--tokens", ",".join(map(str, first))]
+        assert kvctl([*args, "--json"], stdout=out) == 0
+        report = json.loads(out.getvalue())
+        assert report["evicted"] == 4 and report["blocks"] == 4
+        assert kv.match_prefix(first) == 0 and kv.get_layer(first, 0).shape[1] == 0
+        assert kv.match_prefix(second) == 512  # other prompts untouched
+        out = io.StringIO()
+        assert kvctl(["--master", server.grpc, "evict", *flags], stdout=out) == 0
+        assert "2 slots evicted" in out.getvalue()
+        assert kv.match_prefix(second) == 0

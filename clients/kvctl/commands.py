@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 from kvctl.explain import PrefixReport, explain_prefix
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, KVStoreError
 
 if TYPE_CHECKING:
     from kvstore.core.hashing import Namespace
@@ -24,11 +24,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DrainResult",
+    "EvictResult",
     "LookupPlan",
+    "NodeEviction",
     "StatsReport",
     "TierTotal",
     "drain",
     "drain_json",
+    "evict",
+    "evict_json",
     "fetch_lookup",
     "fetch_nodes",
     "fetch_stats",
@@ -180,6 +184,74 @@ async def drain(client: MasterClient, node_id: str, *, undrain: bool) -> DrainRe
 def drain_json(result: DrainResult) -> dict[str, Any]:
     """``kvctl drain --json``: ``{"node": id, "draining": bool}``."""
     return {"node": result.node_id, "draining": result.draining}
+
+
+# -- evict ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeEviction:
+    """What one node evicted (``kept``: present but pinned or quarantined)."""
+
+    node_id: str
+    evicted: int
+    kept: int
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    """``kvctl evict``: the namespace and what every live node did."""
+
+    ns_id: bytes
+    blocks: int | None
+    nodes: tuple[NodeEviction, ...]
+
+
+async def evict(
+    client: MasterClient, ns_id: bytes, blocks: Sequence[bytes] | None, timeout_s: float
+) -> EvictResult:
+    """Ask every live node to evict ``blocks`` of ``ns_id`` (all of it when None).
+
+    Nodes are the only writers of their index entries, so the request goes to each node's
+    data port; the node commits its evictions to the master before it answers. A node that
+    cannot be reached is reported, not fatal.
+    """
+    from kvstore.transport import connect
+
+    header: dict[str, Any] = {"op": "evict", "ns_id": ns_id.hex()}
+    if blocks is not None:
+        header["blocks"] = [b.hex() for b in blocks]
+    done = []
+    for node in await client.nodes():
+        if not node.alive:
+            continue
+        try:
+            conn = await connect(node.data_uri, timeout=timeout_s)
+            try:
+                await conn.send(header, timeout=timeout_s)
+                answer = (await conn.recv_header(timeout=timeout_s)).header
+            finally:
+                await conn.close()
+            if answer.get("op") != "evicted":
+                raise KVStoreError(f"{answer.get('message', answer.get('op'))}")
+            done.append(NodeEviction(node.node_id, int(answer["evicted"]), int(answer["kept"])))
+        except KVStoreError as exc:
+            done.append(NodeEviction(node.node_id, 0, 0, str(exc)))
+    return EvictResult(ns_id, None if blocks is None else len(blocks), tuple(done))
+
+
+def evict_json(result: EvictResult) -> dict[str, Any]:
+    """``kvctl evict --json``."""
+    return {
+        "namespace": result.ns_id.hex(),
+        "blocks": result.blocks,
+        "evicted": sum(n.evicted for n in result.nodes),
+        "nodes": [
+            {"id": n.node_id, "evicted": n.evicted, "kept": n.kept, "error": n.error}
+            for n in result.nodes
+        ],
+    }
 
 
 # -- lookup ---------------------------------------------------------------------------------

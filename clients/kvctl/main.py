@@ -15,8 +15,10 @@
 a table. Exit codes: 0 ok, 1 the master could not be reached or answered with an error
 (one line on stderr), 2 usage errors (bad flags, tokens, namespace).
 
-There is no ``evict``: the master has no eviction RPC, and nodes are the only writers of
-their index entries, so nothing honest can be done from here.
+        evict ...           evict a prompt's blocks, or a whole namespace without tokens,
+                            on every live node (Nodes, then each node's data port: nodes
+                            are the only writers of their index entries and commit the
+                            evictions to the master before they answer)
 
 Cold start is kept small: this module imports argparse and ``kvstore.errors`` only; grpc
 comes with the first master call, rich with the first table, numpy with ``lookup``; torch
@@ -164,11 +166,10 @@ def _drain_job(args: argparse.Namespace, stdin: TextIO) -> _Job[Any]:
     return _Job(fetch, commands.drain_json, tables.print_drain)
 
 
-def _lookup_job(args: argparse.Namespace, stdin: TextIO) -> _Job[Any]:
-    from kvctl import commands, explain, tables
+def _namespace(args: argparse.Namespace) -> Any:
     from kvstore.core.hashing import Namespace
 
-    ns = Namespace(
+    return Namespace(
         model=args.model,
         revision=args.revision,
         num_layers=args.layers,
@@ -181,16 +182,44 @@ def _lookup_job(args: argparse.Namespace, stdin: TextIO) -> _Job[Any]:
         cache_salt=args.cache_salt,
         tp_size=args.tp_size,
     )
+
+
+def _tokens(args: argparse.Namespace, stdin: TextIO) -> list[int] | None:
+    from kvctl import commands
+
     if args.tokens is not None:
-        tokens = commands.parse_tokens(args.tokens)
-    else:
-        tokens = commands.read_tokens(args.tokens_file, stdin)
-    plan = commands.plan_lookup(ns, tokens)
+        return commands.parse_tokens(args.tokens)
+    if args.tokens_file is not None:
+        return commands.read_tokens(args.tokens_file, stdin)
+    return None
+
+
+def _lookup_job(args: argparse.Namespace, stdin: TextIO) -> _Job[Any]:
+    from kvctl import commands, explain, tables
+
+    tokens = _tokens(args, stdin)
+    if tokens is None:
+        raise InvalidArgument("lookup needs --tokens or --tokens-file")
+    plan = commands.plan_lookup(_namespace(args), tokens)
 
     def fetch(client: MasterClient) -> Awaitable[explain.PrefixReport]:
         return commands.fetch_lookup(client, plan)
 
     return _Job(fetch, explain.report_json, tables.print_lookup)
+
+
+def _evict_job(args: argparse.Namespace, stdin: TextIO) -> _Job[Any]:
+    from kvctl import commands, tables
+
+    ns = _namespace(args)
+    tokens = _tokens(args, stdin)
+    blocks = None if tokens is None else commands.plan_lookup(ns, tokens).block_hashes
+    timeout_s = args.timeout
+
+    def fetch(client: MasterClient) -> Awaitable[commands.EvictResult]:
+        return commands.evict(client, ns.id, blocks, timeout_s)
+
+    return _Job(fetch, commands.evict_json, tables.print_evict)
 
 
 # -- the parser -----------------------------------------------------------------------------
@@ -256,7 +285,7 @@ def _connection_options(parser: argparse.ArgumentParser, master: str | None) -> 
     )
 
 
-def _lookup_options(parser: argparse.ArgumentParser) -> None:
+def _lookup_options(parser: argparse.ArgumentParser, tokens_required: bool = True) -> None:
     ns = parser.add_argument_group("namespace (must match the engine's exactly)")
     ns.add_argument("--model", required=True)
     ns.add_argument("--revision", required=True)
@@ -269,7 +298,8 @@ def _lookup_options(parser: argparse.ArgumentParser) -> None:
     ns.add_argument("--tp-size", type=int, default=1)
     ns.add_argument("--adapter", default=None, help="LoRA id (default none)")
     ns.add_argument("--cache-salt", default=None, help="tenant salt (default none)")
-    tokens = parser.add_argument_group("the prompt").add_mutually_exclusive_group(required=True)
+    prompt = parser.add_argument_group("the prompt")
+    tokens = prompt.add_mutually_exclusive_group(required=tokens_required)
     tokens.add_argument("--tokens", metavar="1,2,3,...", help="token ids, comma-separated")
     tokens.add_argument(
         "--tokens-file",
@@ -295,6 +325,7 @@ def build_parser(out: TextIO, err: TextIO, default_master: str = DEFAULT_MASTER)
         ("stats", "the master's counters and per-tier usage", _stats_job),
         ("lookup", "why a prompt does or does not match, block by block", _lookup_job),
         ("drain", "mark a node draining (no new placements)", _drain_job),
+        ("evict", "evict a prompt's blocks (or a whole namespace) from every node", _evict_job),
     ]
     for name, help_text, job in commands:
         sub = subs.add_parser(name, help=help_text, description=help_text, out=out, err=err)
@@ -303,6 +334,8 @@ def build_parser(out: TextIO, err: TextIO, default_master: str = DEFAULT_MASTER)
         sub.set_defaults(prepare=job)
         if name == "lookup":
             _lookup_options(sub)
+        elif name == "evict":
+            _lookup_options(sub, tokens_required=False)
         elif name == "drain":
             sub.add_argument("node", metavar="NODE", help="node id")
             sub.add_argument("--undrain", action="store_true", help="clear the draining mark")

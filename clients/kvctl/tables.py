@@ -17,12 +17,13 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-    from kvctl.commands import DrainResult, StatsReport
+    from kvctl.commands import DrainResult, EvictResult, StatsReport
     from kvstore.master.records import MasterStats, NodeInfo
 
 __all__ = [
     "human_bytes",
     "print_drain",
+    "print_evict",
     "print_lookup",
     "print_nodes",
     "print_stats",
@@ -168,6 +169,16 @@ def print_drain(result: DrainResult, out: TextIO) -> None:
     """One line: the node's draining mark after the call."""
     mark = "draining (no new placements)" if result.draining else "not draining"
     out.write(f"node {result.node_id}: {mark}\n")
+
+
+def print_evict(result: EvictResult, out: TextIO) -> None:
+    """One line per node, then the total."""
+    what = "whole namespace" if result.blocks is None else f"{result.blocks} blocks"
+    for n in result.nodes:
+        state = f"error: {n.error}" if n.error else f"evicted {n.evicted}, kept {n.kept} pinned"
+        out.write(f"node {n.node_id}: {state}\n")
+    total = sum(n.evicted for n in result.nodes)
+    out.write(f"namespace {result.ns_id.hex()} ({what}): {total} slots evicted\n")
 
 
 # -- lookup ---------------------------------------------------------------------------------

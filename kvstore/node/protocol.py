@@ -33,6 +33,8 @@ One request is in flight per connection; every exchange starts with a client hea
                 C: {op: data} + 1 buffer             N: {op: ack, stored: 1}
     get_object  C: {op: get_object, key}             N: {op: data, found: [0|1]} + 0|1 buffer
     remove_object C: {op: remove_object, key}        N: {op: ok, removed: bool}
+    evict       C: {op: evict, ns_id, blocks?: [block ...]}   (operator; all of ns_id if
+                N: {op: evicted, evicted: n, kept: n}          no blocks; pinned ones kept)
     stats       C: {op: stats}                       N: {op: stats, ...counters}
 
 Error codes map to the exception tree: ``invalid`` → InvalidArgument, ``shape`` → BadShape,

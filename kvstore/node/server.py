@@ -334,6 +334,7 @@ class StorageNode:
             "get_object": self._on_get_object,
             "remove_object": self._on_remove_object,
             "stats": self._on_stats,
+            "evict": self._on_evict,
         }
         while not conn.closed:
             try:
@@ -670,6 +671,27 @@ class StorageNode:
         if removed:
             await self._commit([], object_removes=[key])
         await conn.send({"op": "ok", "removed": removed}, timeout=self.config.io_timeout_s)
+
+    async def _on_evict(self, conn: Connection, header: dict[str, Any]) -> None:
+        """An operator's eviction: the listed blocks of a namespace, or all of it. Pinned
+        or quarantined slots stay (counted); the evictions are committed to the master
+        before the answer, like every other change of this node's index entries."""
+        ns_id = hex16(header.get("ns_id"), "ns_id")
+        blocks = header.get("blocks")
+        if blocks is None:
+            candidates = [s.key for s in self.table.slots() if s.key[0] == ns_id]
+        else:
+            if not isinstance(blocks, list) or len(blocks) > MAX_CHUNKS_PER_REQUEST:
+                raise ProtocolError(f"blocks must be a list of <= {MAX_CHUNKS_PER_REQUEST}")
+            candidates = [(ns_id, hex16(b)) for b in blocks]
+        present = [key for key in candidates if self.table.get(key) is not None]
+        gone = [key for key in present if self.table.evict(key)]
+        self._unreported.extend(gone)
+        await self._commit([])
+        await conn.send(
+            {"op": "evicted", "evicted": len(gone), "kept": len(present) - len(gone)},
+            timeout=self.config.io_timeout_s,
+        )
 
     async def _on_stats(self, conn: Connection, header: dict[str, Any]) -> None:
         st = self.table.stats()
