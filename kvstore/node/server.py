@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,8 @@ class StorageNode:
             make_room=self.table.evict_lru,
         )
         self._namespaces: dict[bytes, tuple[Namespace, int]] = {}
+        self._ns_by_hex: dict[str, tuple[Namespace, int]] = {}
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="kvstore-verify")
         self._inflight: set[tuple[SlotKey, int]] = set()
         self._unreported: list[SlotKey] = []
         self._holds: dict[str, _Hold] = {}
@@ -188,6 +191,7 @@ class StorageNode:
         await self._master.close()
         if self._nixl is not None:
             await self._nixl.close()
+        self._verifier.shutdown(wait=True)
 
     @property
     def pinned_slots(self) -> int:
@@ -362,8 +366,12 @@ class StorageNode:
                 return
 
     def _namespace(self, canonical_hex: Any) -> tuple[Namespace, int]:
+        """The namespace a put names and its chunk size (parsed once per namespace)."""
         if not isinstance(canonical_hex, str) or len(canonical_hex) > 8192:
             raise ProtocolError("field 'ns' must be the canonical namespace in hex")
+        seen = self._ns_by_hex.get(canonical_hex)
+        if seen is not None:
+            return seen
         try:
             raw = bytes.fromhex(canonical_hex)
         except ValueError as exc:
@@ -375,6 +383,7 @@ class StorageNode:
                 raise CapacityError(f"node serves at most {_MAX_NAMESPACES} namespaces")
             size = chunk_nbytes(ns.block_tokens, ns.num_kv_heads, ns.head_dim, ns.dtype, ns.quant)
             known = self._namespaces[ns.id] = (ns, size)
+        self._ns_by_hex[canonical_hex] = known
         return known
 
     def _chunk_list(self, header: dict[str, Any]) -> list[Any]:
@@ -510,18 +519,28 @@ class StorageNode:
     ) -> tuple[int, list[int]]:
         """Check every landed chunk's header, key and checksum, mark the good ones and
         commit them to the master; (chunks stored, request positions that failed)."""
-        failed: list[int] = []
+
+        def check() -> list[int]:
+            bad = []
+            for i, view in zip(picked, views, strict=True):
+                key, _, index = wanted[i]
+                layer, shard = divmod(index, ns.tp_size)
+                try:
+                    verify_chunk(view, expect_key=ChunkKey(key[1], layer, shard))
+                except ChunkError as exc:
+                    logger.warning("rejected chunk from %s: %s", conn.peer, exc)
+                    bad.append(i)
+            return bad
+
+        # Checksumming a batch reads every byte once: off the loop, so other connections
+        # keep being served meanwhile (the slots are pinned by this exchange).
+        loop = asyncio.get_running_loop()
+        failed = await loop.run_in_executor(self._verifier, check)
         landed: dict[SlotKey, list[int]] = {}
-        for i, view in zip(picked, views, strict=True):
+        rejected = set(failed)
+        for i in picked:
             key, _, index = wanted[i]
-            layer, shard = divmod(index, ns.tp_size)
-            try:
-                verify_chunk(view, expect_key=ChunkKey(key[1], layer, shard))
-            except ChunkError as exc:
-                logger.warning("rejected chunk from %s: %s", conn.peer, exc)
-                failed.append(i)
-                continue
-            if self.table.mark_landed(slots[i], index):
+            if i not in rejected and self.table.mark_landed(slots[i], index):
                 landed.setdefault(key, []).append(index)
         await self._commit([BlockAdd(k[0], k[1], tuple(v)) for k, v in landed.items()])
         return len(picked) - len(failed), failed
