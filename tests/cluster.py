@@ -12,7 +12,19 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["Server", "start_server"]
+import pytest
+
+from kvclient.ucx import nixl_available
+
+__all__ = ["TRANSPORTS", "Server", "start_server"]
+
+TRANSPORTS = [
+    "tcp",
+    pytest.param(
+        "ucx", marks=pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 not installed")
+    ),
+]
+"""The real data-plane transports, for ``@pytest.fixture(params=TRANSPORTS)``."""
 
 
 @dataclass

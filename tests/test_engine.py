@@ -19,7 +19,7 @@ from kvclient.errors import BadShape, Cancelled, KVTimeout
 from kvctl.main import main as kvctl
 from kvstore.core.kvgen import realistic_kv
 from kvstore.transport import connect
-from tests.cluster import Server, start_server
+from tests.cluster import TRANSPORTS, Server, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -50,10 +50,10 @@ def node_stats(data_uri: str) -> dict:
     return asyncio.run(_node_stats(data_uri))
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
-                       "--host-mem", "512MiB")  # fmt: skip
+                       "--host-mem", "512MiB", "--transport", request.param)  # fmt: skip
     yield srv
     rc, out = srv.stop()
     assert rc == 0 and "pinned_slots=0" in out, out

@@ -19,22 +19,13 @@ import torch
 
 import kvclient
 from kvclient.errors import BadShape, CapacityError, KVStoreError, KVTimeout, Unreachable
-from kvclient.ucx import nixl_available
 from kvstore.core.kvgen import realistic_kv
-from tests.cluster import Server, start_server
+from tests.cluster import TRANSPORTS, Server, start_server
 from tests.kvproc import layer_kv, namespace, prompt
 
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
-
-
-TRANSPORTS = [
-    "tcp",
-    pytest.param(
-        "ucx", marks=pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 not installed")
-    ),
-]
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -54,6 +55,9 @@ T = TypeVar("T")
 
 DEFAULT_MAX_OBJECT_BYTES = 64 * 2**20
 """Largest ``put_object`` value accepted by default."""
+
+Encoded = Callable[[torch.Tensor | None], Awaitable[list[torch.Tensor]]]
+"""A started encode: awaited with staging rows (or None), yields the host chunks."""
 
 _NODES_TTL_S = 1.0  # how long a placement snapshot of the node list is reused
 
@@ -267,44 +271,61 @@ class ClientCore:
         encoded = self._launch_encode(t, hashes, layer, shard)
 
         async def put() -> set[int]:
-            return await self._send_chunks(hashes, index, await encoded())
+            return await self._put_encoded(hashes, index, encoded)
 
         stored = await self._tracked_put(put, hashes, timeout, "put_layer")
         return prefix_len(stored, len(hashes)) * self.ns.block_tokens
 
     def _launch_encode(
         self, t: torch.Tensor, hashes: list[bytes], layer: int, shard: int
-    ) -> Callable[[], Awaitable[list[torch.Tensor]]]:
+    ) -> Encoded:
         """Start quantizing a contiguous ``[2, T, H, D]`` layer (see :meth:`_launch`)."""
         keys = [ChunkKey(h, layer, shard) for h in hashes]
         B, quant = self.ns.block_tokens, self.ns.quant
-        return self._launch(t.is_cuda, lambda: encode_blocks(t, B, keys, quant))
+        return self._launch(t.is_cuda, lambda out: encode_blocks(t, B, keys, quant, out=out))
 
     def _launch(
-        self, on_cuda: bool, encode: Callable[[], list[torch.Tensor]]
-    ) -> Callable[[], Awaitable[list[torch.Tensor]]]:
-        """Start ``encode``; the returned coroutine function yields the chunks.
+        self, on_cuda: bool, encode: Callable[[torch.Tensor | None], list[torch.Tensor]]
+    ) -> Encoded:
+        """Start ``encode``; the returned coroutine function yields the host chunks, written
+        into the ``[N, chunk_bytes]`` rows it is given (registered staging) when not None.
 
         CUDA: the kernels are queued now, from the calling thread on its current stream,
         and an event is recorded after them; the coroutine waits on that event (off the
-        loop), never on a device-wide sync. CPU: the coroutine runs ``encode`` on the
-        client's codec thread.
+        loop), never on a device-wide sync, then copies the chunks to the host once. CPU:
+        the coroutine runs ``encode`` on the client's codec thread, straight into the rows.
         """
         if on_cuda:
-            chunks = encode()
+            chunks = encode(None)
             event = torch.cuda.Event()
             event.record()
 
-            async def after_event() -> list[torch.Tensor]:
+            async def after_event(rows: torch.Tensor | None) -> list[torch.Tensor]:
                 await self._run_codec(event.synchronize)
-                return [c.cpu() for c in chunks]
+                if rows is None:
+                    return [c.cpu() for c in chunks]
+                for row, c in zip(rows.unbind(0), chunks, strict=True):
+                    row.copy_(c)
+                return list(rows.unbind(0))
 
             return after_event
 
-        async def on_codec_thread() -> list[torch.Tensor]:
-            return await self._run_codec(encode)
+        async def on_codec_thread(rows: torch.Tensor | None) -> list[torch.Tensor]:
+            return await self._run_codec(encode, rows)
 
         return on_codec_thread
+
+    async def _put_encoded(self, hashes: list[bytes], index: int, encoded: Encoded) -> set[int]:
+        """Encode and send: into registered staging when a ``ucx://`` node may take the
+        chunks (so the one-sided WRITE needs no extra copy), else into a new buffer."""
+        nodes = await self._live_nodes()
+        rows = len(hashes)
+        use_staging = any(n.ucx for n in nodes) and self._ucx.fits(rows, self._chunk_bytes)
+        buffer = (
+            self._ucx.staging(rows, self._chunk_bytes) if use_staging else contextlib.nullcontext()
+        )
+        async with buffer as staged:
+            return await self._send_chunks(hashes, index, await encoded(staged))
 
     async def _tracked_put(
         self,
@@ -402,10 +423,18 @@ class ClientCore:
         if not chunks:
             return
         peer = await self._ucx.peer(node.nixl_metadata, node.host)
-        async with self._ucx.staging(len(chunks), self._chunk_bytes) as rows:
-            for k, chunk in enumerate(chunks):
-                rows[k].copy_(chunk)
-            await self._ucx.write(peer, spans, list(rows.unbind(0)), self.timeout_s)
+        if all(self._ucx.holds(c) for c in chunks):  # encoded straight into staging
+            await self._ucx.write(peer, spans, chunks, self.timeout_s)
+            return
+        step = self._ucx.rows_per_transfer(self._chunk_bytes)
+        for lo in range(0, len(chunks), step):
+            part = chunks[lo : lo + step]
+            async with self._ucx.staging(len(part), self._chunk_bytes) as rows:
+                for row, chunk in zip(rows.unbind(0), part, strict=True):
+                    row.copy_(chunk)
+                await self._ucx.write(
+                    peer, spans[lo : lo + step], list(rows.unbind(0)), self.timeout_s
+                )
 
     async def _abort(self, hashes: list[bytes], reason: str) -> None:
         """Tell watchers that this writer gave up (best effort, short deadline)."""

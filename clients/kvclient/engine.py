@@ -63,10 +63,12 @@ class EngineOps(_Base):
         hashes, views = self._paged_views(token_ids, cache, block_ids, layout, writable=False)
         index = self._chunk_index(layer, shard)
         keys = [ChunkKey(h, layer, shard) for h in hashes]
-        encoded = self._launch(cache.is_cuda, lambda: encode_paged(views, keys, self.ns.quant))
+        encoded = self._launch(
+            cache.is_cuda, lambda out: encode_paged(views, keys, self.ns.quant, out=out)
+        )
 
         async def put() -> set[int]:
-            return await self._send_chunks(hashes, index, await encoded())
+            return await self._put_encoded(hashes, index, encoded)
 
         if not hashes:
             return hashes, _none
@@ -190,7 +192,7 @@ class EngineOps(_Base):
         encoded = self._launch_encode(t, hashes, layer, shard)
 
         async def put() -> set[int]:
-            return await self._send_chunks(hashes, index, await encoded())
+            return await self._put_encoded(hashes, index, encoded)
 
         if not hashes:
             return self._result_handle(_none, 0, layer)

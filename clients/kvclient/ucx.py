@@ -131,6 +131,19 @@ class UcxPath:
             self._peers[metadata] = name
         return name
 
+    def fits(self, rows: int, row_bytes: int) -> bool:
+        """Whether one transfer of ``rows`` rows can take staging (at most half of it)."""
+        return rows * row_bytes <= self._staging_bytes // 2
+
+    def rows_per_transfer(self, row_bytes: int) -> int:
+        """How many rows of ``row_bytes`` one staging extent may hold."""
+        return max(1, (self._staging_bytes // 4) // max(1, row_bytes))
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s bytes lie inside the registered staging memory."""
+        reg = self._reg
+        return reg is not None and reg.covers(t.data_ptr(), t.numel() * t.element_size())
+
     @asynccontextmanager
     async def staging(self, rows: int, row_bytes: int) -> AsyncIterator[torch.Tensor]:
         """A ``[rows, row_bytes]`` uint8 view of registered memory for one transfer.
