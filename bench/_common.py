@@ -4,9 +4,13 @@
   :func:`progress` (rich, on stderr), :func:`save_bar_plot` (optional PNG).
 - Measure: :func:`meter` (wall time, CPU and page faults of this and another process),
   :func:`time_calls` / :func:`time_calls_async` / :func:`latency_stats` (p50, p99, mean),
-  :func:`proc_stat`, :func:`percentile`.
-- Processes: :class:`Serve` (a ``kvstore serve`` on port 0) and :class:`SpawnedServer`
-  (a baseline server in a spawned process).
+  :func:`proc_stat`, :func:`thread_cpu`, :func:`window_cpu` (idle CPU by thread),
+  :func:`percentile`.
+- Processes: :class:`Serve` (a ``kvstore serve`` on port 0), :class:`SpawnedServer`
+  (a baseline server in a spawned process) and :func:`spawn_worker` (a one-process pool).
+- Baseline: raw asyncio sockets (:func:`serve_raw_sockets`, :func:`raw_socket_put`,
+  :func:`raw_socket_get`): a 9-byte header, the bytes straight into preallocated memory, an
+  ack per put — what a transport over plain TCP sockets could reach at best.
 
 Benchmarks print their Markdown on stdout (so ``python bench/x.py > out.md`` is clean) and
 their progress on stderr.
@@ -14,7 +18,9 @@ their progress on stderr.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 import multiprocessing as mp
 import os
 import platform
@@ -22,12 +28,15 @@ import re
 import resource
 import selectors
 import signal
+import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
@@ -49,6 +58,7 @@ __all__ = [
     "Serve",
     "SpawnedServer",
     "Table",
+    "WindowCpu",
     "latency_stats",
     "machine_info",
     "machine_markdown",
@@ -56,9 +66,16 @@ __all__ = [
     "percentile",
     "proc_stat",
     "progress",
+    "raw_socket_connect",
+    "raw_socket_get",
+    "raw_socket_put",
     "save_bar_plot",
+    "serve_raw_sockets",
+    "spawn_worker",
+    "thread_cpu",
     "time_calls",
     "time_calls_async",
+    "window_cpu",
 ]
 
 _REPO = Path(__file__).resolve().parent.parent
@@ -262,6 +279,45 @@ def proc_stat(pid: int) -> ProcStat:
     return ProcStat((utime + stime) / _CLK_TCK, minflt)
 
 
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (utime + stime) of every thread of process ``pid``, by thread id, with the
+    thread's name (``comm``). Never blocks; one clock tick of resolution. Threads that exit
+    while it reads are left out; raises ``OSError`` when the process is gone."""
+    out: dict[int, tuple[str, float]] = {}
+    for entry in os.listdir(f"/proc/{pid}/task"):
+        try:
+            raw = Path(f"/proc/{pid}/task/{entry}/stat").read_text()
+        except OSError:
+            continue
+        name = raw[raw.index("(") + 1 : raw.rindex(")")]
+        fields = raw[raw.rindex(")") + 2 :].split()
+        out[int(entry)] = (name, (int(fields[11]) + int(fields[12])) / _CLK_TCK)
+    return out
+
+
+@dataclass(frozen=True)
+class WindowCpu:
+    """What one process used over a wall-clock window: cores, and the busiest threads by
+    name (``comm``; threads of one name summed), each in cores, busiest first."""
+
+    seconds: float
+    cores: float
+    threads: list[tuple[str, float]]
+
+
+def window_cpu(pid: int, seconds: float, top: int = 4) -> WindowCpu:
+    """Sleep ``seconds`` (blocks) and report the CPU process ``pid`` used meanwhile, with
+    its ``top`` busiest thread names. Raises ``OSError`` when the process is gone."""
+    t0, s0, start = thread_cpu(pid), proc_stat(pid).cpu_s, time.perf_counter()
+    time.sleep(seconds)
+    t1, s1, wall = thread_cpu(pid), proc_stat(pid).cpu_s, time.perf_counter() - start
+    per: dict[str, float] = {}
+    for tid, (name, cpu) in t1.items():
+        per[name] = per.get(name, 0.0) + cpu - t0.get(tid, (name, 0.0))[1]
+    busiest = sorted(((n, c / wall) for n, c in per.items() if c > 0), key=lambda x: -x[1])
+    return WindowCpu(wall, (s1 - s0) / wall, busiest[:top])
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0..100) of ``values`` by linear interpolation.
 
@@ -370,6 +426,24 @@ class SpawnedServer:
             self.proc.join(5)
 
 
+def spawn_worker(
+    stack: contextlib.ExitStack, close_job: Callable[[], object] | None = None
+) -> ProcessPoolExecutor:
+    """A one-process pool (``spawn``) whose jobs run one after another in the same process,
+    so module-level state (event loop, connections) persists across jobs. On ``stack``
+    exit, ``close_job`` (a module-level function) runs in it first, then it is shut down."""
+    pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+
+    def close() -> None:
+        if close_job is not None:
+            with contextlib.suppress(Exception):
+                pool.submit(close_job).result(30)
+        pool.shutdown(wait=True, cancel_futures=True)
+
+    stack.callback(close)
+    return pool
+
+
 def progress() -> Progress:
     """A rich progress bar on stderr (so stdout stays clean Markdown); use as a context
     manager: ``with progress() as p: task = p.add_task("…", total=n); p.advance(task)``."""
@@ -422,3 +496,86 @@ def save_bar_plot(path: str | Path, panels: Sequence[BarPanel], suptitle: str = 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ---- raw asyncio sockets: a header, the bytes, an ack; nothing else
+
+RAW_HEAD = struct.Struct("<cII")
+"""Raw socket exchange header: op (b"P" put, b"G" get), chunk count, chunk bytes."""
+
+
+def raw_socket_connect(addr: tuple[str, int], timeout: float) -> socket.socket:
+    """A connected, non-blocking TCP_NODELAY socket to a :func:`serve_raw_sockets` server
+    (blocks up to ``timeout`` s to connect; raises ``OSError``)."""
+    sock = socket.create_connection(addr, timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setblocking(False)
+    return sock
+
+
+async def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    loop = asyncio.get_running_loop()
+    while view:
+        n = await loop.sock_recv_into(sock, view)
+        if n == 0:
+            raise ConnectionResetError("raw socket closed")
+        view = view[n:]
+
+
+async def raw_socket_put(sock: socket.socket, chunks: Sequence[memoryview]) -> None:
+    """Send a ``(P, count, size)`` header and the equal-sized ``chunks``; await the 1-byte
+    ack. Raises ``OSError`` (``ConnectionResetError`` when the server closed)."""
+    loop = asyncio.get_running_loop()
+    await loop.sock_sendall(sock, RAW_HEAD.pack(b"P", len(chunks), len(chunks[0])))
+    for chunk in chunks:
+        await loop.sock_sendall(sock, chunk)
+    await _recv_exactly(sock, memoryview(bytearray(1)))
+
+
+async def raw_socket_get(sock: socket.socket, chunks: Sequence[memoryview]) -> None:
+    """Send a ``(G, count, size)`` header; receive straight into the equal-sized writable
+    ``chunks``. Raises like :func:`raw_socket_put`."""
+    loop = asyncio.get_running_loop()
+    await loop.sock_sendall(sock, RAW_HEAD.pack(b"G", len(chunks), len(chunks[0])))
+    for chunk in chunks:
+        await _recv_exactly(sock, chunk)
+
+
+def serve_raw_sockets(pipe: Pipe, region_bytes: int = 256 * 2**20) -> None:
+    """Process target (:class:`SpawnedServer`): a plain asyncio socket server on loopback
+    that receives into (``sock_recv_into``) and sends from (``sock_sendall``) successive
+    slices of ``region_bytes`` of preallocated, touched memory; an exchange may move at most
+    ``region_bytes``. Sends ``(host, port)`` through ``pipe``; serves until terminated."""
+    asyncio.run(_raw_server(pipe, region_bytes))
+
+
+async def _raw_server(pipe: Pipe, region_bytes: int) -> None:
+    loop = asyncio.get_running_loop()
+    region = memoryview(bytearray(b"\x01") * region_bytes)  # written: every page touched
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    pipe.send(listener.getsockname()[:2])
+    tasks = set()
+    while True:
+        sock, _ = await loop.sock_accept(listener)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        tasks.add(task := asyncio.create_task(_raw_serve(sock, region)))
+        task.add_done_callback(tasks.discard)
+
+
+async def _raw_serve(sock: socket.socket, region: memoryview) -> None:
+    loop, head = asyncio.get_running_loop(), memoryview(bytearray(RAW_HEAD.size))
+    with sock, contextlib.suppress(ConnectionError):
+        for turn in itertools.count():
+            await _recv_exactly(sock, head)
+            op, count, size = RAW_HEAD.unpack(head)
+            total = count * size
+            if not 0 < total <= len(region) or op not in (b"P", b"G"):
+                return
+            base = turn % (len(region) // total) * total
+            for k in range(count):
+                view = region[base + k * size : base + (k + 1) * size]
+                await (loop.sock_sendall(sock, view) if op == b"G" else _recv_exactly(sock, view))
+            if op == b"P":
+                await loop.sock_sendall(sock, b"k")

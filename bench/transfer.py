@@ -1,0 +1,916 @@
+"""The data plane alone: kvstore ``tcp://`` and ``ucx://`` beside raw NIXL, raw sockets, memcpy.
+
+    python bench/transfer.py [--quick] [--plot out.png]
+
+Starts a ``kvstore serve --transport ucx`` (loopback; its node serves ``tcp://`` and
+``ucx://``), a raw NIXL target, a raw asyncio socket server and two client processes, a
+*writer* and a *reader*; Markdown goes to stdout, progress to stderr. It measures:
+1. kvstore's own exchanges on **pre-encoded chunks** (``quant="none"``), so no codec time
+   hides the transport: ``put → ready → data → ack`` (``tcp://``), ``reserve → spans → NIXL
+   WRITE → landed → ack`` (``ucx://``), ``get → data``, ``lease → spans → NIXL READ →
+   release``, per chunk size x chunks per exchange: GB/s, p50/p99, phases, fixed costs;
+2. the same bytes over raw NIXL (the binding, spinning; target registered like a node), raw
+   asyncio sockets (``sock_sendall`` / ``sock_recv_into``) and a one-thread ``copy_``;
+3. the node's CPU per GB; 4. kvstore ÷ baseline, and one prompt end to end through
+   ``KVClient.put_layer`` / ``get_layer`` (codec included); 5. the node's idle CPU.
+Puts use fresh keys; the pool is filled first (puts evict and land in touched memory, as in
+a full cache); client memory rotates over 512 MiB and caches are flushed after encoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection as Pipe
+from typing import Any
+
+import nixl_raw
+import torch
+import xxhash
+from _common import (
+    BarPanel,
+    Serve,
+    SpawnedServer,
+    Table,
+    WindowCpu,
+    latency_stats,
+    machine_markdown,
+    proc_stat,
+    progress,
+    raw_socket_connect,
+    raw_socket_get,
+    raw_socket_put,
+    save_bar_plot,
+    serve_raw_sockets,
+    spawn_worker,
+    time_calls_async,
+    window_cpu,
+)
+from service import BLOCK, HEAD_DIM, HEADS, big_namespace, layer_kv, prompt
+
+from kvclient import KVClient
+from kvstore.core.arena import parse_size
+from kvstore.core.codec import ChunkKey, chunk_nbytes, encode_blocks, verify_chunk
+from kvstore.core.hashing import Namespace
+from kvstore.master.client import MasterClient
+from kvstore.node.protocol import raise_if_error
+from kvstore.transport import Connection, as_byte_view, connect
+from kvstore.transport.nixl import NixlAgent, Span
+
+KiB, MiB = 1 << 10, 1 << 20
+H, D = 8, 128
+"""Heads and head dim of the benchmark chunks (bf16: 4096 payload bytes per token)."""
+SIZES = {"64 KiB": 64 * KiB, "512 KiB": 512 * KiB, "4 MiB": 4 * MiB, "16 MiB": 16 * MiB}
+MAX_EXCHANGE = 256 * MiB + 64 * KiB
+"""Largest exchange measured (64 x 4 MiB chunks with their headers)."""
+REGION = 2 * MAX_EXCHANGE
+"""Registered memory each client process rotates over (and the raw targets' too)."""
+FLUSH = 64 * MiB
+"""Bytes written after encoding to push the encoded chunks out of the CPU caches."""
+WARMUP = 2
+"""Untimed exchanges before each point."""
+PROBES = 500
+"""Small round trips per fixed-cost probe."""
+IO_TIMEOUT_S = 60.0
+JOB_TIMEOUT_S = 600.0
+RATIO_SIZES = ("512 KiB", "4 MiB")
+TARGETS = {"ucx": 0.70, "tcp": 0.80}
+IDLE_TARGET = 0.15
+E2E_SEED = 7_000_001
+
+
+class BenchError(RuntimeError):
+    """A measurement could not be taken (a miss, a refused chunk, a process that failed)."""
+
+
+def _expect(ok: bool, what: str) -> None:
+    if not ok:
+        raise BenchError(what)
+
+
+# ----------------------------------------------------------------------- the workload
+
+
+@dataclass(frozen=True)
+class Point:
+    """One (chunk size, chunks per exchange) combination."""
+
+    label: str
+    payload: int
+    batch: int
+
+    @property
+    def tokens(self) -> int:
+        """Block tokens that make a ``payload``-byte bf16 ``[2, T, H, D]`` chunk."""
+        return self.payload // (2 * H * D * 2)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return chunk_nbytes(self.tokens, H, D, torch.bfloat16, "none")
+
+    @property
+    def exchange_bytes(self) -> int:
+        return self.batch * self.chunk_bytes
+
+    @property
+    def name(self) -> str:
+        return f"{self.label} x {self.batch}"
+
+    def namespace(self) -> Namespace:
+        """A one-layer namespace whose chunks are exactly this point's chunks."""
+        rev = self.label.replace(" ", "")
+        return Namespace(model="bench-transfer", revision=rev, num_layers=1, num_kv_heads=H,
+                         head_dim=D, dtype=torch.bfloat16, block_tokens=self.tokens,
+                         quant="none")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where everything runs and how much to move; sent to the worker processes."""
+
+    master: str
+    data_uri: str
+    server_pid: int
+    node_metadata: bytes
+    raw_addr: tuple[str, int]
+    raw_nixl_metadata: bytes
+    raw_nixl_addr: int
+    pool_bytes: int
+    budget: int
+    min_n: int
+    max_n: int
+    e2e_tokens: int
+    e2e_layers: int
+
+    def exchanges(self, point: Point) -> int:
+        """Exchanges of a point, warm-ups included (timed: about ``budget`` bytes)."""
+        return WARMUP + max(self.min_n, min(self.max_n, self.budget // point.exchange_bytes))
+
+
+@dataclass
+class Measured:
+    """Latencies of one point's timed exchanges, their phases and the CPU they cost."""
+
+    nbytes: int
+    seconds: list[float] = field(default_factory=list)
+    phases: dict[str, list[float]] = field(default_factory=dict)
+    node_cpu: float = 0.0
+    client_cpu: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        """Throughput with one exchange in flight: bytes / mean latency."""
+        return self.nbytes / statistics.fmean(self.seconds) / 1e9
+
+    @property
+    def moved_gb(self) -> float:
+        return self.nbytes * len(self.seconds) / 1e9
+
+    def add(self, seconds: float, phases: dict[str, float] | None) -> None:
+        self.seconds.append(seconds)
+        for name, value in (phases or {}).items():
+            self.phases.setdefault(name, []).append(value)
+
+
+def block_keys(tag: str, exchange: int, batch: int) -> list[bytes]:
+    """The block hashes of one exchange (distinct for every tag and exchange)."""
+    return [xxhash.xxh3_128_digest(f"{tag}/{exchange}/{j}".encode()) for j in range(batch)]
+
+
+def points(sizes: list[str], batches: list[int]) -> list[Point]:
+    """Every size x batch whose exchange is at most :data:`MAX_EXCHANGE`."""
+    out = [Point(s, SIZES[s], b) for s in sizes for b in batches]
+    return [p for p in out if p.exchange_bytes <= MAX_EXCHANGE]
+
+
+# ----------------------------------------------------------------------- worker processes
+
+_STATE: dict[str, Any] = {}
+"""Per worker process: event loop, connections, NIXL agents and memory, kept across jobs."""
+
+
+def _run(coro: Awaitable[Any]) -> Any:
+    loop = _STATE.get("loop")
+    if loop is None:
+        loop = _STATE["loop"] = asyncio.new_event_loop()
+    return loop.run_until_complete(coro)
+
+
+def job_init(setup: Setup, role: str) -> None:
+    """Connect to the node and the raw socket server, start a NIXL agent with a registered
+    :data:`REGION` and, for the writer, a raw NIXL binding agent on the same memory."""
+    os.environ.update(nixl_raw.LOOPBACK)
+    _run(_init(setup, role))
+    if role == "writer":
+        import nixl_cu12._bindings as nixl
+
+        agent = nixl.nixlAgent(f"bench-raw-{uuid.uuid4().hex[:8]}", nixl.nixlAgentConfig())
+        agent.createBackend("UCX", {})
+        addr = _STATE["region"].data_ptr()
+        agent.registerMem(nixl.nixlRegDList(nixl.DRAM_SEG, [(addr, REGION, 0, "")]))
+        peer = agent.loadRemoteMD(setup.raw_nixl_metadata).decode()
+        _STATE.update(nixl=nixl, raw_agent=agent, raw_peer=peer)
+
+
+async def _init(setup: Setup, role: str) -> None:
+    region = torch.zeros(REGION, dtype=torch.uint8)  # touched: no page faults while timed
+    agent = await NixlAgent(f"bench-{role}-{uuid.uuid4().hex[:8]}").start()
+    await agent.register(region)
+    raw = raw_socket_connect(setup.raw_addr, IO_TIMEOUT_S)
+    _STATE.update(region=region, scratch=torch.zeros(MAX_EXCHANGE, dtype=torch.uint8),
+                  agent=agent, peer=await agent.add_peer(setup.node_metadata), raw=raw,
+                  conn=await connect(setup.data_uri, timeout=IO_TIMEOUT_S))  # fmt: skip
+
+
+def job_close() -> None:
+    """Close this worker's clients, connections and agents (its last job)."""
+
+    async def close() -> None:
+        for kv in _STATE.pop("clients", {}).values():
+            await kv.close()
+        for name in ("conn", "agent"):
+            if name in _STATE:
+                await _STATE.pop(name).close()
+
+    if "loop" in _STATE:
+        _run(close())
+        _STATE.pop("loop").close()
+    if "raw" in _STATE:
+        _STATE.pop("raw").close()
+    _STATE.pop("raw_agent", None)
+
+
+def _slots(point: Point) -> int:
+    return max(1, REGION // point.exchange_bytes)
+
+
+def _rows(point: Point, i: int) -> torch.Tensor:
+    """``[batch, chunk_bytes]`` rows of the registered region for exchange ``i`` (rotating)."""
+    offset = (i % _slots(point)) * point.exchange_bytes
+    rows = _STATE["region"][offset : offset + point.exchange_bytes]
+    return rows.view(point.batch, point.chunk_bytes)  # type: ignore[no-any-return]
+
+
+def _flush_caches() -> None:
+    _STATE["scratch"][:FLUSH].add_(1)
+
+
+def _encode(point: Point, tag: str, i: int) -> list[bytes]:
+    """Encode exchange ``i``'s chunks (fresh keys) into its rows; their block hashes."""
+    src = _STATE.get("source")
+    if src is None or src.shape[1] < point.batch * point.tokens:
+        # One bf16 tensor serves every exchange: under quant "none" the content is moot.
+        src = _STATE["source"] = torch.randn(2, point.batch * point.tokens, H, D).bfloat16()
+    keys = block_keys(tag, i, point.batch)
+    out = _rows(point, i)
+    encode_blocks(src, point.tokens, [ChunkKey(k, 0, 0) for k in keys], "none", out=out)
+    return keys
+
+
+class _Cpu:
+    """Accumulates the node's and this process's CPU seconds over timed spans."""
+
+    def __init__(self, server_pid: int) -> None:
+        self.pid, self.node, self.client = server_pid, 0.0, 0.0
+
+    @contextlib.contextmanager
+    def span(self) -> Iterator[None]:
+        n0, c0 = proc_stat(self.pid).cpu_s, resource.getrusage(resource.RUSAGE_SELF)
+        yield
+        n1, c1 = proc_stat(self.pid).cpu_s, resource.getrusage(resource.RUSAGE_SELF)
+        self.node += n1 - n0
+        self.client += (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
+
+
+Rows = torch.Tensor
+Phases = dict[str, float]
+Exchange = Callable[[int], Awaitable[Phases | None]]
+
+
+async def _timed(
+    setup: Setup, point: Point, exchange: Exchange, prepare: Callable[[int], None] | None = None
+) -> Measured:
+    """Run a point's exchanges one after another, timing all but the warm-ups (and the
+    node's CPU around each); ``prepare(i)`` runs untimed before exchange ``i``, and the
+    caches are flushed (untimed) whenever the rows start another round over the region."""
+    res, cpu = Measured(point.exchange_bytes), _Cpu(setup.server_pid)
+    for i in range(setup.exchanges(point)):
+        if prepare is not None:
+            prepare(i)
+        if i % _slots(point) == 0:  # a new round over the region: evict it from the caches
+            _flush_caches()
+        with cpu.span() if i >= WARMUP else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            phases = await exchange(i)
+            elapsed = time.perf_counter() - t0
+        if i >= WARMUP:
+            res.add(elapsed, phases)
+    res.node_cpu, res.client_cpu = cpu.node, cpu.client
+    return res
+
+
+# ---- kvstore's exchanges, one in flight per connection
+
+
+async def _answer(conn: Connection, expect: str) -> dict[str, Any]:
+    return raise_if_error((await conn.recv_header(IO_TIMEOUT_S)).header, expect)
+
+
+async def _ask(conn: Connection, header: dict[str, Any], expect: str, n: int) -> dict[str, Any]:
+    """Send a request naming ``n`` chunks; the node's answer, which must take all ``n``."""
+    await conn.send(header, timeout=IO_TIMEOUT_S)
+    answer = await _answer(conn, expect)
+    flags = answer.get("accept", answer.get("found"))
+    _expect(flags == [1] * n, f"node did not take every chunk: {flags}")
+    return answer
+
+
+async def put_tcp(conn: Connection, ns: str, keys: list[bytes], rows: Rows) -> Phases:
+    """``put → ready → data → ack`` (the ack follows the node's checks and master commit)."""
+    t0 = time.perf_counter()
+    spec = [[k.hex(), "", 0, rows.shape[1]] for k in keys]
+    await _ask(conn, {"op": "put", "ns": ns, "chunks": spec}, "ready", len(keys))
+    t1 = time.perf_counter()
+    await conn.send({"op": "data"}, [r.numpy() for r in rows], timeout=IO_TIMEOUT_S)
+    _expect((await _answer(conn, "ack")).get("stored") == len(keys), "node refused chunks")
+    return {"control": t1 - t0, "move": time.perf_counter() - t1}
+
+
+async def put_ucx(conn: Connection, ns: str, keys: list[bytes], rows: Rows) -> Phases:
+    """``reserve → reserved {spans} → NIXL WRITE → landed → ack``."""
+    t0 = time.perf_counter()
+    spec = [[k.hex(), "", 0, rows.shape[1]] for k in keys]
+    head = await _ask(conn, {"op": "reserve", "ns": ns, "chunks": spec}, "reserved", len(keys))
+    spans = [Span.from_wire(s) for s in head["spans"]]
+    t1 = time.perf_counter()
+    await _STATE["agent"].write(_STATE["peer"], spans, list(rows.unbind(0)), timeout=IO_TIMEOUT_S)
+    t2 = time.perf_counter()
+    await conn.send({"op": "landed"}, timeout=IO_TIMEOUT_S)
+    _expect((await _answer(conn, "ack")).get("stored") == len(keys), "node refused chunks")
+    return {"control": t1 - t0, "move": t2 - t1, "after": time.perf_counter() - t2}
+
+
+async def get_tcp(conn: Connection, ns_id: str, keys: list[bytes], rows: Rows) -> Phases:
+    """``get → data`` straight into ``rows``."""
+    t0 = time.perf_counter()
+    spec = [[k.hex(), 0] for k in keys]
+    await _ask(conn, {"op": "get", "ns_id": ns_id, "chunks": spec}, "data", len(keys))
+    t1 = time.perf_counter()
+    await conn.recv_payload_into([r.numpy() for r in rows], IO_TIMEOUT_S)
+    return {"control": t1 - t0, "move": time.perf_counter() - t1}
+
+
+async def get_ucx(conn: Connection, ns_id: str, keys: list[bytes], rows: Rows) -> Phases:
+    """``lease → leased {spans} → NIXL READ → release`` (the node answers no release)."""
+    t0 = time.perf_counter()
+    spec = [[k.hex(), 0] for k in keys]
+    lease = {"op": "lease", "ns_id": ns_id, "chunks": spec, "lease_s": IO_TIMEOUT_S}
+    spans = [Span.from_wire(s) for s in (await _ask(conn, lease, "leased", len(keys)))["spans"]]
+    t1 = time.perf_counter()
+    await _STATE["agent"].read(_STATE["peer"], spans, list(rows.unbind(0)), timeout=IO_TIMEOUT_S)
+    t2 = time.perf_counter()
+    await conn.send({"op": "release"}, timeout=IO_TIMEOUT_S)
+    return {"control": t1 - t0, "move": t2 - t1, "after": time.perf_counter() - t2}
+
+
+KV = {("tcp", "put"): put_tcp, ("ucx", "put"): put_ucx, ("tcp", "get"): get_tcp,
+      ("ucx", "get"): get_ucx}  # fmt: skip
+
+
+# ---- jobs
+
+
+def job_fill(setup: Setup) -> float:
+    """Writer: put 1.1 x the pool over ``tcp://`` (4 MiB chunks, 16 per exchange) so every
+    page of the node's arena is touched before anything is measured; seconds taken."""
+    point, start = Point("4 MiB", SIZES["4 MiB"], 16), time.perf_counter()
+    ns = point.namespace().canonical_bytes().hex()
+    for i in range(-(-setup.pool_bytes * 11 // 10 // point.exchange_bytes)):
+        _run(put_tcp(_STATE["conn"], ns, _encode(point, "fill", i), _rows(point, i)))
+    return time.perf_counter() - start
+
+
+def job_put(setup: Setup, point: Point, transport: str) -> Measured:
+    """Writer: put exchanges of fresh pre-encoded chunks, encoded (untimed) one round over
+    the region at a time."""
+    ns, tag = point.namespace().canonical_bytes().hex(), f"{transport}/{point.name}"
+    total, keys = setup.exchanges(point), {}
+
+    def prepare(i: int) -> None:
+        if i % _slots(point) == 0:
+            keys.update({j: _encode(point, tag, j) for j in range(i, i + _slots(point))
+                         if j < total})  # fmt: skip
+
+    async def put(i: int) -> dict[str, float]:
+        return await KV[(transport, "put")](_STATE["conn"], ns, keys.pop(i), _rows(point, i))
+
+    return _run(_timed(setup, point, put, prepare))  # type: ignore[no-any-return]
+
+
+def job_get(setup: Setup, point: Point, transport: str, put_tag: str) -> Measured:
+    """Reader: gets cycling over the last put exchanges of ``put_tag`` that fit half the
+    pool, into rotating rows; the last chunk is then verified (untimed)."""
+    ns_id, tag = point.namespace().id.hex(), f"{put_tag}/{point.name}"
+    total = setup.exchanges(point)
+    ring = max(1, min(total, setup.pool_bytes // 2 // point.exchange_bytes))
+
+    def keys(i: int) -> list[bytes]:
+        return block_keys(tag, total - ring + i % ring, point.batch)
+
+    async def get(i: int) -> dict[str, float]:
+        return await KV[(transport, "get")](_STATE["conn"], ns_id, keys(i), _rows(point, i))
+
+    res: Measured = _run(_timed(setup, point, get))
+    verify_chunk(_rows(point, total - 1)[-1], expect_key=ChunkKey(keys(total - 1)[-1], 0, 0))
+    return res
+
+
+def job_raw(setup: Setup, point: Point, op: str) -> Measured:
+    """Writer (``put``) or reader (``get``): the same bytes over the raw socket server."""
+    move = raw_socket_put if op == "put" else raw_socket_get
+
+    async def exchange(i: int) -> None:
+        await move(_STATE["raw"], [as_byte_view(r, writable=True) for r in _rows(point, i)])
+
+    return _run(_timed(setup, point, exchange))  # type: ignore[no-any-return]
+
+
+def _raw_nixl_once(code: Any, local: Any, remote: Any) -> None:
+    """One raw NIXL transfer: create, post, spin on the status, release."""
+    nixl, agent = _STATE["nixl"], _STATE["raw_agent"]
+    handle = agent.createXferReq(code, local, remote, _STATE["raw_peer"])
+    status = agent.postXferReq(handle)
+    while status == nixl.NIXL_IN_PROG:
+        status = agent.getXferStatus(handle)
+    agent.releaseXferReq(handle)
+    _expect(status == nixl.NIXL_SUCCESS, f"raw NIXL transfer failed: {status}")
+
+
+def job_raw_nixl(setup: Setup, point: Point, op: str) -> Measured:
+    """Writer: raw NIXL ``op`` (READ or WRITE) of one exchange's spans per request (the
+    binding spinning on its status: the ceiling, as ``bench/nixl_raw.py``'s raw path)."""
+    nixl, cb, lists = _STATE["nixl"], point.chunk_bytes, {}
+    code = nixl.NIXL_READ if op == "READ" else nixl.NIXL_WRITE
+
+    def prepare(i: int) -> None:  # descriptor lists are built outside the timing
+        local = _rows(point, i).data_ptr()
+        bases = (local, setup.raw_nixl_addr + local - _STATE["region"].data_ptr())
+        lists[i] = [nixl.nixlXferDList(nixl.DRAM_SEG, [(b + k * cb, cb, 0)
+                    for k in range(point.batch)]) for b in bases]  # fmt: skip
+
+    async def exchange(i: int) -> None:
+        _raw_nixl_once(code, *lists.pop(i))
+
+    return _run(_timed(setup, point, exchange, prepare))  # type: ignore[no-any-return]
+
+
+def job_memcpy(setup: Setup, point: Point) -> Measured:
+    """Writer: one-thread ``copy_`` of one exchange's chunks per step, region → scratch."""
+    threads, scratch, cb = torch.get_num_threads(), _STATE["scratch"], point.chunk_bytes
+
+    async def exchange(i: int) -> None:
+        for k, row in enumerate(_rows(point, i)):
+            scratch[k * cb : (k + 1) * cb].copy_(row)
+
+    torch.set_num_threads(1)
+    try:
+        return _run(_timed(setup, point, exchange))  # type: ignore[no-any-return]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def job_probes(setup: Setup) -> dict[str, dict[str, float]]:
+    """Writer: :data:`PROBES` small round trips of each kind (fixed costs), in seconds."""
+    return _run(_probes(setup))  # type: ignore[no-any-return]
+
+
+async def _probes(setup: Setup) -> dict[str, dict[str, float]]:
+    nixl, agent, conn = _STATE["nixl"], _STATE["agent"], _STATE["conn"]
+    peer = await agent.add_peer(setup.raw_nixl_metadata)
+    tiny, remote = _STATE["region"][:64], setup.raw_nixl_addr
+    ldl, rdl = (nixl.nixlXferDList(nixl.DRAM_SEG, [(a, 64, 0)]) for a in (tiny.data_ptr(), remote))
+
+    async def stats() -> None:
+        await conn.send({"op": "stats"}, timeout=IO_TIMEOUT_S)
+        await _answer(conn, "stats")
+
+    async def raw_nixl() -> None:
+        _raw_nixl_once(nixl.NIXL_WRITE, ldl, rdl)
+
+    view = as_byte_view(tiny, writable=True)
+    calls = {
+        "raw socket: 9 B request, 64 B answer": lambda: raw_socket_get(_STATE["raw"], [view]),
+        "kvstore tcp://: stats frame and answer": stats,
+        "raw NIXL WRITE of 64 B (binding, spinning)": raw_nixl,
+        "NixlAgent.write of 64 B (kvstore's layer)": lambda: agent.write(
+            peer, [(remote, 64)], [tiny]
+        ),
+    }
+    out = {name: await time_calls_async(call, PROBES, WARMUP) for name, call in calls.items()}
+    await agent.remove_peer(peer)
+    return out
+
+
+async def _client(setup: Setup, ucx: bool) -> KVClient:
+    clients: dict[bool, KVClient] = _STATE.setdefault("clients", {})
+    if ucx not in clients:
+        ns = big_namespace(setup.e2e_layers)
+        clients[ucx] = await KVClient.connect(setup.master, ns, timeout_s=IO_TIMEOUT_S, ucx=ucx)
+    return clients[ucx]
+
+
+def job_e2e(setup: Setup, op: str, transport: str, seed: int) -> float:
+    """Writer (``put``): ``put_layer`` x layers of one prompt, KV generated beforehand.
+    Reader (``get``): ``get_layer`` x layers of that prompt into one ``out``. Seconds."""
+
+    async def run() -> float:
+        kv = await _client(setup, transport == "ucx")
+        tokens, n = prompt(setup.e2e_tokens, seed), setup.e2e_tokens // BLOCK * BLOCK
+        layers = [
+            layer_kv(setup.e2e_tokens, i, seed) for i in range(setup.e2e_layers * (op == "put"))
+        ]
+        out = torch.empty(2, setup.e2e_tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        t0 = time.perf_counter()
+        for i in range(setup.e2e_layers):
+            if op == "put":
+                got = await kv.put_layer(tokens, i, layers[i])
+            else:
+                got = (await kv.get_layer(tokens, i, out=out)).shape[1]
+            _expect(got == n, f"{op}_layer moved {got} of {n} tokens")
+        return time.perf_counter() - t0
+
+    return _run(run())  # type: ignore[no-any-return]
+
+
+# ----------------------------------------------------------------------- orchestration
+
+
+def serve_raw_nixl(pipe: Pipe) -> None:
+    """Process target (:class:`SpawnedServer`): a NIXL target as in ``bench/nixl_raw.py``
+    (a NixlAgent with the progress thread, like a node) registering :data:`REGION` bytes;
+    sends ``(metadata, buffer address)`` and serves until terminated."""
+    os.environ.update(nixl_raw.LOOPBACK)
+    asyncio.run(_raw_nixl_target(pipe))
+
+
+async def _raw_nixl_target(pipe: Pipe) -> None:
+    buf = torch.ones(REGION, dtype=torch.uint8)  # touched: no page faults while timed
+    async with NixlAgent(f"bench-target-{uuid.uuid4().hex[:8]}", progress_thread=True) as agent:
+        reg = await agent.register(buf)
+        pipe.send((await agent.metadata(), reg.addr))
+        await asyncio.Event().wait()
+
+
+async def _node_metadata(master: str) -> bytes:
+    async with MasterClient(master, timeout_s=IO_TIMEOUT_S) as mc:
+        nodes = await mc.nodes()
+    _expect(len(nodes) == 1 and bool(nodes[0].nixl_metadata), "expected one node serving ucx")
+    return nodes[0].nixl_metadata
+
+
+@dataclass
+class Results:
+    """Everything one run measured; ``by`` is keyed by (point name, path)."""
+
+    setup: Setup
+    points: list[Point]
+    by: dict[tuple[str, str], Measured] = field(default_factory=dict)
+    e2e: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    probes: dict[str, dict[str, float]] = field(default_factory=dict)
+    idle: list[tuple[str, WindowCpu]] = field(default_factory=list)
+    fill_s: float = 0.0
+
+
+PUT_PATHS = ("kv tcp put", "kv ucx put", "raw asyncio put", "raw NIXL WRITE", "memcpy")
+GET_PATHS = ("kv tcp get", "kv ucx get", "raw asyncio get", "raw NIXL READ", "memcpy")
+
+
+Job = tuple[str, str, Callable[..., Any], tuple[Any, ...]]
+
+
+def _point_jobs(setup: Setup, point: Point) -> list[Job]:
+    """(path, worker, job, args) of one point, side by side; puts first (gets read them)."""
+    return [
+        ("kv tcp put", "writer", job_put, (setup, point, "tcp")),
+        ("kv ucx put", "writer", job_put, (setup, point, "ucx")),
+        ("raw asyncio put", "writer", job_raw, (setup, point, "put")),
+        ("raw NIXL WRITE", "writer", job_raw_nixl, (setup, point, "WRITE")),
+        ("memcpy", "writer", job_memcpy, (setup, point)),
+        ("kv tcp get", "reader", job_get, (setup, point, "tcp", "ucx")),
+        ("kv ucx get", "reader", job_get, (setup, point, "ucx", "ucx")),
+        ("raw asyncio get", "reader", job_raw, (setup, point, "get")),
+        ("raw NIXL READ", "writer", job_raw_nixl, (setup, point, "READ")),
+    ]
+
+
+def run(args: argparse.Namespace) -> Results:
+    """Start everything, measure, stop everything (also on failure)."""
+    pts = points(args.sizes, args.batches)
+    with contextlib.ExitStack() as stack, progress() as bar:
+        total = 6 + len(pts) * 9 + 4 * (args.e2e_reps + 1) + args.idle_after
+        task = bar.add_task("starting kvstore serve --transport ucx", total=total)
+
+        def step(what: str) -> None:
+            bar.update(task, advance=1, description=what)
+
+        serve = stack.enter_context(Serve.start("--transport", "ucx", "--host-mem", args.host_mem))
+        pid = serve.proc.pid
+        step(f"idle node, {args.idle_s:.0f} s")
+        idle = [("fresh node, nothing connected", window_cpu(pid, args.idle_s))]
+        step("starting the raw baselines")
+        raw = SpawnedServer.start(functools.partial(serve_raw_sockets, region_bytes=REGION))
+        stack.callback(raw.stop)
+        target = SpawnedServer.start(serve_raw_nixl)
+        stack.callback(target.stop)
+        raw_md, raw_addr = target.address
+        setup = Setup(serve.addresses["grpc"], serve.addresses["data"], pid,
+                      asyncio.run(_node_metadata(serve.addresses["grpc"])), tuple(raw.address),
+                      raw_md, raw_addr, parse_size(args.host_mem), args.budget, args.min_n,
+                      args.max_n, args.e2e_tokens, args.e2e_layers)  # fmt: skip
+        res = Results(setup, pts, idle=idle)
+        step("starting writer and reader processes")
+        workers = {r: spawn_worker(stack, job_close) for r in ("writer", "reader")}
+        for f in [w.submit(job_init, setup, r) for r, w in workers.items()]:
+            f.result(JOB_TIMEOUT_S)
+        step("filling the pool")
+        res.fill_s = workers["writer"].submit(job_fill, setup).result(JOB_TIMEOUT_S)
+        step("fixed costs: small round trips")
+        res.probes = workers["writer"].submit(job_probes, setup).result(JOB_TIMEOUT_S)
+        for point in pts:
+            for path, role, job, job_args in _point_jobs(setup, point):
+                step(f"{point.name}: {path}")
+                m = workers[role].submit(job, *job_args).result(JOB_TIMEOUT_S)
+                res.by[(point.name, path)] = m
+        _measure_e2e(workers, res, args.e2e_reps, step)
+        for w in workers.values():
+            w.submit(job_close).result(60)
+        if args.idle_after:
+            step(f"idle node after the run, {args.idle_s:.0f} s")
+            res.idle.append(("after the run, clients gone", window_cpu(pid, args.idle_s)))
+        step("stopping")
+    return res
+
+
+def _measure_e2e(workers: dict[str, ProcessPoolExecutor], res: Results, reps: int,
+                 step: Callable[[str], None]) -> None:  # fmt: skip
+    """put_layer / get_layer of one fresh prompt per rep and transport (rep 0: warm-up)."""
+    s = res.setup
+    for rep in range(reps + 1):
+        for transport in ("tcp", "ucx"):
+            seed = E2E_SEED + 10 * rep + (transport == "ucx")
+            for op, role in (("put", "writer"), ("get", "reader")):
+                step(f"end to end over {transport}://: {op}_layer x {s.e2e_layers}")
+                job = workers[role].submit(job_e2e, s, op, transport, seed)
+                seconds = job.result(JOB_TIMEOUT_S)
+                if rep:
+                    res.e2e.setdefault((transport, op), []).append(seconds)
+
+
+# ----------------------------------------------------------------------- report
+
+
+def _ms(seconds: float) -> str:
+    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.2f}"
+
+
+def _per_gb(cpu_s: float, m: Measured) -> str:
+    return f"{cpu_s / m.moved_gb:.3f}"
+
+
+def kv_table(res: Results) -> Table:
+    """Section 1: kvstore's exchanges over both transports, with their phases."""
+    table = Table(
+        "1. kvstore data plane: pre-encoded chunks, one exchange in flight",
+        ["op", "chunk", "chunks", "MiB", "transport", "n", "GB/s", "p50 ms", "p99 ms",
+         "control ms", "move ms", "after ms", "node CPU s/GB"],
+    )  # fmt: skip
+    for op in ("put", "get"):
+        for p in res.points:
+            for transport in ("tcp", "ucx"):
+                m = res.by[(p.name, f"kv {transport} {op}")]
+                st = latency_stats(m.seconds)
+                ph = {k: statistics.median(v) for k, v in m.phases.items()}
+                table.add(op, p.label, p.batch, f"{p.exchange_bytes / MiB:.1f}", f"{transport}://",
+                          len(m.seconds), f"{m.gbps:.2f}", _ms(st["p50"]), _ms(st["p99"]),
+                          _ms(ph["control"]), _ms(ph["move"]),
+                          _ms(ph.get("after", math.nan)), _per_gb(m.node_cpu, m))  # fmt: skip
+    s = res.setup
+    table.notes += [
+        f"chunk = payload + 72 B (header, checksum), quant none; chunks per exchange; MiB per "
+        f"exchange. n timed exchanges after {WARMUP} warm-ups (about {s.budget // MiB} MiB, "
+        f"{s.min_n}..{s.max_n}); GB/s = bytes per exchange / mean latency.",
+        "Phases (medians): control = request sent → the node's answer (ready / reserved / "
+        "data header / leased). move: tcp put = data frame sent → ack (node receive, checksum "
+        "of every chunk, master commit); tcp get = payload received; ucx = the "
+        "NixlAgent.write/read call. after: ucx put = landed → ack (node checksums every chunk, "
+        "commits to the master); ucx get = sending release (no answer).",
+        "put: writer process, fresh keys every exchange. get: reader process, reading back "
+        "the ucx:// puts of the point (cycling over those that fit half the pool).",
+        f"Node: kvstore serve --transport ucx --host-mem {s.pool_bytes // MiB}MiB (master + "
+        f"node in one process), pool filled first ({res.fill_s:.1f} s) so puts evict and land "
+        "in touched pages. Node CPU: /proc/<pid>/stat around each timed exchange (10 ms ticks; "
+        "see section 3 for totals).",
+    ]
+    return table
+
+
+def probe_table(res: Results) -> Table:
+    """Section 1b: fixed costs of one small round trip of each kind."""
+    table = Table(f"1b. fixed costs: one small round trip, {PROBES} sequential (writer process)",
+                  ["round trip", "p50 µs", "p99 µs", "mean µs"])  # fmt: skip
+    for name, st in res.probes.items():
+        table.add(name, *(f"{st[k] * 1e6:.0f}" for k in ("p50", "p99", "mean")))
+    table.notes.append(
+        "stats: one framed JSON request and answer on the node's data port (the floor under "
+        "every control step in section 1). NIXL rows: against the raw NIXL target process."
+    )
+    return table
+
+
+def baseline_table(res: Results) -> Table:
+    """Section 2: the same bytes without kvstore."""
+    table = Table(
+        "2. the same bytes without kvstore",
+        ["direction", "chunk", "chunks", "raw asyncio GB/s", "p50 ms", "p99 ms",
+         "raw NIXL GB/s", "p50 ms", "p99 ms", "memcpy GB/s"],
+    )  # fmt: skip
+    ways = [("client → node (put)", "raw asyncio put", "raw NIXL WRITE"),
+            ("node → client (get)", "raw asyncio get", "raw NIXL READ")]  # fmt: skip
+    for direction, aio, nixl in ways:
+        for p in res.points:
+            a, x, c = (res.by[(p.name, k)] for k in (aio, nixl, "memcpy"))
+            sa, sx = latency_stats(a.seconds), latency_stats(x.seconds)
+            table.add(direction, p.label, p.batch, f"{a.gbps:.2f}", _ms(sa["p50"]),
+                      _ms(sa["p99"]), f"{x.gbps:.2f}", _ms(sx["p50"]), _ms(sx["p99"]),
+                      f"{c.gbps:.2f}")  # fmt: skip
+    table.notes += [
+        "raw asyncio: loop.sock_sendall / sock_recv_into between the client process and a "
+        "server process, a 9-byte header per exchange, chunks straight into preallocated "
+        "rotating memory, a 1-byte ack per put (no framing, no checks, no commit).",
+        "raw NIXL: the binding called directly from the writer process, one request carrying "
+        "the exchange's spans, spinning on getXferStatus, against bench/nixl_raw.py's target "
+        "(progress thread, like a node); UCX_NET_DEVICES=lo. memcpy: torch copy_ of the same "
+        "chunks, one thread, rotating source.",
+    ]
+    return table
+
+
+def cpu_table(res: Results) -> Table:
+    """Section 3: node CPU per GB, all points together."""
+    table = Table("3. CPU per GB moved, all points of section 1 together",
+                  ["transport", "op", "GB moved", "node CPU s", "node CPU s/GB",
+                   "client CPU s/GB"])  # fmt: skip
+    for op in ("put", "get"):
+        for transport in ("tcp", "ucx"):
+            ms = [res.by[(p.name, f"kv {transport} {op}")] for p in res.points]
+            gb = sum(m.moved_gb for m in ms)
+            node, client = sum(m.node_cpu for m in ms), sum(m.client_cpu for m in ms)
+            table.add(f"{transport}://", op, f"{gb:.2f}", f"{node:.2f}", f"{node / gb:.3f}",
+                      f"{client / gb:.3f}")  # fmt: skip
+    table.notes.append(
+        "Node: the kvstore serve process, all threads (its put CPU includes the master's side "
+        "of the commit RPC). Client: the writer or reader process (getrusage); over ucx:// "
+        "the client's kernel does the copy (CMA), so the copy is billed to the client."
+    )
+    return table
+
+
+def _ratio(a: Measured, b: Measured, target: float) -> str:
+    r = a.gbps / b.gbps
+    return f"{r:.2f} {'✓' if r >= target else '✗'}"
+
+
+def ratio_table(res: Results) -> Table:
+    """Section 4: kvstore ÷ its baseline, side by side."""
+    table = Table(
+        f"4. kvstore ÷ baseline (GB/s); targets: ucx:// ÷ raw NIXL ≥ {TARGETS['ucx']:.2f}, "
+        f"tcp:// ÷ raw asyncio ≥ {TARGETS['tcp']:.2f}",
+        ["chunk", "chunks", "put ucx ÷ NIXL WRITE", "get ucx ÷ NIXL READ",
+         "put tcp ÷ asyncio", "get tcp ÷ asyncio"],
+    )  # fmt: skip
+    pairs = [("kv ucx put", "raw NIXL WRITE", "ucx"), ("kv ucx get", "raw NIXL READ", "ucx"),
+             ("kv tcp put", "raw asyncio put", "tcp"),
+             ("kv tcp get", "raw asyncio get", "tcp")]  # fmt: skip
+    for p in (p for p in res.points if p.label in RATIO_SIZES):
+        cells = [_ratio(res.by[(p.name, a)], res.by[(p.name, b)], TARGETS[t]) for a, b, t in pairs]
+        table.add(p.label, p.batch, *cells)
+    table.notes.append("Each ratio compares two paths measured one right after the other.")
+    return table
+
+
+def e2e_table(res: Results) -> Table:
+    """Section 4b: KVClient with the codec, for context."""
+    s = res.setup
+    ns, full = big_namespace(s.e2e_layers), s.e2e_tokens // BLOCK * BLOCK
+    wire = s.e2e_layers * (full // BLOCK) * chunk_nbytes(BLOCK, HEADS, HEAD_DIM, ns.dtype, "int8")
+    bf16 = s.e2e_layers * 2 * full * HEADS * HEAD_DIM * 2
+    reps = len(res.e2e[("tcp", "put")])
+    table = Table(
+        f"4b. end to end: KVClient.put_layer / get_layer x {s.e2e_layers}, {s.e2e_tokens}-token "
+        f"prompt (H={HEADS}, D={HEAD_DIM}, bf16, int8), median of {reps} prompts",
+        ["transport", "calls", "ms median", "ms best", "bf16 GB/s", "wire GB/s"],
+    )
+    for transport in ("tcp", "ucx"):
+        for op in ("put", "get"):
+            secs = res.e2e[(transport, op)]
+            med = statistics.median(secs)
+            gbps = [f"{n / med / 1e9:.2f}" for n in (bf16, wire)]
+            table.add(f"{transport}://", f"{op}_layer x {s.e2e_layers}", _ms(med),
+                      _ms(min(secs)), *gbps)  # fmt: skip
+    table.notes.append(
+        f"Writer and reader processes, codec included; KVClient.connect(..., ucx=False) forces "
+        f"tcp://. bf16 bytes {bf16:,}, wire bytes {wire:,}; one warm-up prompt each first."
+    )
+    return table
+
+
+def idle_table(res: Results) -> Table:
+    """Section 5: the node's idle CPU."""
+    table = Table(
+        f"5. idle CPU of the kvstore serve --transport ucx process (target < {IDLE_TARGET:.0%} "
+        "of a core)",
+        ["when", "window s", "% of a core", "busiest threads (% of a core)"],
+    )
+    for when, w in res.idle:
+        busiest = ", ".join(f"{n} {c:.1%}" for n, c in w.threads) or "-"
+        mark = "✓" if w.cores < IDLE_TARGET else "✗"
+        table.add(when, f"{w.seconds:.1f}", f"{w.cores:.1%} {mark}", busiest)
+    table.notes.append("/proc/<pid>/task/*/stat, 10 ms ticks (0.2% of a core over 5 s).")
+    return table
+
+
+def plot(res: Results, path: str) -> None:
+    """GB/s per point and path, puts and gets side by side."""
+    labels = [p.name for p in res.points]
+    panels = [
+        BarPanel(title, "GB/s", labels, {k: [res.by[(p.name, k)].gbps for p in res.points]
+                                         for k in paths})
+        for title, paths in (("client → node (put / WRITE)", PUT_PATHS),
+                             ("node → client (get / READ)", GET_PATHS))
+    ]  # fmt: skip
+    save_bar_plot(path, panels, suptitle="bench/transfer.py: one exchange in flight")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; ``--quick`` shrinks every knob not given explicitly."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="about a minute: fewer points")
+    parser.add_argument("--sizes", help=f"comma-separated, of: {', '.join(SIZES)}")
+    parser.add_argument("--batches", help="chunks per exchange, comma-separated (1,8,64)")
+    parser.add_argument("--budget", type=parse_size, help="bytes per point (512MiB)")
+    parser.add_argument("--min-n", type=int, help="fewest timed exchanges per point (8)")
+    parser.add_argument("--max-n", type=int, default=300, help="most timed exchanges per point")
+    parser.add_argument("--host-mem", default="1GiB", help="node pool (default 1GiB)")
+    parser.add_argument("--e2e-reps", type=int, help="end-to-end prompts per transport (3)")
+    parser.add_argument("--e2e-tokens", type=int, default=2048)
+    parser.add_argument("--e2e-layers", type=int, default=32)
+    parser.add_argument("--idle-s", type=float, default=5.0, help="idle window (5 s)")
+    parser.add_argument("--plot", metavar="PNG", help="also write a bar chart here")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    sizes = args.sizes or ("512 KiB,4 MiB" if quick else ",".join(SIZES))
+    args.sizes = [s.strip() for s in sizes.split(",")]
+    if any(s not in SIZES for s in args.sizes):
+        parser.error(f"--sizes takes {', '.join(SIZES)}")
+    args.batches = [int(b) for b in (args.batches or "1,8,64").split(",")]
+    args.budget = args.budget or (64 * MiB if quick else 512 * MiB)
+    args.min_n = args.min_n or (3 if quick else 8)
+    args.e2e_reps = args.e2e_reps if args.e2e_reps is not None else (1 if quick else 3)
+    args.idle_after = not quick
+    if min(args.batches) < 1 or args.min_n < 1 or args.max_n < args.min_n or args.e2e_reps < 1:
+        parser.error("need batches >= 1, 1 <= --min-n <= --max-n, --e2e-reps >= 1")
+    if not points(args.sizes, args.batches):
+        parser.error(f"every size x batch exceeds {MAX_EXCHANGE // MiB} MiB per exchange")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print Markdown; 0 on success."""
+    args = parse_args(argv)
+    res = run(args)
+    command = " ".join(["python bench/transfer.py", *(argv if argv is not None else sys.argv[1:])])
+    print(f"## Data plane: kvstore tcp:// and ucx:// beside their baselines\n\n`{command}`\n")
+    print(machine_markdown())
+    for table in (kv_table(res), probe_table(res), baseline_table(res), cpu_table(res),
+                  ratio_table(res), e2e_table(res), idle_table(res)):  # fmt: skip
+        print(table.to_markdown())
+    if args.plot:
+        plot(res, args.plot)
+        print(f"Plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
