@@ -361,7 +361,8 @@ async def test_usage_errors_exit_2_before_calling_the_master(tmp_path: Path) -> 
         m = ["--master", f"127.0.0.1:{port}"]
         cases: list[tuple[list[str], str]] = [
             ([], "required: COMMAND"),
-            ([*m, "evict"], "invalid choice: 'evict'"),
+            ([*m, "evict"], "the following arguments are required: --model"),
+            ([*m, "evict", *NS_ARGS, "--tokens", "1,x"], "kvctl: tokens must be integers"),
             (["--timeout", "0", "status"], "must be > 0"),
             ([*m, "drain"], "required: NODE"),
             ([*m, "lookup", *NS_ARGS], "one of the arguments --tokens --tokens-file is required"),

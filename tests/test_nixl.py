@@ -503,9 +503,12 @@ def test_bad_constructor_arguments() -> None:
 
 
 async def test_failed_start_is_a_transport_error_and_close_still_works() -> None:
+    before = os.environ.get("UCX_NET_DEVICES")
     agent = NixlAgent("test-bad-start", net_devices="no-such-nic0")
     with pytest.raises(TransportError):
         await agent.start()
+    # The agent's choice of devices never leaks into the environment of child processes.
+    assert os.environ.get("UCX_NET_DEVICES") == before
     await agent.close()
     await agent.close()
     with pytest.raises(Closed):

@@ -127,6 +127,7 @@ _NAME_MAX = 256
 _MD_PREFIX = b"nixlSerDes|Agent"
 _SIOCGIFADDR = 0x8915
 _ENV_LOCK = threading.Lock()
+_UCX_ENV = ("UCX_NET_DEVICES", "UCX_WARN_UNUSED_ENV_VARS")
 _UNSET = object()
 _operator_net_devices: object = _UNSET  # UCX_NET_DEVICES before this module first set it
 
@@ -471,11 +472,21 @@ class NixlAgent:
             b.NIXL_THREAD_SYNC_RW if self._progress_thread else b.NIXL_THREAD_SYNC_NONE
         )
         with _ENV_LOCK, self._translated(f"create NIXL agent {self._name!r}"):
+            saved = {k: os.environ.get(k) for k in _UCX_ENV}
             _set_ucx_env(self._net_devices)
-            agent = b.nixlAgent(self._name, config)
-            if "UCX" not in agent.getAvailPlugins():
-                raise TransportError("NIXL has no UCX plugin")
-            agent.createBackend("UCX", {})
+            try:
+                agent = b.nixlAgent(self._name, config)
+                if "UCX" not in agent.getAvailPlugins():
+                    raise TransportError("NIXL has no UCX plugin")
+                agent.createBackend("UCX", {})
+            finally:
+                # UCX read its settings when the backend was created; put the process
+                # environment back so child processes do not inherit this agent's choice.
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
         self._agent = agent
 
     def _w_register(self, addr: int, nbytes: int, mem: str, dev_id: int) -> Any:
