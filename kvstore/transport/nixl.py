@@ -50,10 +50,11 @@ registrations → :class:`~kvstore.errors.ProtocolError`, the rest →
 
 **Environment.** UCX reads its configuration from the environment when an agent is
 created, so :meth:`NixlAgent.start` sets ``UCX_NET_DEVICES`` (under a module lock, just
-for the creation of the agent, restoring the environment after) to the interface that owns ``host`` (:func:`net_device_for`:
-loopback → ``lo``) and ``UCX_WARN_UNUSED_ENV_VARS=n`` (unless already set). ``host=None``
-(or a wildcard) leaves UCX on every interface. Over RDMA pass ``net_devices`` explicitly
-(e.g. ``"mlx5_0:1"``): the interface owning an IP is not the IB device UCX needs.
+for the creation of the agent, restoring the environment after) to the interface that
+owns ``host`` (:func:`net_device_for`: loopback → ``lo``) and
+``UCX_WARN_UNUSED_ENV_VARS=n`` (unless already set). ``host=None`` (or a wildcard)
+leaves UCX on every interface. Over RDMA pass ``net_devices`` explicitly (e.g.
+``"mlx5_0:1"``): the interface owning an IP is not the IB device UCX needs.
 
 Importing this module does not import ``nixl_cu12``; constructing a :class:`NixlAgent`
 does, and raises :class:`~kvstore.errors.UnknownScheme` when it is not installed.
