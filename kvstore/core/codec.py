@@ -50,13 +50,10 @@ Schemes: 1 ``int8-kc-vt`` (K c, V t), 2 ``int8-kt-vt`` (t, t), 3 ``int8-kcc-vt``
 4 ``int8-kcc-vct`` (cc, ct). ``quant="int8"`` means :data:`DEFAULT_INT8`, chosen by the
 attention-output error study in :mod:`kvstore.core.kvgen` (docs/codec.md).
 
-Checksums: ``xxh3_64`` (default for CPU buffers) or ``mulsum64`` (default elsewhere), which
-any device computes with torch ops without moving the payload to the host: the covered
-bytes as little-endian int64 words ``w_i``, ``sum(w_i · m_i) mod 2**64`` with odd
-per-position multipliers ``m_i = (i+1)-th splitmix64 output | 1``. A flipped bit changes
-the sum by ``±2**k · m_i ≠ 0 (mod 2**64)``, so every one-bit error is caught. Decode
-verifies either kind wherever it runs (xxh3 of a device buffer costs a host copy, which
-:func:`copy_stats` counts).
+Checksums (:mod:`kvstore.core.checksum`): ``xxh3_64`` (default for CPU buffers) or
+``mulsum64`` (default elsewhere, computed on the device with torch ops; catches every
+one-bit error). Decode verifies either kind wherever it runs (xxh3 of a device buffer
+costs a host copy, which :func:`copy_stats` counts).
 """
 
 from __future__ import annotations
@@ -75,6 +72,12 @@ import torch
 import xxhash
 from torch import Tensor
 
+from kvstore.core.checksum import (
+    compute_checksum,
+    stored_checksum,
+    write_checksums,
+    write_xxh3,
+)
 from kvstore.core.hashing import dtype_name
 from kvstore.errors import (
     BadShape,
@@ -111,7 +114,8 @@ HEADER_NBYTES = 64
 _HEADER = struct.Struct("<4sHH16sIIIIIBBBBQII")
 _CHECKED = HEADER_NBYTES - 4  # the header check covers bytes 0..59
 _ALIGN = 64
-_GROUP_TMP_BYTES = 4 << 20  # float32 scratch per vectorised quantization pass
+_TILE_BYTES = 1 << 20  # float32 scratch per CPU thread and quantization tile
+_DEVICE_TILE_BYTES = 64 << 20  # and per tile on other devices
 _U32 = 2**32
 
 _DTYPES: dict[int, torch.dtype] = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
@@ -212,6 +216,32 @@ def _count(**deltas: int) -> None:
             _stats[name] += value
 
 
+_SCRATCH_SHAPES = 4
+_SCRATCH_KEEP_BYTES = 8 << 20
+_scratch_local = threading.local()
+
+
+def _scratch(shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """Float32 scratch of ``shape``, valid until this thread's next codec call.
+
+    On CPU each thread keeps its last few shapes (tiles, chunk halves) for reuse: fresh
+    ones fault their pages in on every call (8% of an encode). Other devices allocate:
+    their caching allocator reuses memory and, unlike this cache, knows about streams.
+    """
+    if device.type != "cpu" or 4 * math.prod(shape) > _SCRATCH_KEEP_BYTES:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    kept: dict[tuple[int, ...], Tensor] | None = getattr(_scratch_local, "kept", None)
+    if kept is None:
+        kept = _scratch_local.kept = {}
+    buf = kept.pop(shape, None)
+    if buf is None:
+        buf = torch.empty(shape, dtype=torch.float32)
+        if len(kept) >= _SCRATCH_SHAPES:
+            del kept[next(iter(kept))]  # the least recently used shape
+    kept[shape] = buf  # most recently used last
+    return buf
+
+
 # ----------------------------------------------------------------------------- layout
 
 
@@ -220,7 +250,10 @@ class _Layout:
     shape: tuple[int, int, int]  # T, H, D
     dtype: torch.dtype
     scheme: int
-    scale_shapes: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]  # K, V
+    scale_slots: tuple[tuple[int, tuple[int, ...], tuple[int, ...], int], ...]
+    """(half, shape, strides, element offset in the scale region) per scale tensor, K's
+    then V's; shapes broadcast against ``[T, H, D]``: ``(1, H, D)`` per channel and
+    ``(T, H, 1)`` per token, stored contiguous (as ``[H, D]`` and ``[T, H]``)."""
     scales_nbytes: int
     payload_offset: int
     payload_nbytes: int
@@ -242,25 +275,28 @@ def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-def _mode_shapes(mode: str, t: int, h: int, d: int) -> tuple[tuple[int, ...], ...]:
-    return {"c": ((h, d),), "cc": ((h, d), (h, d)), "t": ((t, h),), "ct": ((h, d), (t, h))}[mode]
+def _scale_slots(scheme: int, t: int, h: int, d: int) -> tuple[Any, ...]:
+    per_channel, per_token = ((1, h, d), (h * d, d, 1)), ((t, h, 1), (h, 1, 1))
+    shapes = {"c": [per_channel], "cc": [per_channel] * 2, "t": [per_token],
+              "ct": [per_channel, per_token]}  # fmt: skip
+    slots, start = [], 0
+    for half, mode in enumerate(_SCHEME_MODES.get(scheme, ())):
+        for shape, strides in shapes[mode]:
+            slots.append((half, shape, strides, start))
+            start += math.prod(shape)
+    return tuple(slots)
 
 
 @lru_cache(maxsize=256)
 def _layout(t: int, h: int, d: int, dtype: torch.dtype, scheme: int) -> _Layout:
-    if scheme == 0:
-        shapes: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = ((), ())
-        itemsize = torch.empty((), dtype=dtype).element_size()
-    else:
-        k_mode, v_mode = _SCHEME_MODES[scheme]
-        shapes = (_mode_shapes(k_mode, t, h, d), _mode_shapes(v_mode, t, h, d))
-        itemsize = 1
-    scales = sum(2 * math.prod(s) for half in shapes for s in half)
+    itemsize = 1 if scheme else torch.empty((), dtype=dtype).element_size()
+    slots = _scale_slots(scheme, t, h, d)
+    scales = sum(2 * math.prod(shape) for _, shape, _, _ in slots)
     payload_offset = HEADER_NBYTES + _align(scales, _ALIGN)
     payload = 2 * t * h * d * itemsize
     checksum_offset = payload_offset + _align(payload, 8)
     return _Layout(
-        (t, h, d), dtype, scheme, shapes, scales, payload_offset, payload, checksum_offset
+        (t, h, d), dtype, scheme, slots, scales, payload_offset, payload, checksum_offset
     )
 
 
@@ -292,63 +328,22 @@ def chunk_nbytes(T: int, H: int, D: int, dtype: Any, quant: str = "int8") -> int
 # ----------------------------------------------------------------------------- checksums
 
 
-@lru_cache(maxsize=8)
-def _multipliers(nwords: int, device: torch.device) -> Tensor:
-    """``mix64((i + 1) * 0x9E3779B97F4A7C15) | 1`` for i < nwords (splitmix64's outputs),
-    as int64 with two's complement wrap-around; ``>>`` is masked to act as a logical shift.
-    """
-    z = torch.arange(1, nwords + 1, dtype=torch.int64, device=device)
-    z = z * -7046029254386353131  # 0x9E3779B97F4A7C15
-    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * -4658895280553007687  # 0xBF58476D1CE4E5B9
-    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * -7723592293110705685  # 0x94D049BB133111EB
-    z = z ^ ((z >> 31) & ((1 << 33) - 1))
-    return z | 1
+def _count_copy(nbytes: int) -> None:  # a device buffer copied to the host for xxh3
+    _count(extra_copies=1, extra_bytes=nbytes)
 
 
-def _mulsum64(rows: Tensor, *, generic: bool = False) -> Tensor:
-    """Device checksum of each row of ``rows [N, L]`` (uint8, L % 8 == 0) -> int64 ``[N]``.
-
-    Addition and multiplication wrap modulo 2**64 in every kernel, so the order of the sum
-    does not matter: on CPU ``mv`` (2.5x faster there) and elsewhere ``mul`` + ``sum``
-    give identical bits (``generic=True`` forces the latter; tests compare the two).
-    """
-    words = rows.view(torch.int64)
-    mult = _multipliers(words.shape[1], words.device)
-    if words.device.type == "cpu" and not generic:
-        return torch.mv(words, mult)
-    return (words * mult).sum(dim=1)
-
-
-def _xxh3(row: Tensor) -> int:
-    """xxh3_64 of a 1-D uint8 tensor; a device tensor is copied to the host (counted)."""
-    if row.device.type != "cpu":
-        _count(extra_copies=1, extra_bytes=row.numel())
-        row = row.cpu()
-    return xxhash.xxh3_64_intdigest(row.numpy().data)
-
-
-def _write_checksums(rows: Tensor, layout: _Layout, kind: int) -> None:
+def _verify_checksum(
+    buf: Tensor, host: np.ndarray | None, header: ChunkHeader, layout: _Layout
+) -> None:
+    """Raise :class:`ChecksumError` unless ``buf`` (``host``: its numpy view, if on the
+    host) matches its stored checksum."""
     end = layout.checksum_offset
-    if kind == CHECKSUMS["mulsum64"]:
-        slot = rows.narrow(1, end, 8).view(torch.int64).squeeze(1)
-        slot.copy_(_mulsum64(rows.narrow(1, 0, end)))
-    else:
-        digests = [_xxh3(row) for row in rows.narrow(1, 0, end)]
-        packed = np.array(digests, dtype="<u8").view(np.uint8).reshape(-1, 8)
-        rows.narrow(1, end, 8).copy_(torch.from_numpy(packed))
-
-
-def _verify_checksum(buf: Tensor, header: ChunkHeader, layout: _Layout) -> None:
-    body = buf.narrow(0, 0, layout.checksum_offset)
-    stored = int.from_bytes(_host_bytes(buf.narrow(0, layout.checksum_offset, 8)), "little")
-    if header.checksum == "xxh3_64":
-        actual = _xxh3(body)
-    else:
-        actual = int(_mulsum64(body.unsqueeze(0))[0].item()) % 2**64
-    if actual != stored:
+    want = stored_checksum(buf, end, host)
+    actual = compute_checksum(buf, end, header.checksum, host, _count_copy)
+    if actual != want:
         raise ChecksumError(
             f"chunk {_fmt_key(header.key)} fails its {header.checksum} checksum "
-            f"(stored {stored:#018x}, computed {actual:#018x}): bits flipped in flight or at rest"
+            f"(stored {want:#018x}, computed {actual:#018x}): bits flipped in flight or at rest"
         )
 
 
@@ -416,10 +411,6 @@ def _parse_header(raw: bytes, size: int) -> tuple[ChunkHeader, _Layout]:
 # ----------------------------------------------------------------------------- buffers
 
 
-def _host_bytes(t: Tensor) -> bytes:
-    return (t if t.device.type == "cpu" else t.cpu()).numpy().tobytes()
-
-
 def _as_bytes_tensor(buf: Any) -> Tensor:
     """View ``buf`` as a 1-D, 8-byte-aligned uint8 tensor, copying only if it must."""
     if isinstance(buf, (bytes, bytearray, memoryview)):
@@ -437,7 +428,7 @@ def _as_bytes_tensor(buf: Any) -> Tensor:
     if not isinstance(buf, Tensor) or buf.dtype not in (torch.uint8, torch.int8) or buf.dim() != 1:
         got = f"{type(buf).__name__} {getattr(buf, 'dtype', '')} {getattr(buf, 'shape', '')}"
         raise InvalidArgument(f"a chunk buffer is 1-D uint8 bytes, got {got}")
-    t = buf.view(torch.uint8)
+    t = buf if buf.dtype == torch.uint8 else buf.view(torch.uint8)
     if (t.numel() and t.stride(0) != 1) or t.data_ptr() % 8 or t.storage_offset() % 8:
         _count(extra_copies=1, extra_bytes=t.numel())
         t = t.clone()
@@ -445,11 +436,12 @@ def _as_bytes_tensor(buf: Any) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- quantization
-# Each mode works on ``x [N, T, H, D]`` (any strides), writes int8 codes into ``q`` (a view
-# of the chunk buffers) and float16 scales into ``sc`` (views too), using ``tmp`` (float32,
-# contiguous) as its only full-size temporary: mixed-dtype kernels are several times slower
-# than one widening copy followed by in-place float32 passes. Per chunk this is a few dozen
-# small torch ops, so their count matters as much as the passes over the data.
+# Each mode quantizes ``y`` (``[N, T, H, D]`` or ``[T, H, D]``: float32 scratch holding one
+# half, K or V, of a tile, which it may overwrite) into int8 codes ``q`` and float16 scales
+# ``sc``, views of the chunk buffers shaped to broadcast against ``y`` (``[.., 1, H, D]``
+# per channel, ``[.., T, H, 1]`` per token), so statistics keep their reduced dimension.
+# Mixed-dtype kernels are 4-6x slower than one widening copy and in-place float32 passes.
+# A block (K and V) costs ~40 torch ops, 16 of them full passes (docs/codec.md, Speed).
 
 
 def _store(values: Tensor, view: Tensor) -> Tensor:
@@ -458,8 +450,9 @@ def _store(values: Tensor, view: Tensor) -> Tensor:
 
 
 def _absmax(y: Tensor, dim: int) -> Tensor:
-    # amax and amin beat abs().amax() (no full-size temporary) and aminmax (slow on CPU).
-    return torch.maximum(y.amax(dim), y.amin(dim).neg_())
+    # amax and amin beat abs().amax() (no full-size temporary), aminmax and an inf-norm
+    # (both over 7x slower on CPU).
+    return torch.maximum(y.amax(dim, keepdim=True), y.amin(dim, keepdim=True).neg_())
 
 
 def _inv_scale(r: Tensor, view: Tensor) -> Tensor:
@@ -471,107 +464,153 @@ def _codes(y: Tensor, q: Tensor) -> None:
     q.copy_(y.round_())  # |y| <= 127.07 by construction of the scales (see _TINY)
 
 
-def _enc_c(x: Tensor, q: Tensor, sc: list[Tensor], tmp: Tensor) -> None:
-    y = tmp.copy_(x)
-    _codes(y.mul_(_inv_scale(_absmax(y, 1), sc[0]).unsqueeze(1)), q)
+def _enc_c(y: Tensor, q: Tensor, sc: list[Tensor]) -> None:
+    _codes(y.mul_(_inv_scale(_absmax(y, -3), sc[0])), q)
 
 
-def _enc_cc(x: Tensor, q: Tensor, sc: list[Tensor], tmp: Tensor) -> None:
-    y = tmp.copy_(x)
-    hi, lo = y.amax(1), y.amin(1)
+def _enc_cc(y: Tensor, q: Tensor, sc: list[Tensor]) -> None:
+    hi, lo = y.amax(-3, keepdim=True), y.amin(-3, keepdim=True)
     m = _store(torch.lerp(lo, hi, 0.5), sc[0])
-    inv = _inv_scale(torch.maximum(hi.sub_(m), lo.sub_(m).neg_()), sc[1])
-    _codes(y.sub_(m.unsqueeze(1)).mul_(inv.unsqueeze(1)), q)
+    # m - lo is -(lo - m) bit for bit (rounding to nearest is symmetric), one op instead
+    # of two; the sign of a zero cannot matter, the scale floor replaces it.
+    inv = _inv_scale(torch.maximum(hi.sub_(m), torch.sub(m, lo, out=lo)), sc[1])
+    _codes(y.sub_(m).mul_(inv), q)
 
 
-def _enc_t(x: Tensor, q: Tensor, sc: list[Tensor], tmp: Tensor) -> None:
-    y = tmp.copy_(x)
-    _codes(y.mul_(_inv_scale(_absmax(y, -1), sc[0]).unsqueeze(-1)), q)
+def _enc_t(y: Tensor, q: Tensor, sc: list[Tensor]) -> None:
+    _codes(y.mul_(_inv_scale(_absmax(y, -1), sc[0])), q)
 
 
-def _enc_ct(x: Tensor, q: Tensor, sc: list[Tensor], tmp: Tensor) -> None:
-    y = tmp.copy_(x)
-    c = _store(_absmax(y, 1).clamp_(min=_TINY), sc[0])
-    y.mul_(c.reciprocal_().unsqueeze(1))  # now |y| <= ~1 everywhere
-    _codes(y.mul_(_inv_scale(_absmax(y, -1), sc[1]).unsqueeze(-1)), q)
+def _enc_ct(y: Tensor, q: Tensor, sc: list[Tensor]) -> None:
+    c = _store(_absmax(y, -3).clamp_(min=_TINY), sc[0])
+    y.mul_(c.reciprocal_())  # now |y| <= ~1 everywhere
+    _codes(y.mul_(_inv_scale(_absmax(y, -1), sc[1])), q)
 
 
-# Decoders widen the codes into ``w`` (float32: the output itself or a temporary), then
-# scale in place; the caller copies ``w`` into the output when it is a temporary.
+# Decoders widen the codes into ``w`` (float32: the output itself or scratch), then scale
+# in place with float32 scales; the caller copies ``w`` into the output when it is scratch.
+# Codes have 7 significant bits and scales 11, so ``q·s`` is exact in float32 and each
+# decoded value is rounded once, whatever order or fusion the kernels use.
 
 
-def _dec_c(q: Tensor, sc: list[Tensor], w: Tensor) -> None:
-    w.copy_(q).mul_(sc[0].float().unsqueeze(1))
+def _dec_scaled(q: Tensor, sc: list[Tensor], w: Tensor) -> None:
+    w.copy_(q).mul_(sc[0])
 
 
 def _dec_cc(q: Tensor, sc: list[Tensor], w: Tensor) -> None:
-    torch.addcmul(sc[0].float().unsqueeze(1), w.copy_(q), sc[1].float().unsqueeze(1), out=w)
-
-
-def _dec_t(q: Tensor, sc: list[Tensor], w: Tensor) -> None:
-    w.copy_(q).mul_(sc[0].float().unsqueeze(-1))
+    torch.addcmul(sc[0], w.copy_(q), sc[1], out=w)
 
 
 def _dec_ct(q: Tensor, sc: list[Tensor], w: Tensor) -> None:
-    w.copy_(q).mul_(sc[1].float().unsqueeze(-1)).mul_(sc[0].float().unsqueeze(1))
+    w.copy_(q).mul_(sc[1]).mul_(sc[0])
 
 
-_Encoder = Callable[[Tensor, Tensor, list[Tensor], Tensor], None]
+_Encoder = Callable[[Tensor, Tensor, list[Tensor]], None]
 _Decoder = Callable[[Tensor, list[Tensor], Tensor], None]
 _ENCODERS: dict[str, _Encoder] = {"c": _enc_c, "cc": _enc_cc, "t": _enc_t, "ct": _enc_ct}
-_DECODERS: dict[str, _Decoder] = {"c": _dec_c, "cc": _dec_cc, "t": _dec_t, "ct": _dec_ct}
+_DECODERS: dict[str, _Decoder] = {"c": _dec_scaled, "cc": _dec_cc, "t": _dec_scaled, "ct": _dec_ct}
 
 
-def _scale_views(rows: Tensor, layout: _Layout) -> tuple[list[Tensor], list[Tensor]]:
-    """float16 views ``[N, *shape]`` of K's and V's scale tensors in ``rows [N, nbytes]``."""
-    n, (k_shapes, v_shapes) = rows.shape[0], layout.scale_shapes
-    region = rows.narrow(1, HEADER_NBYTES, layout.scales_nbytes).view(torch.float16)
-    parts = region.split([math.prod(s) for s in (*k_shapes, *v_shapes)], dim=1)
-    views = [p.view(n, *s) for p, s in zip(parts, (*k_shapes, *v_shapes), strict=True)]
-    return views[: len(k_shapes)], views[len(k_shapes) :]
+def _scale_views(base: Tensor, start: int, layout: _Layout) -> tuple[list[Tensor], list[Tensor]]:
+    """K's and V's scale tensors ``[*lead, *shape]`` in ``base [*lead, L]`` (float16 rows,
+    or a float32 copy of the scale region) whose scale region starts at storage offset
+    ``start``; one ``as_strided`` op each."""
+    views: tuple[list[Tensor], list[Tensor]] = ([], [])
+    lead, lead_strides = tuple(base.shape[:-1]), base.stride()[:-1]
+    for half, shape, strides, at in layout.scale_slots:
+        views[half].append(base.as_strided((*lead, *shape), (*lead_strides, *strides), start + at))
+    return views
 
 
-def _payload_view(rows: Tensor, layout: _Layout) -> Tensor:
-    """The payload of ``rows [N, nbytes]`` as ``[N, 2, T, H, D]`` codes or raw values."""
+def _payload_view(buf: Tensor, layout: _Layout) -> Tensor:
+    """The payload of ``buf [*lead, nbytes]`` as ``[*lead, 2, T, H, D]`` codes or raw values."""
+    typed = buf.view(torch.int8 if layout.scheme else layout.dtype)
     t, h, d = layout.shape
-    body = rows.narrow(1, layout.payload_offset, layout.payload_nbytes)
-    return body.view(torch.int8 if layout.scheme else layout.dtype).view(-1, 2, t, h, d)
+    start = typed.storage_offset() + layout.payload_offset // typed.element_size()
+    stride = (*typed.stride()[:-1], t * h * d, h * d, d, 1)
+    return typed.as_strided((*typed.shape[:-1], 2, t, h, d), stride, start)
 
 
 def _encode_rows(x: Tensor, rows: Tensor, layout: _Layout, keys: list[ChunkKey], kind: int) -> None:
     """Encode ``x [2, N, T, H, D]`` into ``rows [N, nbytes]`` (uint8, rows 8-aligned)."""
     n = rows.shape[0]
-    headers = bytearray(b"".join(_pack_header(k, layout, kind) for k in keys))
-    rows.narrow(1, 0, HEADER_NBYTES).copy_(torch.frombuffer(headers, dtype=torch.uint8).view(n, -1))
+    headers = b"".join(_pack_header(k, layout, kind) for k in keys)
+    # On the host, byte fields go through a numpy view (a slice costs far less than a torch
+    # op) and xxh3 reads rows in place, after all tiles: hashing each row right after its
+    # tile was slower, it evicts the next tile's working set.
+    host = rows.numpy() if rows.device.type == "cpu" else None
+    frames = np.frombuffer(headers, dtype=np.uint8).reshape(n, -1)
+    target: Any = rows if host is None else host  # both take slice assignment
+    target[:, :HEADER_NBYTES] = frames if host is not None else torch.tensor(frames)
     for start, stop in layout.padding:
-        rows.narrow(1, start, stop - start).zero_()
+        target[:, start:stop] = 0
     if layout.scheme == 0:
         _payload_view(rows, layout).transpose(0, 1).copy_(x)
     else:
-        # Blocks are quantized in groups whose float32 temporary stays cache-sized.
-        t, h, d = layout.shape
-        group = max(1, min(n, _GROUP_TMP_BYTES // (4 * t * h * d)))
-        tmp = torch.empty((group, t, h, d), dtype=torch.float32, device=x.device)
-        for i in range(0, n, group):
-            part = rows.narrow(0, i, min(group, n - i))
-            _quantize(x[:, i : i + group], part, layout, tmp[: part.shape[0]])
-        _require_finite(rows, layout)
-    _write_checksums(rows, layout, kind)
+        _quantize(x, rows, layout)
+        _require_finite(rows, host, layout)
+    if host is not None and kind == CHECKSUMS["xxh3_64"]:
+        write_xxh3(host, layout.checksum_offset, 0, n)
+    else:
+        write_checksums(rows, layout.checksum_offset, _CHECKSUM_NAMES[kind], _count_copy)
     _count(encoded_bytes=n * layout.nbytes)
 
 
-def _quantize(x: Tensor, rows: Tensor, layout: _Layout, tmp: Tensor) -> None:
-    payload = _payload_view(rows, layout).transpose(0, 1)  # [2, N, T, H, D]
-    modes = _SCHEME_MODES[layout.scheme]
-    for half, views in enumerate(_scale_views(rows, layout)):
-        _ENCODERS[modes[half]](x[half], payload[half], views, tmp)
+def _tile_shape(n: int, t: int, h: int, d: int, device: torch.device) -> tuple[int, int]:
+    """(blocks, heads) per quantization tile: as many as fit the float32 scratch budget.
+
+    Heads are independent under every mode (statistics are per channel ``(h, d)`` over T
+    or per token ``(t, h)`` over D), so a block too large for one tile is cut along H.
+    On CPU the budget keeps each thread's share in L2; a GPU takes big tiles (fewer
+    kernel launches).
+    """
+    cpu = device.type == "cpu"
+    budget = _TILE_BYTES * torch.get_num_threads() if cpu else _DEVICE_TILE_BYTES
+    head_bytes = 4 * t * d
+    if head_bytes * h <= budget:
+        return max(1, min(n, budget // (head_bytes * h))), h
+    return 1, max(1, budget // head_bytes)
 
 
-def _require_finite(rows: Tensor, layout: _Layout) -> None:
+def _tiles(v: Tensor, blocks: int, heads: int) -> list[Tensor]:
+    """Views of ``v [N, T|1, H, D|1]`` tile by tile (blocks outer, heads inner) in one or a
+    few ops; tiles cut along H (``blocks`` is then 1) drop the block dimension."""
+    if heads >= v.shape[2]:
+        return [v] if blocks >= v.shape[0] else list(v.split(blocks))
+    columns = [part.unbind(0) for part in v.split(heads, 2)]
+    return [tile for row in zip(*columns, strict=True) for tile in row]
+
+
+def _quantize(x: Tensor, rows: Tensor, layout: _Layout) -> None:
+    """Quantize ``x [2, N, T, H, D]`` into ``rows``, one tile at a time: each pass over a
+    tile that outgrows L2 runs ~1.8x slower per byte (docs/codec.md, Speed)."""
+    n, (t, h, d) = rows.shape[0], layout.shape
+    blocks, heads = _tile_shape(n, t, h, d, x.device)
+    codes = _payload_view(rows, layout)  # [N, 2, T, H, D]
+    rows16 = rows.view(torch.float16)
+    scales = _scale_views(rows16, int(rows16.storage_offset()) + HEADER_NBYTES // 2, layout)
+    work: list[tuple[_Encoder, list[tuple[Tensor, ...]]]] = []
+    for half, mode in enumerate(_SCHEME_MODES[layout.scheme]):
+        views = [x[half], codes[:, half], *scales[half]]
+        per_tile = zip(*(_tiles(v, blocks, heads) for v in views), strict=True)
+        work.append((_ENCODERS[mode], list(per_tile)))
+    for k in range(len(work[0][1])):
+        for encode, tiles in work:
+            xt, qt, *sc = tiles[k]
+            encode(_scratch(xt.shape, x.device).copy_(xt), qt, sc)
+
+
+def _require_finite(rows: Tensor, host: np.ndarray | None, layout: _Layout) -> None:
     # NaN/inf anywhere in the KV (or |x| beyond float16 scales) makes a stored scale
-    # non-finite; one check over all scales costs one host sync per call.
-    scales = rows.narrow(1, HEADER_NBYTES, layout.scales_nbytes).view(torch.float16)
-    if not bool(torch.isfinite(scales).all().item()):
+    # non-finite. On the host: a float16 with every exponent bit set; elsewhere: a
+    # non-finite float32 sum (finite scales cannot overflow it), one host sync per call.
+    end = HEADER_NBYTES + layout.scales_nbytes
+    if host is not None:
+        finite = bool(np.isfinite(host[:, HEADER_NBYTES:end].view(np.float16)).all())
+    else:
+        scales = rows[:, HEADER_NBYTES:end].view(torch.float16)
+        finite = math.isfinite(scales.sum(dtype=torch.float32).item())
+    if not finite:
         raise InvalidArgument(
             "KV holds NaN/inf or values too large for float16 scales (|x| > ~8e6); "
             "encode it with quant='none'"
@@ -660,8 +699,8 @@ def encode_blocks(
     """Encode the first ``len(keys)`` full blocks of a ``[2, T_total, H, D]`` layer.
 
     Block ``i`` is ``layer[:, i*block_tokens:(i+1)*block_tokens]`` with key ``keys[i]``;
-    tokens past the last block are ignored. Blocks are quantized together in vectorised
-    passes (groups sized to a few MiB of scratch), straight into the output buffers.
+    tokens past the last block are ignored. Blocks are quantized in cache-sized tiles
+    (several small blocks, or one block's heads in parts), straight into the outputs.
     ``out``: None (one new ``[N, nbytes]`` tensor whose rows are returned), a uint8
     ``[N, nbytes]`` tensor (rows may be strided, row stride a multiple of 8), or a sequence
     of N 1-D buffers as for :func:`encode_chunk` (encoded one by one). Returns the N chunk
@@ -703,13 +742,19 @@ def read_header(buf: Any) -> ChunkHeader:
     :class:`ChecksumError` (header corrupted); :class:`InvalidArgument` if ``buf`` is not a
     byte buffer.
     """
-    t = _as_bytes_tensor(buf)
-    return _read(t)[0]
+    return _read(_as_bytes_tensor(buf))[0]
 
 
-def _read(t: Tensor) -> tuple[ChunkHeader, _Layout]:
-    raw = _host_bytes(t[:HEADER_NBYTES]) if t.numel() >= HEADER_NBYTES else b""
-    return _parse_header(raw, t.numel())
+def _read(t: Tensor) -> tuple[ChunkHeader, _Layout, np.ndarray | None]:
+    """Parse ``t``'s header; also return ``t`` as a numpy array when it is on the host."""
+    host = t.numpy() if t.device.type == "cpu" else None
+    if t.numel() < HEADER_NBYTES:
+        raw = b""
+    elif host is not None:
+        raw = host[:HEADER_NBYTES].tobytes()
+    else:
+        raw = t[:HEADER_NBYTES].cpu().numpy().tobytes()
+    return (*_parse_header(raw, t.numel()), host)
 
 
 def _check_expected(header: ChunkHeader, expect_key: ChunkKey | None) -> None:
@@ -729,10 +774,10 @@ def verify_chunk(buf: Any, expect_key: ChunkKey | None = None) -> ChunkHeader:
     :class:`ChecksumError` if the contents do not match the checksum.
     """
     t = _as_bytes_tensor(buf)
-    header, layout = _read(t)
+    header, layout, host = _read(t)
     _check_expected(header, expect_key)
     with torch.no_grad():
-        _verify_checksum(t, header, layout)
+        _verify_checksum(t, host, header, layout)
     return header
 
 
@@ -774,13 +819,13 @@ def decode_chunk(
     :class:`BadShape` (``out`` does not fit) or :class:`InvalidArgument`.
     """
     t = _as_bytes_tensor(buf)
-    header, layout = _read(t)
+    header, layout, host = _read(t)
     _check_expected(header, expect_key)
     if out is not None:
         _check_out_kv(out, header)
     target = _target(device, out, t)
     with torch.no_grad():
-        _verify_checksum(t, header, layout)
+        _verify_checksum(t, host, header, layout)
         if t.device != target:
             _count(extra_copies=1, extra_bytes=t.numel())
             try:
@@ -789,22 +834,24 @@ def decode_chunk(
                 raise InvalidArgument(f"cannot move the chunk to {target}: {exc}") from exc
         if out is None:
             out = torch.empty(header.shape, dtype=header.dtype, device=target)
-        _decode_into(t.view(1, -1), layout, out)
+        _decode_into(t, layout, out)
     _count(decoded_bytes=out.numel() * out.element_size())
     return out
 
 
-def _decode_into(rows: Tensor, layout: _Layout, out: Tensor) -> None:
-    """Dequantize ``rows [1, nbytes]`` into ``out [2, T, H, D]`` (any strides)."""
-    payload = _payload_view(rows, layout)  # [1, 2, T, H, D]
+def _decode_into(buf: Tensor, layout: _Layout, out: Tensor) -> None:
+    """Dequantize the 1-D chunk ``buf`` into ``out [2, T, H, D]`` (any strides)."""
+    payload = _payload_view(buf, layout)  # [2, T, H, D]
     if layout.scheme == 0:
-        out.copy_(payload[0])
+        out.copy_(payload)
         return
+    region = buf[HEADER_NBYTES : HEADER_NBYTES + layout.scales_nbytes].view(torch.float16)
+    scales = _scale_views(region.float(), 0, layout)
     modes = _SCHEME_MODES[layout.scheme]
-    tmp = None if out.dtype == torch.float32 else torch.empty(out.shape[1:], device=out.device)
-    for half, views in enumerate(_scale_views(rows, layout)):
-        dst = out[half].unsqueeze(0)
-        work = dst if tmp is None else tmp.unsqueeze(0)
-        _DECODERS[modes[half]](payload[:, half], views, work)
+    tmp = None if out.dtype == torch.float32 else _scratch(layout.shape, out.device)
+    for half in (0, 1):
+        dst = out[half]
+        work = dst if tmp is None else tmp
+        _DECODERS[modes[half]](payload[half], scales[half], work)
         if tmp is not None:
             dst.copy_(work)
