@@ -43,7 +43,7 @@ from kvstore.master.client import MasterClient
 from kvstore.node.protocol import MAX_CHUNKS_PER_REQUEST, MAX_KEY_LEN, raise_if_error
 
 from .engine import EngineOps
-from .handles import prefix_len
+from .handles import no_blocks, prefix_len
 from .pool import ConnectionPool
 from .ucx import DEFAULT_STAGING_BYTES, UcxPath, prefer_ucx
 
@@ -262,19 +262,31 @@ class ClientCore:
         :class:`InvalidArgument` before any I/O, :class:`CapacityError` when a node has no
         room, :class:`KVTimeout`, :class:`TransportError` subclasses.
         """
+        hashes, run = self._put_contiguous(token_ids, layer, t, shard, timeout, "put_layer")
+        return prefix_len(await run(), len(hashes)) * self.ns.block_tokens
+
+    def _put_contiguous(
+        self,
+        token_ids: Sequence[int] | Any,
+        layer: int,
+        t: torch.Tensor,
+        shard: int,
+        timeout: float | None,
+        what: str,
+    ) -> tuple[list[bytes], Callable[[], Awaitable[set[int]]]]:
+        """Validate (before any I/O), start the encode, and return the block hashes and
+        the put to await: it yields the indices of the blocks stored."""
         hashes = self.block_hashes(token_ids)
         self._check_layer_tensor(t, len(token_ids))
         index = self._chunk_index(layer, shard)
         if not hashes:
-            return 0
-
+            return hashes, no_blocks
         encoded = self._launch_encode(t, hashes, layer, shard)
 
         async def put() -> set[int]:
             return await self._put_encoded(hashes, index, encoded)
 
-        stored = await self._tracked_put(put, hashes, timeout, "put_layer")
-        return prefix_len(stored, len(hashes)) * self.ns.block_tokens
+        return hashes, lambda: self._tracked_put(put, hashes, timeout, what)
 
     def _launch_encode(
         self, t: torch.Tensor, hashes: list[bytes], layer: int, shard: int

@@ -17,7 +17,7 @@ import torch
 from kvstore.core.codec import ChunkKey
 from kvstore.errors import BadShape
 
-from .handles import Handle, Result, StreamHandle, prefix_len
+from .handles import Handle, Result, StreamHandle, no_blocks, prefix_len
 from .paged import ChunkView, chunk_views, decode_into, encode_paged
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class EngineOps(_Base):
             return await self._put_encoded(hashes, index, encoded)
 
         if not hashes:
-            return hashes, _none
+            return hashes, no_blocks
         return hashes, lambda: self._tracked_put(put, hashes, timeout, what)
 
     async def put_layer_paged(
@@ -186,19 +186,8 @@ class EngineOps(_Base):
         """Start :meth:`~kvclient.KVClient.put_layer`; returns at once with a handle whose
         ``wait()`` gives ``Result(tokens, missing)``. ``t`` must not be modified until then.
         Raises :class:`BadShape`/:class:`InvalidArgument` at once for bad arguments."""
-        hashes = self.block_hashes(token_ids)
-        self._check_layer_tensor(t, len(token_ids))
-        index = self._chunk_index(layer, shard)
-        encoded = self._launch_encode(t, hashes, layer, shard)
-
-        async def put() -> set[int]:
-            return await self._put_encoded(hashes, index, encoded)
-
-        if not hashes:
-            return self._result_handle(_none, 0, layer)
-        return self._result_handle(
-            lambda: self._tracked_put(put, hashes, timeout, "start_put_layer"), len(hashes), layer
-        )
+        hashes, run = self._put_contiguous(token_ids, layer, t, shard, timeout, "start_put_layer")
+        return self._result_handle(run, len(hashes), layer)
 
     def start_get_layer(
         self,
@@ -263,7 +252,3 @@ class EngineOps(_Base):
             f"out holds {out.shape[1]} tokens; {n_blocks} full blocks need "
             f"{n_blocks * self.ns.block_tokens}"
         )
-
-
-async def _none() -> set[int]:
-    return set()

@@ -25,7 +25,15 @@ from typing import Any, TypeVar
 
 from kvstore.errors import Cancelled, InvalidArgument, KVStoreError, KVTimeout
 
-__all__ = ["Handle", "LoopThread", "Result", "StreamHandle", "prefix_len", "shared_loop"]
+__all__ = [
+    "Handle",
+    "LoopThread",
+    "Result",
+    "StreamHandle",
+    "no_blocks",
+    "prefix_len",
+    "shared_loop",
+]
 
 T = TypeVar("T")
 
@@ -155,6 +163,11 @@ class StreamHandle(Handle):
             event.wait(step)
             waited += step
         return self._layers[layer]
+
+
+async def no_blocks() -> set[int]:
+    """The put or get of a prompt without one full block: nothing to do."""
+    return set()
 
 
 def prefix_len(present: set[int], n: int) -> int:
