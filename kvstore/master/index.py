@@ -32,7 +32,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from typing import TypeVar
 
-from kvstore.errors import CapacityError, Closed, KVTimeout, StaleEpoch
+from kvstore.errors import CapacityError, Closed, KVStoreError, KVTimeout, StaleEpoch
 from kvstore.master.records import (
     BlockAdd,
     BlockRef,
@@ -48,7 +48,7 @@ from kvstore.master.records import (
     mask_of,
 )
 
-__all__ = ["IndexStore", "MemoryIndexStore", "Subscription"]
+__all__ = ["BoundedSubscription", "IndexStore", "MemoryIndexStore", "Subscription"]
 
 _BlockKey = tuple[bytes, bytes]
 _K = TypeVar("_K")
@@ -174,26 +174,48 @@ def _discard(index: dict[str, set[_K]], node: str, key: _K) -> None:
             del index[node]
 
 
-class _MemorySubscription(Subscription):
-    """A deque plus an event; overflow ends the subscription rather than growing."""
+class BoundedSubscription(Subscription):
+    """A bounded queue of ``(position, event)`` and a wake-up, shared by the stores.
 
-    def __init__(self, maxlen: int, snapshot: list[dict[str, Holding]]) -> None:
-        self.snapshot = snapshot
+    Overflow ends the subscription (:class:`CapacityError`) rather than growing; a store
+    that can no longer feed it ends it with :meth:`fail`. ``position`` orders events for
+    stores that need it (a stream offset); others pass 0.
+    """
+
+    def __init__(self, maxlen: int, snapshot: list[dict[str, Holding]] | None = None) -> None:
+        self.snapshot = snapshot if snapshot is not None else []
         self._maxlen = maxlen
-        self._queue: deque[IndexEvent] = deque()
+        self._queue: deque[tuple[int, IndexEvent]] = deque()
         self._wakeup = asyncio.Event()
         self._overflowed = False
         self._closed = False
+        self._error: KVStoreError | None = None
 
-    def push(self, event: IndexEvent) -> None:
-        """Enqueue without blocking; past ``maxlen`` drop everything and mark overflow."""
-        if self._overflowed or self._closed:
+    @property
+    def done(self) -> bool:
+        """True once nothing more will be queued (closed, overflowed or failed)."""
+        return self._closed or self._overflowed or self._error is not None
+
+    def _enqueue(self, position: int, event: IndexEvent) -> None:
+        """Queue without blocking; past ``maxlen`` drop everything and mark overflow."""
+        if self.done:
             return
         if len(self._queue) >= self._maxlen:
-            self._overflowed = True
-            self._queue.clear()
+            self.overflow()
         else:
-            self._queue.append(event)
+            self._queue.append((position, event))
+            self._wakeup.set()
+
+    def overflow(self) -> None:
+        """End the subscription with :class:`CapacityError` (events were lost)."""
+        self._overflowed = True
+        self._queue.clear()
+        self._wakeup.set()
+
+    def fail(self, error: KVStoreError) -> None:
+        """End the subscription with ``error`` (its events can no longer be read)."""
+        if self._error is None:
+            self._error = error
         self._wakeup.set()
 
     def close(self) -> None:
@@ -201,23 +223,41 @@ class _MemorySubscription(Subscription):
         self._closed = True
         self._wakeup.set()
 
-    async def read(self, max_events: int = 256, timeout: float | None = None) -> list[IndexEvent]:
-        """See :meth:`Subscription.read`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    async def _take(
+        self, max_events: int, deadline: float | None, timeout: float | None
+    ) -> list[IndexEvent]:
+        """Queued events (at most ``max_events``), waiting until ``deadline`` (loop time)."""
+        loop = asyncio.get_running_loop()
         while True:
             if self._overflowed:
                 raise CapacityError(f"subscriber fell more than {self._maxlen} events behind")
             if self._queue:
                 count = min(max(1, max_events), len(self._queue))
-                return [self._queue.popleft() for _ in range(count)]
+                return [self._queue.popleft()[1] for _ in range(count)]
+            if self._error is not None:
+                raise type(self._error)(*self._error.args) from self._error
             if self._closed:
                 raise Closed("subscription closed")
             self._wakeup.clear()
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            remaining = None if deadline is None else max(0.0, deadline - loop.time())
             try:
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
             except asyncio.TimeoutError as exc:
                 raise KVTimeout(f"no index event within {timeout} s") from exc
+
+
+class _MemorySubscription(BoundedSubscription):
+    """Fed synchronously by the memory store as changes are applied."""
+
+    def push(self, event: IndexEvent) -> None:
+        """Queue ``event`` (see :meth:`BoundedSubscription._enqueue`)."""
+        self._enqueue(0, event)
+
+    async def read(self, max_events: int = 256, timeout: float | None = None) -> list[IndexEvent]:
+        """See :meth:`Subscription.read`."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        return await self._take(max_events, deadline, timeout)
 
 
 class MemoryIndexStore(IndexStore):

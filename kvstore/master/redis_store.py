@@ -60,7 +60,7 @@ from kvstore.errors import (
     TransportError,
     Unreachable,
 )
-from kvstore.master.index import IndexStore, Subscription
+from kvstore.master.index import BoundedSubscription, IndexStore, Subscription
 from kvstore.master.records import (
     CommitBatch,
     EventKind,
@@ -387,7 +387,7 @@ def _tiers_json(tiers: Sequence[Tier]) -> str:
     return json.dumps([[t.name, t.capacity_bytes, t.used_bytes] for t in tiers])
 
 
-class _RedisSubscription(Subscription):
+class _RedisSubscription(BoundedSubscription):
     """A bounded queue fed by the store's stream reader; overflow ends it.
 
     It is registered with the reader before its snapshot is read; until :meth:`begin`
@@ -398,54 +398,25 @@ class _RedisSubscription(Subscription):
     def __init__(
         self, store: RedisIndexStore, maxlen: int, keys: frozenset[tuple[str, str]]
     ) -> None:
-        self.snapshot: list[dict[str, Holding]] = []
+        super().__init__(maxlen)
         self.start: int | None = None
         self.keys = keys
         self._store = store
-        self._maxlen = maxlen
-        self._queue: deque[tuple[int, IndexEvent]] = deque()
-        self._wakeup = asyncio.Event()
-        self._overflowed = False
-        self._closed = False
-        self._error: KVStoreError | None = None
 
     def begin(self, start: int, snapshot: list[dict[str, Holding]]) -> None:
         """The snapshot reflects entries up to ``start``: drop those buffered so far."""
         self.start, self.snapshot = start, snapshot
         self._queue = deque(item for item in self._queue if item[0] > start)
 
-    @property
-    def done(self) -> bool:
-        """True once nothing more will be queued (closed, overflowed or failed)."""
-        return self._closed or self._overflowed or self._error is not None
-
     def push(self, n: int, event: IndexEvent) -> None:
-        """Enqueue ``event`` of entry ``n`` without blocking; past ``maxlen`` drop
-        everything and mark overflow."""
-        if self.done or (self.start is not None and n <= self.start):
+        """Queue ``event`` of stream entry ``n`` unless the snapshot already covers it."""
+        if self.start is not None and n <= self.start:
             return
-        if len(self._queue) >= self._maxlen:
-            self.overflow()
-        else:
-            self._queue.append((n, event))
-            self._wakeup.set()
-
-    def overflow(self) -> None:
-        """End the subscription with :class:`CapacityError` (events were lost)."""
-        self._overflowed = True
-        self._queue.clear()
-        self._wakeup.set()
-
-    def fail(self, error: KVStoreError) -> None:
-        """End the subscription with ``error`` (the event stream cannot be read)."""
-        if self._error is None:
-            self._error = error
-        self._wakeup.set()
+        self._enqueue(n, event)
 
     def close(self) -> None:
         """See :meth:`Subscription.close`."""
-        self._closed = True
-        self._wakeup.set()
+        super().close()
         self._store._detach(self)
 
     async def read(self, max_events: int = 256, timeout: float | None = None) -> list[IndexEvent]:
@@ -457,22 +428,7 @@ class _RedisSubscription(Subscription):
         deadline = None if timeout is None else loop.time() + timeout
         if len(self._queue) < max(1, max_events) and not self.done:
             await self._store._catch_up(self, deadline)
-        while True:
-            if self._overflowed:
-                raise CapacityError(f"subscriber fell more than {self._maxlen} events behind")
-            if self._queue:
-                count = min(max(1, max_events), len(self._queue))
-                return [self._queue.popleft()[1] for _ in range(count)]
-            if self._error is not None:
-                raise type(self._error)(*self._error.args) from self._error
-            if self._closed:
-                raise Closed("subscription closed")
-            self._wakeup.clear()
-            remaining = None if deadline is None else max(0.0, deadline - loop.time())
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), remaining)
-            except asyncio.TimeoutError as exc:
-                raise KVTimeout(f"no index event within {timeout} s") from exc
+        return await self._take(max_events, deadline, timeout)
 
 
 class RedisIndexStore(IndexStore):
