@@ -22,7 +22,6 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
-import grpc
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -33,7 +32,6 @@ from kvstore.master.redis_store import RedisIndexStore
 from kvstore.master.server import MasterConfig, MasterServer, grpc_address
 from kvstore.metrics import Metrics, MetricsServer
 from kvstore.node.server import NodeConfig, StorageNode
-from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 __all__ = ["main"]
 
@@ -119,28 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _public_port(master: MasterServer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """A second gRPC server on the public port, serving the same master service."""
-    limit = master.config.max_message_bytes
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0),
-        ]
-    )
-    pb_grpc.add_MasterServicer_to_server(master.service, server)
-    target = grpc_address(host, port)
-    try:
-        bound = server.add_insecure_port(target)
-    except RuntimeError as exc:
-        raise KVStoreError(f"cannot bind gRPC port {target}: {exc}") from exc
-    if bound == 0:
-        raise KVStoreError(f"cannot bind gRPC port {target}")
-    await server.start()
-    return server, bound
-
-
 async def _run(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -189,8 +165,7 @@ async def _run(args: argparse.Namespace) -> int:
             await node.start()
             exits.push_async_callback(node.stop, 5.0)
         if args.command == "serve":
-            public, port = await _public_port(master, args.host, args.grpc_port)
-            exits.push_async_callback(public.stop, 5.0)
+            port = await master.listen(args.host, args.grpc_port)
             parts.append(f"grpc={grpc_address(args.host, port)}")
         if node is not None:
             parts.append(f"data={node.data_uri}")

@@ -97,6 +97,7 @@ class MasterServer:
         self.port = 0
         """The bound port (the real one when the config asked for 0); 0 before start."""
         self._server: grpc.aio.Server | None = None
+        self._extra: list[grpc.aio.Server] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._stopped = False
 
@@ -116,6 +117,24 @@ class MasterServer:
         restored = await self.service.restore()
         if restored:
             log.info("restored %d nodes with one lease of grace", restored)
+        server, port = await self._serve_on(self.config.host, self.config.grpc_port)
+        self._server = server
+        self.port = port
+        self._sweeper = asyncio.create_task(self._sweep_forever(), name="kvstore-master-sweeper")
+        log.info("master serving on %s (lease %.3g s)", self.address, self.config.node_lease_s)
+
+    async def listen(self, host: str, port: int) -> int:
+        """Serve the same master on one more ``host:port`` (``kvstore serve`` opens its
+        public port this way once its node registered); returns the bound port. Stopped by
+        :meth:`stop`. Raises :class:`TransportError` if the port cannot be bound."""
+        if self._server is None or self._stopped:
+            raise Closed("MasterServer.listen() needs a started server")
+        server, bound = await self._serve_on(host, port)
+        self._extra.append(server)
+        return bound
+
+    async def _serve_on(self, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+        """A started grpc.aio server carrying this master's service on ``host:port``."""
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
             options=[
@@ -127,18 +146,15 @@ class MasterServer:
             ]
         )
         pb_grpc.add_MasterServicer_to_server(self.service, server)
-        target = grpc_address(self.config.host, self.config.grpc_port)
+        target = grpc_address(host, port)
         try:
-            port = server.add_insecure_port(target)
+            bound = server.add_insecure_port(target)
         except RuntimeError as exc:
             raise TransportError(f"cannot bind the master's gRPC port {target}: {exc}") from exc
-        if port == 0:
+        if bound == 0:
             raise TransportError(f"cannot bind the master's gRPC port {target}")
         await server.start()
-        self._server = server
-        self.port = port
-        self._sweeper = asyncio.create_task(self._sweep_forever(), name="kvstore-master-sweeper")
-        log.info("master serving on %s (lease %.3g s)", self.address, self.config.node_lease_s)
+        return server, bound
 
     async def stop(self, grace: float | None = 1.0) -> None:
         """Stop the sweeper, end open watches, stop gRPC (in-flight unary calls get
@@ -151,8 +167,8 @@ class MasterServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         self.service.close_watches()
-        if self._server is not None:
-            await self._server.stop(grace)
+        for server in [*self._extra, *([self._server] if self._server else [])]:
+            await server.stop(grace)
         if self._owns_store:
             await self.store.close()
 
