@@ -11,12 +11,14 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
 from kvclient.ucx import nixl_available
+from kvstore.transport import connect
 
-__all__ = ["TRANSPORTS", "Server", "start_server"]
+__all__ = ["TRANSPORTS", "Server", "node_stats", "start_server"]
 
 TRANSPORTS = [
     "tcp",
@@ -94,3 +96,13 @@ def start_server(*args: str, timeout: float = 60.0) -> Server:
     proc.kill()
     out, _ = proc.communicate(timeout=5)
     raise RuntimeError(f"kvstore {' '.join(args)} did not become ready: {''.join(lines)}{out}")
+
+
+async def node_stats(data_uri: str) -> dict[str, Any]:
+    """A node's own counters (slots, pinned slots, leases ...) from its data port."""
+    conn = await connect(data_uri, timeout=5)
+    try:
+        await conn.send({"op": "stats"})
+        return (await conn.recv_header(timeout=5)).header
+    finally:
+        await conn.close()

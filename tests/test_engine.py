@@ -18,7 +18,7 @@ import kvclient
 from kvclient.errors import BadShape, Cancelled, KVTimeout
 from kvctl.main import main as kvctl
 from kvstore.core.kvgen import realistic_kv
-from kvstore.transport import connect
+from tests import cluster
 from tests.cluster import TRANSPORTS, Server, start_server
 
 pytestmark = pytest.mark.slow
@@ -37,17 +37,8 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [(seed * 1_000_003 + i * 7919) % 150_000 for i in range(n)]
 
 
-async def _node_stats(data_uri: str) -> dict:
-    conn = await connect(data_uri, timeout=5)
-    try:
-        await conn.send({"op": "stats"})
-        return (await conn.recv_header(timeout=5)).header
-    finally:
-        await conn.close()
-
-
 def node_stats(data_uri: str) -> dict:
-    return asyncio.run(_node_stats(data_uri))
+    return asyncio.run(cluster.node_stats(data_uri))
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)

@@ -22,7 +22,7 @@ from kvclient.ucx import nixl_available
 from kvstore.core.codec import ChunkKey, chunk_nbytes, decode_chunk
 from kvstore.core.kvgen import realistic_kv
 from kvstore.transport import connect
-from tests.cluster import Server, start_server
+from tests.cluster import Server, node_stats, start_server
 
 pytestmark = [
     pytest.mark.slow,
@@ -121,15 +121,6 @@ async def test_node_killed_mid_put(master: Server) -> None:
     assert after and max(after) < TIMEOUT_S + 2, after
 
 
-async def _node_stats(data_uri: str) -> dict:
-    conn = await connect(data_uri, timeout=5)
-    try:
-        await conn.send({"op": "stats"})
-        return (await conn.recv_header(timeout=5)).header
-    finally:
-        await conn.close()
-
-
 async def test_writer_killed_mid_put_leaks_no_pin(master: Server) -> None:
     node = ucx_node(master)
     try:
@@ -145,7 +136,7 @@ async def test_writer_killed_mid_put_leaks_no_pin(master: Server) -> None:
         writer.kill()
         writer.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while (stats := await _node_stats(node.data))["pinned_slots"]:
+        while (stats := await node_stats(node.data))["pinned_slots"]:
             assert time.monotonic() < deadline, stats
             await asyncio.sleep(0.1)
         assert stats["leases"] == 0
