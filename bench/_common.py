@@ -54,11 +54,13 @@ from rich.progress import (
 
 __all__ = [
     "BarPanel",
+    "BenchError",
     "ProcStat",
     "Serve",
     "SpawnedServer",
     "Table",
     "WindowCpu",
+    "expect",
     "latency_stats",
     "machine_info",
     "machine_markdown",
@@ -79,6 +81,16 @@ __all__ = [
 ]
 
 _REPO = Path(__file__).resolve().parent.parent
+
+
+class BenchError(RuntimeError):
+    """A measurement could not be taken (a miss, a refused chunk, a process that failed)."""
+
+
+def expect(ok: bool, what: str) -> None:
+    """Raise :class:`BenchError` with ``what`` unless ``ok``."""
+    if not ok:
+        raise BenchError(what)
 
 
 @dataclass

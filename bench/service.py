@@ -45,6 +45,7 @@ from _common import (
     Serve,
     SpawnedServer,
     Table,
+    expect,
     machine_markdown,
     meter,
     progress,
@@ -73,15 +74,6 @@ RAW_MAX_COUNT = 4096
 TRANSPORT_SEED_OFFSET = 1_000_003  # the transport-only prompt of seed s uses s + this
 FILL_SEED = 2_000_003  # pool-filling prompts use FILL_SEED + k
 Stats = dict[str, float]
-
-
-class BenchError(RuntimeError):
-    """A measurement could not be taken (a miss, a short read, a process that failed)."""
-
-
-def _expect(ok: bool, what: str) -> None:
-    if not ok:
-        raise BenchError(what)
 
 
 # ----------------------------------------------------------------------- the workload
@@ -221,10 +213,10 @@ async def protocol_put(
     await conn.send({"op": "put", "ns": ns.canonical_bytes().hex(), "chunks": spec})
     ready = raise_if_error((await conn.recv_header(IO_TIMEOUT_S)).header, "ready")
     accept = ready.get("accept")
-    _expect(accept == [1] * len(hashes), f"node skipped chunks of layer {layer}: {accept}")
+    expect(accept == [1] * len(hashes), f"node skipped chunks of layer {layer}: {accept}")
     await conn.send({"op": "data"}, [c.numpy() for c in chunks], timeout=IO_TIMEOUT_S)
     ack = raise_if_error((await conn.recv_header(IO_TIMEOUT_S)).header, "ack")
-    _expect(ack.get("stored") == len(hashes), f"node stored {ack} of layer {layer}")
+    expect(ack.get("stored") == len(hashes), f"node stored {ack} of layer {layer}")
 
 
 async def protocol_get(
@@ -234,7 +226,7 @@ async def protocol_get(
     spec = [[h.hex(), layer * ns.tp_size] for h in hashes]
     await conn.send({"op": "get", "ns_id": ns.id.hex(), "chunks": spec}, timeout=IO_TIMEOUT_S)
     head = raise_if_error((await conn.recv_header(IO_TIMEOUT_S)).header, "data")
-    _expect(head.get("found") == [1] * len(hashes), f"node misses chunks of layer {layer}")
+    expect(head.get("found") == [1] * len(hashes), f"node misses chunks of layer {layer}")
     await conn.recv_payload_into([rows[i].numpy() for i in range(len(hashes))], IO_TIMEOUT_S)
 
 
@@ -319,7 +311,7 @@ async def _write(setup: Setup, seed: int) -> dict[str, Stats]:
     with meter(setup.server_pid) as res["put"]:
         for i, t in enumerate(layers):
             stored = await kv.put_layer(tokens, i, t)
-            _expect(stored == setup.full_tokens, f"put_layer stored {stored} tokens")
+            expect(stored == setup.full_tokens, f"put_layer stored {stored} tokens")
     hashes = block_hashes(ns, prompt(setup.tokens, seed + TRANSPORT_SEED_OFFSET))
     rows = _rows(setup, len(hashes))
     with meter(setup.server_pid) as res["encode"]:
@@ -354,7 +346,7 @@ async def _read(setup: Setup, seed: int) -> dict[str, Stats]:
     with meter(setup.server_pid) as res["get"]:
         for i in range(setup.layers):
             got = await kv.get_layer(tokens, i, out=out)
-            _expect(got.shape[1] == n, f"get_layer returned {got.shape[1]} of {n} tokens")
+            expect(got.shape[1] == n, f"get_layer returned {got.shape[1]} of {n} tokens")
     ref = layer_kv(setup.tokens, setup.layers - 1, seed)[:, :n].float()
     res["quality"] = {"rel_error": float((out[:, :n].float() - ref).norm() / ref.norm())}
     hashes = block_hashes(ns, prompt(setup.tokens, seed + TRANSPORT_SEED_OFFSET))
@@ -387,8 +379,8 @@ async def _match(setup: Setup) -> dict[str, Stats]:
     tokens = prompt(n, 4242)
     for layer in range(ns.num_layers):
         t = realistic_kv(n, MATCH_HEADS, MATCH_HEAD_DIM, torch.bfloat16, seed=layer)
-        _expect(await kv.put_layer(tokens, layer, t) == n, "match prompt was not stored")
-    _expect(await kv.match_prefix(tokens) == n, "match_prefix does not see the whole prompt")
+        expect(await kv.put_layer(tokens, layer, t) == n, "match prompt was not stored")
+    expect(await kv.match_prefix(tokens) == n, "match_prefix does not see the whole prompt")
     hashes = kv.block_hashes(tokens)
     req = pb.MatchPrefixRequest(
         ns_id=ns.id, block_hashes=hashes, chunks_per_block=ns.num_layers, block_tokens=BLOCK
@@ -397,7 +389,7 @@ async def _match(setup: Setup) -> dict[str, Stats]:
     async with grpc.aio.insecure_channel(setup.master) as channel:
         stub = pb_grpc.MasterStub(channel)
         resp = await stub.MatchPrefix(req, timeout=IO_TIMEOUT_S)
-        _expect(resp.blocks == setup.match_blocks, f"MatchPrefix matched {resp.blocks} blocks")
+        expect(resp.blocks == setup.match_blocks, f"MatchPrefix matched {resp.blocks} blocks")
         res["stub"] = await time_calls_async(
             lambda: stub.MatchPrefix(req, timeout=IO_TIMEOUT_S), setup.match_calls
         )
@@ -407,7 +399,7 @@ async def _match(setup: Setup) -> dict[str, Stats]:
     async with grpc.aio.insecure_channel(setup.echo_addr) as channel:
         echo = channel.unary_unary("/bench.Echo/Echo")
         reply = await echo(payload, timeout=IO_TIMEOUT_S)
-        _expect(len(reply) == resp.ByteSize(), "echo answered the wrong size")
+        expect(len(reply) == resp.ByteSize(), "echo answered the wrong size")
         res["echo"] = await time_calls_async(
             lambda: echo(payload, timeout=IO_TIMEOUT_S), setup.match_calls
         )

@@ -45,6 +45,7 @@ from _common import (
     SpawnedServer,
     Table,
     WindowCpu,
+    expect,
     latency_stats,
     machine_markdown,
     proc_stat,
@@ -89,15 +90,6 @@ RATIO_SIZES = ("512 KiB", "4 MiB")
 TARGETS = {"ucx": 0.70, "tcp": 0.80}
 IDLE_TARGET = 0.15
 E2E_SEED = 7_000_001
-
-
-class BenchError(RuntimeError):
-    """A measurement could not be taken (a miss, a refused chunk, a process that failed)."""
-
-
-def _expect(ok: bool, what: str) -> None:
-    if not ok:
-        raise BenchError(what)
 
 
 # ----------------------------------------------------------------------- the workload
@@ -324,16 +316,16 @@ async def _timed(
 # ---- kvstore's exchanges, one in flight per connection
 
 
-async def _answer(conn: Connection, expect: str) -> dict[str, Any]:
-    return raise_if_error((await conn.recv_header(IO_TIMEOUT_S)).header, expect)
+async def _answer(conn: Connection, op: str) -> dict[str, Any]:
+    return raise_if_error((await conn.recv_header(IO_TIMEOUT_S)).header, op)
 
 
-async def _ask(conn: Connection, header: dict[str, Any], expect: str, n: int) -> dict[str, Any]:
-    """Send a request naming ``n`` chunks; the node's answer, which must take all ``n``."""
+async def _ask(conn: Connection, header: dict[str, Any], op: str, n: int) -> dict[str, Any]:
+    """Send a request naming ``n`` chunks; the node's answer ``op``, which must take all."""
     await conn.send(header, timeout=IO_TIMEOUT_S)
-    answer = await _answer(conn, expect)
+    answer = await _answer(conn, op)
     flags = answer.get("accept", answer.get("found"))
-    _expect(flags == [1] * n, f"node did not take every chunk: {flags}")
+    expect(flags == [1] * n, f"node did not take every chunk: {flags}")
     return answer
 
 
@@ -344,7 +336,7 @@ async def put_tcp(conn: Connection, ns: str, keys: list[bytes], rows: Rows) -> P
     await _ask(conn, {"op": "put", "ns": ns, "chunks": spec}, "ready", len(keys))
     t1 = time.perf_counter()
     await conn.send({"op": "data"}, [r.numpy() for r in rows], timeout=IO_TIMEOUT_S)
-    _expect((await _answer(conn, "ack")).get("stored") == len(keys), "node refused chunks")
+    expect((await _answer(conn, "ack")).get("stored") == len(keys), "node refused chunks")
     return {"control": t1 - t0, "move": time.perf_counter() - t1}
 
 
@@ -358,7 +350,7 @@ async def put_ucx(conn: Connection, ns: str, keys: list[bytes], rows: Rows) -> P
     await _STATE["agent"].write(_STATE["peer"], spans, list(rows.unbind(0)), timeout=IO_TIMEOUT_S)
     t2 = time.perf_counter()
     await conn.send({"op": "landed"}, timeout=IO_TIMEOUT_S)
-    _expect((await _answer(conn, "ack")).get("stored") == len(keys), "node refused chunks")
+    expect((await _answer(conn, "ack")).get("stored") == len(keys), "node refused chunks")
     return {"control": t1 - t0, "move": t2 - t1, "after": time.perf_counter() - t2}
 
 
@@ -455,7 +447,7 @@ def _raw_nixl_once(code: Any, local: Any, remote: Any) -> None:
     while status == nixl.NIXL_IN_PROG:
         status = agent.getXferStatus(handle)
     agent.releaseXferReq(handle)
-    _expect(status == nixl.NIXL_SUCCESS, f"raw NIXL transfer failed: {status}")
+    expect(status == nixl.NIXL_SUCCESS, f"raw NIXL transfer failed: {status}")
 
 
 def job_raw_nixl(setup: Setup, point: Point, op: str) -> Measured:
@@ -548,7 +540,7 @@ def job_e2e(setup: Setup, op: str, transport: str, seed: int) -> float:
                 got = await kv.put_layer(tokens, i, layers[i])
             else:
                 got = (await kv.get_layer(tokens, i, out=out)).shape[1]
-            _expect(got == n, f"{op}_layer moved {got} of {n} tokens")
+            expect(got == n, f"{op}_layer moved {got} of {n} tokens")
         return time.perf_counter() - t0
 
     return _run(run())  # type: ignore[no-any-return]
@@ -576,7 +568,7 @@ async def _raw_nixl_target(pipe: Pipe) -> None:
 async def _node_metadata(master: str) -> bytes:
     async with MasterClient(master, timeout_s=IO_TIMEOUT_S) as mc:
         nodes = await mc.nodes()
-    _expect(len(nodes) == 1 and bool(nodes[0].nixl_metadata), "expected one node serving ucx")
+    expect(len(nodes) == 1 and bool(nodes[0].nixl_metadata), "expected one node serving ucx")
     return nodes[0].nixl_metadata
 
 
