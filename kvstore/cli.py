@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from kvstore import __version__
 from kvstore.core.arena import parse_size
 from kvstore.errors import KVStoreError
+from kvstore.master.client import MasterClient
 from kvstore.master.redis_store import RedisIndexStore
 from kvstore.master.server import MasterConfig, MasterServer, grpc_address
 from kvstore.metrics import Metrics, MetricsServer
@@ -161,6 +162,8 @@ async def _run(args: argparse.Namespace) -> int:
                     transport=args.transport,
                 ),
                 metrics,
+                # serve: the node commits straight to its in-process master, not over gRPC.
+                master=MasterClient.in_process(master.service) if args.command == "serve" else None,
             )
             await node.start()
             exits.push_async_callback(node.stop, 5.0)

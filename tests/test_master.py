@@ -7,13 +7,14 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 
 import pytest
 
 from kvstore.errors import (
     CapacityError,
     InvalidArgument,
+    KVStoreError,
     KVTimeout,
     Miss,
     TransportError,
@@ -111,6 +112,72 @@ async def until_snapshot_done(events: AsyncIterator[WatchEvent]) -> list[WatchEv
     while (event := await next_event(events)).kind is not WatchKind.SNAPSHOT_DONE:
         seen.append(event)
     return seen
+
+
+# -- the in-process client ----------------------------------------------------------------------
+
+
+async def _outcomes(client: MasterClient, node: str) -> list[object]:
+    """What a node's usual calls answer, errors included (as their types)."""
+
+    async def outcome(call: Awaitable[object]) -> object:
+        try:
+            return await call
+        except KVStoreError as exc:
+            return type(exc)
+
+    epoch = await register(client, node)
+    return [
+        await outcome(client.commit(commit(node, epoch, 1, (1, (0, 1)), (2, (0,))))),
+        await outcome(client.commit(commit(node, epoch, 1, (1, (2,))))),  # duplicate seq
+        await outcome(client.commit(commit(node, epoch + 9, 2, (3, (0,))))),
+        await outcome(client.commit(commit(node, epoch, 0, (3, (0,))))),
+        await outcome(client.register("", "tcp://127.0.0.1:1")),
+        await outcome(client.drain("nobody")),
+        [[h.node_id == node for h in hs] for hs in await client.lookup(NS, [bh(1), bh(2)], CPB)],
+        (await client.match_prefix(NS, [bh(1), bh(2)], CPB)).blocks,
+    ]
+
+
+async def test_in_process_client_answers_like_grpc(
+    master: tuple[MasterServer, MasterClient],
+) -> None:
+    server, over_grpc = master
+    local = MasterClient.in_process(server.service, timeout_s=5)
+    before = server.service.counters.commits
+    expected = [1, 1, StaleEpoch, InvalidArgument, InvalidArgument, Miss, [[True], [True]], 0]
+    assert await _outcomes(over_grpc, "over-grpc") == expected
+    commits = server.service.counters.commits
+    # The same calls on another node's blocks: the index now has two holders per block.
+    expected[6] = [[True, False], [True, False]]
+    got = await _outcomes(local, "in-process")
+    assert sorted(got[6][0]) == [False, True] and sorted(got[6][1]) == [False, True]
+    assert got[:6] + got[7:] == expected[:6] + expected[7:]
+    assert server.service.counters.commits - commits == commits - before, "counted alike"
+    with pytest.raises(InvalidArgument, match="gRPC channel"):
+        await anext(local.watch(NS, [bh(1)], CPB))
+    await local.close()
+    await local.close()
+
+
+async def test_in_process_client_deadline() -> None:
+    store = MemoryIndexStore()
+    server = MasterServer(MasterConfig(grpc_port=0), store)
+    await server.start()
+    try:
+        local = MasterClient.in_process(server.service, timeout_s=5)
+        gate = asyncio.Event()
+        real_register = store.register_node
+
+        async def stalled(rec: object) -> object:
+            await gate.wait()
+            return await real_register(rec)  # type: ignore[arg-type]
+
+        store.register_node = stalled  # type: ignore[method-assign]
+        with pytest.raises(KVTimeout):
+            await local.register("slow", "tcp://127.0.0.1:1", timeout=0.05)
+    finally:
+        await server.stop(grace=0.5)
 
 
 # -- membership and commits ---------------------------------------------------------------------

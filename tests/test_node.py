@@ -1,0 +1,188 @@
+"""The storage node in this process, against a real master: group commit, and verification
+of landed chunks split over the verifier threads, over ``tcp://`` and ``ucx://``."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+
+from kvstore.core.codec import ChunkKey, encode_blocks
+from kvstore.core.hashing import Namespace
+from kvstore.errors import TransportError
+from kvstore.master import BlockAdd, MasterClient, MasterConfig, MasterServer, ObjectAdd
+from kvstore.node.protocol import raise_if_error
+from kvstore.node.server import NodeConfig, StorageNode
+from kvstore.transport import Connection, connect
+from tests.cluster import TRANSPORTS
+
+H, D, TOKENS = 8, 64, 64
+"""Chunks of 128 KiB payload: a batch of 8 is past the node's inline-verification size."""
+NS = Namespace(model="node-test", revision="1", num_layers=2, num_kv_heads=H, head_dim=D,
+               dtype=torch.bfloat16, block_tokens=TOKENS, quant="none")  # fmt: skip
+TIMEOUT = 10.0
+
+
+@dataclass
+class Rig:
+    master: MasterServer
+    node: StorageNode
+
+    async def holders(self, blocks: list[bytes]) -> list[int]:
+        """How many chunks of each block the master's index has."""
+        found = await MasterClient.in_process(self.master.service).lookup(NS.id, blocks, 2)
+        return [sum(bin(h.mask).count("1") for h in hs) for hs in found]
+
+
+@pytest.fixture(params=TRANSPORTS)
+async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
+    master = MasterServer(MasterConfig(grpc_port=0))
+    await master.start()
+    config = NodeConfig(master=master.address, data_port=0, host_mem=32 * 2**20,
+                        transport=request.param)  # fmt: skip
+    node = StorageNode(config, master=MasterClient.in_process(master.service))
+    await node.start()
+    try:
+        yield Rig(master, node)
+    finally:
+        await node.stop(grace=1.0)
+        await master.stop(grace=0.5)
+    assert node.pinned_slots == 0
+
+
+def blocks(n: int) -> list[bytes]:
+    tag = uuid.uuid4().hex
+    return [xxhash.xxh3_128_digest(f"{tag}/{i}".encode()) for i in range(n)]
+
+
+def chunks(keys: list[bytes], layer: int = 0) -> torch.Tensor:
+    """``[len(keys), chunk_bytes]`` encoded chunks of ``layer`` for these blocks."""
+    kv = torch.randn(2, len(keys) * TOKENS, H, D).bfloat16()
+    out = encode_blocks(kv, TOKENS, [ChunkKey(k, layer, 0) for k in keys], "none")
+    return torch.stack(out)
+
+
+async def put(conn: Connection, node: StorageNode, keys: list[bytes], rows: torch.Tensor) -> dict:
+    """One put exchange of layer-0 chunks on ``node``'s transport; the node's ack."""
+    spec = [[k.hex(), "", 0, rows.shape[1]] for k in keys]
+    op = "reserve" if node.config.transport == "ucx" else "put"
+    await conn.send({"op": op, "ns": NS.canonical_bytes().hex(), "chunks": spec}, timeout=TIMEOUT)
+    answer = raise_if_error(
+        (await conn.recv_header(TIMEOUT)).header, "reserved" if op == "reserve" else "ready"
+    )
+    assert answer["accept"] == [1] * len(keys)
+    if op == "put":
+        await conn.send({"op": "data"}, [r.numpy() for r in rows], timeout=TIMEOUT)
+    else:
+        await write_by_ucx(node, answer["spans"], rows)
+        await conn.send({"op": "landed"}, timeout=TIMEOUT)
+    return raise_if_error((await conn.recv_header(TIMEOUT)).header, "ack")
+
+
+async def write_by_ucx(node: StorageNode, spans: list[Any], rows: torch.Tensor) -> None:
+    from kvstore.transport.nixl import NixlAgent, Span
+
+    async with NixlAgent(f"test-writer-{uuid.uuid4().hex[:8]}") as agent:
+        await agent.register(rows)
+        peer = await agent.add_peer(node._nixl_metadata)
+        remote = [Span.from_wire(s) for s in spans]
+        await agent.write(peer, remote, list(rows.unbind(0)), timeout=TIMEOUT)
+
+
+async def get(conn: Connection, keys: list[bytes]) -> tuple[list[int], list[torch.Tensor]]:
+    spec = [[k.hex(), 0] for k in keys]
+    await conn.send({"op": "get", "ns_id": NS.id.hex(), "chunks": spec}, timeout=TIMEOUT)
+    frame = await conn.recv_header(TIMEOUT)
+    found = raise_if_error(frame.header, "data")["found"]
+    bufs = [torch.empty(n, dtype=torch.uint8) for n in frame.sizes]
+    await conn.recv_payload_into([b.numpy() for b in bufs], TIMEOUT)
+    return found, bufs
+
+
+async def test_bad_chunks_in_a_split_batch_are_refused_one_by_one(rig: Rig) -> None:
+    keys = blocks(8)
+    rows = chunks(keys)
+    good = rows.clone()
+    rows[3, -1] ^= 0xFF  # the checksum no longer matches
+    rows[5] = chunks([keys[4]])[0]  # another block's chunk: wrong key in its header
+    conn = await connect(rig.node.data_uri, timeout=TIMEOUT)
+    try:
+        ack = await put(conn, rig.node, keys, rows)
+        assert (ack["stored"], ack["skipped"], ack["failed"]) == (6, 0, [3, 5])
+        assert await rig.holders(keys) == [1, 1, 1, 0, 1, 0, 1, 1]
+        found, bufs = await get(conn, keys)
+        assert found == [1, 1, 1, 0, 1, 0, 1, 1]
+        kept = [i for i in range(8) if found[i]]
+        assert all(torch.equal(b, good[i]) for b, i in zip(bufs, kept, strict=True))
+        # A one-chunk batch is verified inline, with the same verdict.
+        bad = good[[3]].clone()
+        bad[0, 100] ^= 1
+        ack = await put(conn, rig.node, [keys[3]], bad)
+        assert (ack["stored"], ack["failed"]) == (0, [0])
+        # The refused chunks can be put again, correctly this time.
+        ack = await put(conn, rig.node, [keys[3], keys[5]], good[[3, 5]])
+        assert (ack["stored"], ack["failed"]) == (2, [])
+        assert await rig.holders(keys) == [1] * 8
+    finally:
+        await conn.close()
+
+
+async def test_concurrent_puts_share_commits(rig: Rig) -> None:
+    """Exchanges on four connections at once: every chunk is committed, in fewer Commit
+    RPCs than exchanges once they overlap, never more."""
+    conns = [await connect(rig.node.data_uri, timeout=TIMEOUT) for _ in range(4)]
+    try:
+        batches = [blocks(1 + k % 2) for k in range(12)]
+        before = rig.master.service.counters.commits
+
+        async def writer(k: int) -> None:
+            for keys in batches[k::4]:
+                ack = await put(conns[k], rig.node, keys, chunks(keys))
+                assert (ack["stored"], ack["failed"]) == (len(keys), [])
+
+        await asyncio.gather(*(writer(k) for k in range(4)))
+        assert rig.master.service.counters.commits - before <= 12
+        assert await rig.holders([b for keys in batches for b in keys]) == [1] * 18
+    finally:
+        for conn in conns:
+            await conn.close()
+
+
+async def test_group_commit_one_rpc_for_callers_queued_together(rig: Rig) -> None:
+    node, keys = rig.node, blocks(8)
+    before = rig.master.service.counters.commits
+    await asyncio.gather(*(node._commit([BlockAdd(NS.id, k, (0,))]) for k in keys))
+    assert rig.master.service.counters.commits - before == 1
+    assert await rig.holders(keys) == [1] * 8
+
+
+async def test_group_commit_keeps_object_changes_in_order(rig: Rig) -> None:
+    node, lookup = rig.node, MasterClient.in_process(rig.master.service)
+    before = rig.master.service.counters.commits
+    await asyncio.gather(
+        node._commit([], object_adds=[ObjectAdd("k", 3)]),
+        node._commit([], object_removes=["k"]),
+        node._commit([], object_adds=[ObjectAdd("k", 5)]),
+        node._commit([], object_adds=[ObjectAdd("other", 1)]),
+    )
+    assert rig.master.service.counters.commits - before == 3, "one RPC per change of 'k'"
+    assert [h.nbytes for h in await lookup.lookup_object("k")] == [5]
+    await asyncio.gather(node._commit([], object_removes=["k"]), node._commit([]))
+    assert await lookup.lookup_object("k") == []
+    assert len(await lookup.lookup_object("other")) == 1
+
+
+async def test_group_commit_failure_reaches_every_caller(rig: Rig) -> None:
+    node = rig.node
+    # Someone else registers under this node's id: its epoch is dead for the master.
+    await MasterClient.in_process(rig.master.service).register(node.node_id, "tcp://x:1")
+    results = await asyncio.gather(
+        *(node._commit([BlockAdd(NS.id, k, (0,))]) for k in blocks(3)), return_exceptions=True
+    )
+    assert all(isinstance(r, TransportError) for r in results), results
