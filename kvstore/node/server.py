@@ -74,6 +74,8 @@ _MAX_HOLDS = 65536
 _MAX_VERIFY_THREADS = 4
 _INLINE_VERIFY_BYTES = 256 * 2**10
 """Batches up to this size are verified on the loop: cheaper than a thread hop (~0.1 ms)."""
+_CHECK_GROUP_BYTES = 1 << 20
+"""Chunks received over ``tcp://`` are handed to a verifier thread in groups of this size."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,68 @@ class _Queued:
 
     def object_keys(self) -> set[str]:
         return {a.key for a in self.object_adds} | set(self.object_removes)
+
+
+class _Checks:
+    """The checks of one put's landed chunks (header, key, checksum; reading every byte).
+
+    A batch of at most :data:`_INLINE_VERIFY_BYTES` is checked on the loop at
+    :meth:`verdict`, which costs less than a thread hop. Larger ones run on the node's
+    verifier threads (xxh3 releases the GIL, so they check in parallel), off the loop so
+    other connections keep being served: over ``tcp://`` in groups of about
+    :data:`_CHECK_GROUP_BYTES` started by :meth:`landed` as the chunks arrive, overlapping
+    the receive; over ``ucx://`` split over the threads once the writer says ``landed``.
+    """
+
+    def __init__(
+        self,
+        node: StorageNode,
+        peer: str,
+        ns: Namespace,
+        items: list[tuple[int, bytes, int, torch.Tensor]],
+    ) -> None:
+        """``items``: (request position, block hash, chunk index, slot view) per chunk."""
+        self._node, self._peer, self._ns, self._items = node, peer, ns, items
+        self._inline = sum(item[3].numel() for item in items) <= _INLINE_VERIFY_BYTES
+        self._group: list[tuple[int, bytes, int, torch.Tensor]] = []
+        self._group_bytes = 0
+        self._running: list[asyncio.Future[list[int]]] = []
+
+    def landed(self, k: int) -> None:
+        """Chunk ``k`` is complete: start checking it (grouped) unless checks run inline."""
+        if self._inline:
+            return
+        item = self._items[k]
+        self._group.append(item)
+        self._group_bytes += item[3].numel()
+        if self._group_bytes >= _CHECK_GROUP_BYTES or k == len(self._items) - 1:
+            self._start(self._group)
+            self._group, self._group_bytes = [], 0
+
+    def _start(self, part: list[tuple[int, bytes, int, torch.Tensor]]) -> None:
+        loop = asyncio.get_running_loop()
+        node = self._node
+        self._running.append(
+            loop.run_in_executor(node._verifier, node._check_chunks, self._peer, self._ns, part)
+        )
+
+    async def verdict(self) -> list[int]:
+        """Check whatever is not yet checked, wait for every check; positions that failed."""
+        if self._inline:
+            return self._node._check_chunks(self._peer, self._ns, self._items)
+        if not self._running:
+            n = self._node._verify_threads
+            for k in range(n):
+                if part := self._items[k::n]:
+                    self._start(part)
+        elif self._group:
+            self._start(self._group)
+            self._group = []
+        return sorted(i for bad in await asyncio.gather(*self._running) for i in bad)
+
+    async def abandon(self) -> None:
+        """The put failed: wait for checks already running (they read this put's slots)."""
+        await asyncio.gather(*self._running, return_exceptions=True)
 
 
 class StorageNode:
@@ -489,15 +553,18 @@ class StorageNode:
                 accept.append(1 if take else 0)
             picked = [i for i, a in enumerate(accept) if a]
             views = [self.table.chunk_view(slots[i], wanted[i][2]) for i in picked]
+            items = [(i, wanted[i][0][1], wanted[i][2], views[k]) for k, i in enumerate(picked)]
+            checks = _Checks(self, conn.peer, ns, items)
             t0 = time.perf_counter()
             if header["op"] == "reserve":
                 await self._land_by_ucx(conn, accept, views, [slots[i] for i in picked])
                 transport = "ucx"
             else:
                 await conn.send({"op": "ready", "accept": accept}, timeout=self.config.io_timeout_s)
-                await self._receive_chunks(conn, views, chunk_bytes)
+                await self._receive_chunks(conn, views, chunk_bytes, checks)
                 transport = "tcp"
-            stored, failed = await self._verify_and_commit(conn, ns, wanted, slots, picked, views)
+            failed = await checks.verdict()
+            stored = await self._commit_landed(ns, wanted, slots, picked, failed)
             self._count("put", transport, len(views) * chunk_bytes, t0)
             ack = {"op": "ack", "stored": stored, "skipped": len(accept) - len(picked)}
             await conn.send({**ack, "failed": failed}, timeout=self.config.io_timeout_s)
@@ -526,16 +593,21 @@ class StorageNode:
         return [by_key[key] for key, _, _ in wanted]
 
     async def _receive_chunks(
-        self, conn: Connection, views: list[torch.Tensor], chunk_bytes: int
+        self, conn: Connection, views: list[torch.Tensor], chunk_bytes: int, checks: _Checks
     ) -> None:
-        """``tcp://``: the data frame's buffers land straight in the slots' chunk views."""
+        """``tcp://``: the data frame's buffers land straight in the slots' chunk views,
+        each checked as soon as it is complete while the next ones arrive."""
         timeout = self.config.io_timeout_s
         frame = await conn.recv_header(timeout=timeout)
         if frame.header.get("op") != "data":
             raise ProtocolError(f"expected the data frame, got {frame.header.get('op')!r}")
         if frame.sizes != [chunk_bytes] * len(views):
             raise ProtocolError("data frame does not match the accepted chunks")
-        await conn.recv_payload_into([v.numpy() for v in views], timeout)
+        try:
+            await conn.recv_payload_into([v.numpy() for v in views], timeout, checks.landed)
+        except BaseException:
+            await checks.abandon()
+            raise
 
     async def _land_by_ucx(
         self, conn: Connection, accept: list[int], views: list[torch.Tensor], slots: list[Slot]
@@ -575,44 +647,30 @@ class StorageNode:
         if slot.alive and slot.quarantined:
             self.table.unquarantine(slot)
 
-    async def _verify_and_commit(
+    def _check_chunks(
+        self, peer: str, ns: Namespace, part: list[tuple[int, bytes, int, torch.Tensor]]
+    ) -> list[int]:
+        """Verify header, key and checksum of landed chunks ``(position, block, index,
+        view)``; the positions that failed. Runs on the loop or a verifier thread."""
+        bad = []
+        for i, block, index, view in part:
+            layer, shard = divmod(index, ns.tp_size)
+            try:
+                verify_chunk(view, expect_key=ChunkKey(block, layer, shard))
+            except ChunkError as exc:
+                logger.warning("rejected chunk from %s: %s", peer, exc)
+                bad.append(i)
+        return bad
+
+    async def _commit_landed(
         self,
-        conn: Connection,
         ns: Namespace,
         wanted: list[tuple[SlotKey, bytes | None, int]],
         slots: list[Slot],
         picked: list[int],
-        views: list[torch.Tensor],
-    ) -> tuple[int, list[int]]:
-        """Check every landed chunk's header, key and checksum, mark the good ones and
-        commit them to the master; (chunks stored, request positions that failed)."""
-
-        def check(part: list[tuple[int, torch.Tensor]]) -> list[int]:
-            bad = []
-            for i, view in part:
-                key, _, index = wanted[i]
-                layer, shard = divmod(index, ns.tp_size)
-                try:
-                    verify_chunk(view, expect_key=ChunkKey(key[1], layer, shard))
-                except ChunkError as exc:
-                    logger.warning("rejected chunk from %s: %s", conn.peer, exc)
-                    bad.append(i)
-            return bad
-
-        # Checksumming reads every byte once. A small batch is checked on the loop (cheaper
-        # than a thread hop); a larger one off the loop, so other connections keep being
-        # served (its slots are pinned by this exchange), split over the verifier threads
-        # (xxh3 releases the GIL: two threads check twice the bytes per second).
-        items = list(zip(picked, views, strict=True))
-        if sum(v.numel() for v in views) <= _INLINE_VERIFY_BYTES:
-            failed = check(items)
-        else:
-            loop = asyncio.get_running_loop()
-            parts = [items[k :: self._verify_threads] for k in range(self._verify_threads)]
-            checked = await asyncio.gather(
-                *(loop.run_in_executor(self._verifier, check, p) for p in parts if p)
-            )
-            failed = sorted(i for bad in checked for i in bad)
+        failed: list[int],
+    ) -> int:
+        """Mark the verified chunks landed and commit them to the master; chunks stored."""
         landed: dict[SlotKey, list[int]] = {}
         rejected = set(failed)
         for i in picked:
@@ -620,7 +678,7 @@ class StorageNode:
             if i not in rejected and self.table.mark_landed(slots[i], index):
                 landed.setdefault(key, []).append(index)
         await self._commit([BlockAdd(k[0], k[1], tuple(v)) for k, v in landed.items()])
-        return len(picked) - len(failed), failed
+        return len(picked) - len(failed)
 
     def _find(
         self, header: dict[str, Any], leases: list[Lease[Slot]], ttl_s: float | None = None
