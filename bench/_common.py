@@ -4,6 +4,7 @@
   :func:`progress` (rich, on stderr), :func:`save_bar_plot` (optional PNG).
 - Measure: :func:`meter` (wall time, CPU and page faults of this and another process),
   :func:`time_calls` / :func:`time_calls_async` / :func:`latency_stats` (p50, p99, mean),
+  :func:`in_flight` (calls kept in flight, each timed),
   :func:`proc_stat`, :func:`thread_cpu`, :func:`window_cpu` (idle CPU by thread),
   :func:`percentile`.
 - Processes: :class:`Serve` (a ``kvstore serve`` on port 0), :class:`SpawnedServer`
@@ -40,7 +41,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from rich.console import Console
 from rich.progress import (
@@ -61,6 +62,7 @@ __all__ = [
     "Table",
     "WindowCpu",
     "expect",
+    "in_flight",
     "latency_stats",
     "machine_info",
     "machine_markdown",
@@ -400,6 +402,31 @@ async def time_calls_async(
     return latency_stats(lat)
 
 
+T = TypeVar("T")
+
+
+async def in_flight(
+    call: Callable[[int, int], Awaitable[T]], indices: Sequence[int], depth: int
+) -> list[tuple[float, T]]:
+    """Await ``call(i, lane)`` for every ``i`` of ``indices`` with up to ``depth`` calls in
+    flight: ``depth`` lanes (coroutines), each taking the next index as its last call ends;
+    ``lane`` (0 .. depth - 1) names the lane, e.g. to give each a connection of its own.
+    Returns ``(seconds, result)`` of every call, in completion order. The first exception
+    cancels the other lanes and propagates, wrapped in an ``ExceptionGroup``."""
+    todo, out = iter(indices), []
+
+    async def lane(k: int) -> None:
+        for i in todo:  # shared: whichever lane is free takes the next index
+            t0 = time.perf_counter()
+            result = await call(i, k)
+            out.append((time.perf_counter() - t0, result))
+
+    async with asyncio.TaskGroup() as group:
+        for k in range(depth):
+            group.create_task(lane(k))
+    return out
+
+
 @dataclass
 class SpawnedServer:
     """A helper server in a process of its own (``spawn`` start method) and the address it
@@ -479,8 +506,11 @@ class BarPanel:
     series: dict[str, list[float]]
 
 
-def save_bar_plot(path: str | Path, panels: Sequence[BarPanel], suptitle: str = "") -> None:
-    """Write ``panels`` side by side as a PNG at ``path`` (matplotlib, Agg backend).
+def save_bar_plot(
+    path: str | Path, panels: Sequence[BarPanel], suptitle: str = "", columns: int | None = None
+) -> None:
+    """Write ``panels`` side by side (or in rows of ``columns``) as a PNG at ``path``
+    (matplotlib, Agg backend).
 
     Imports matplotlib on first use; raises ``ImportError`` when it is not installed and
     ``OSError`` when ``path`` cannot be written. Blocks for about a second.
@@ -490,8 +520,12 @@ def save_bar_plot(path: str | Path, panels: Sequence[BarPanel], suptitle: str = 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
-    for ax, panel in zip(axes[0], panels, strict=True):
+    cols = min(columns or len(panels), len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.8 * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, panel in zip(axes.flat, panels, strict=False):
         n = len(panel.series)
         width = 0.8 / max(n, 1)
         for k, (name, values) in enumerate(panel.series.items()):

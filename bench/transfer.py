@@ -1,6 +1,6 @@
 """The data plane alone: kvstore ``tcp://`` and ``ucx://`` beside raw NIXL, raw sockets, memcpy.
 
-    python bench/transfer.py [--quick] [--plot out.png]
+    python bench/transfer.py [--quick] [--depth 1,4] [--plot out.png]
 
 Starts a ``kvstore serve --transport ucx`` (loopback; its node serves ``tcp://`` and
 ``ucx://``), a raw NIXL target, a raw asyncio socket server and two client processes, a
@@ -8,11 +8,13 @@ Starts a ``kvstore serve --transport ucx`` (loopback; its node serves ``tcp://``
 1. kvstore's own exchanges on **pre-encoded chunks** (``quant="none"``), so no codec time
    hides the transport: ``put → ready → data → ack`` (``tcp://``), ``reserve → spans → NIXL
    WRITE → landed → ack`` (``ucx://``), ``get → data``, ``lease → spans → NIXL READ →
-   release``, per chunk size x chunks per exchange: GB/s, p50/p99, phases, fixed costs;
-2. the same bytes over raw NIXL (the binding, spinning; target registered like a node), raw
-   asyncio sockets (``sock_sendall`` / ``sock_recv_into``) and a one-thread ``copy_``;
-3. the node's CPU per GB; 4. kvstore ÷ baseline, and one prompt end to end through
-   ``KVClient.put_layer`` / ``get_layer`` (codec included); 5. the node's idle CPU.
+   release``, per chunk size x chunks per exchange x **depth** (exchanges in flight, one
+   connection each, as an engine keeps several layers in flight): GB/s, p50/p99, phases;
+2. the same bytes over raw NIXL (the binding, spinning; target registered like a node; at
+   depth D, D requests posted and polled from one thread), raw asyncio sockets
+   (``sock_sendall`` / ``sock_recv_into``, D sockets) and a one-thread ``copy_`` (depth 1);
+3. the node's CPU per GB; 4. kvstore ÷ baseline at the same depth, and one prompt end to end
+   through ``KVClient.put_layer`` / ``get_layer`` (codec included); 5. the node's idle CPU.
 Puts use fresh keys; the pool is filled first (puts evict and land in touched memory, as in
 a full cache); client memory rotates over 512 MiB and caches are flushed after encoding.
 """
@@ -21,16 +23,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import functools
-import math
+import itertools
 import os
-import resource
-import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection as Pipe
@@ -40,24 +41,31 @@ import nixl_raw
 import torch
 import xxhash
 from _common import (
-    BarPanel,
     Serve,
     SpawnedServer,
-    Table,
     WindowCpu,
     expect,
-    latency_stats,
+    in_flight,
     machine_markdown,
-    proc_stat,
+    meter,
     progress,
     raw_socket_connect,
     raw_socket_get,
     raw_socket_put,
-    save_bar_plot,
     serve_raw_sockets,
     spawn_worker,
     time_calls_async,
     window_cpu,
+)
+from _transfer_report import (
+    baseline_table,
+    cpu_table,
+    e2e_table,
+    idle_table,
+    kv_table,
+    plot,
+    probe_table,
+    ratio_table,
 )
 from service import BLOCK, HEAD_DIM, HEADS, big_namespace, layer_kv, prompt
 
@@ -86,9 +94,8 @@ PROBES = 500
 """Small round trips per fixed-cost probe."""
 IO_TIMEOUT_S = 60.0
 JOB_TIMEOUT_S = 600.0
-RATIO_SIZES = ("512 KiB", "4 MiB")
-TARGETS = {"ucx": 0.70, "tcp": 0.80}
-IDLE_TARGET = 0.15
+DEPTHS = "1,4"
+"""Exchanges in flight measured by default (``--depth``)."""
 E2E_SEED = 7_000_001
 
 
@@ -145,26 +152,44 @@ class Setup:
     max_n: int
     e2e_tokens: int
     e2e_layers: int
+    depths: tuple[int, ...]
 
-    def exchanges(self, point: Point) -> int:
-        """Exchanges of a point, warm-ups included (timed: about ``budget`` bytes)."""
-        return WARMUP + max(self.min_n, min(self.max_n, self.budget // point.exchange_bytes))
+    def exchanges(self, point: Point, depth: int) -> int:
+        """Exchanges of a point at ``depth``, warm-ups included (timed: about ``budget``
+        bytes whatever the depth, at least two per lane)."""
+        n = min(self.max_n, self.budget // point.exchange_bytes)
+        timed = max(self.min_n, 2 * depth, n)
+        return _warmups(depth) + timed
+
+
+def _warmups(depth: int) -> int:
+    """Untimed exchanges first: :data:`WARMUP`, and at least one per connection in use."""
+    return max(WARMUP, depth)
+
+
+def fits(point: Point, depth: int) -> bool:
+    """Whether ``depth`` exchanges of ``point`` in flight fit the region on distinct rows."""
+    return depth * point.exchange_bytes <= REGION
 
 
 @dataclass
 class Measured:
-    """Latencies of one point's timed exchanges, their phases and the CPU they cost."""
+    """Latencies of one point's timed exchanges at one depth, their phases, the wall time
+    they took together and the CPU they cost."""
 
     nbytes: int
+    depth: int
     seconds: list[float] = field(default_factory=list)
     phases: dict[str, list[float]] = field(default_factory=dict)
+    wall: float = 0.0
     node_cpu: float = 0.0
     client_cpu: float = 0.0
 
     @property
     def gbps(self) -> float:
-        """Throughput with one exchange in flight: bytes / mean latency."""
-        return self.nbytes / statistics.fmean(self.seconds) / 1e9
+        """Throughput: bytes of the timed exchanges / the wall time they took (at depth 1
+        about bytes per exchange / mean latency)."""
+        return self.nbytes * len(self.seconds) / self.wall / 1e9
 
     @property
     def moved_gb(self) -> float:
@@ -201,8 +226,9 @@ def _run(coro: Awaitable[Any]) -> Any:
 
 
 def job_init(setup: Setup, role: str) -> None:
-    """Connect to the node and the raw socket server, start a NIXL agent with a registered
-    :data:`REGION` and, for the writer, a raw NIXL binding agent on the same memory."""
+    """Open one connection to the node and one to the raw socket server per exchange in
+    flight (the largest depth), start a NIXL agent with a registered :data:`REGION` and,
+    for the writer, a raw NIXL binding agent on the same memory."""
     os.environ.update(nixl_raw.LOOPBACK)
     _run(_init(setup, role))
     if role == "writer":
@@ -220,10 +246,12 @@ async def _init(setup: Setup, role: str) -> None:
     region = torch.zeros(REGION, dtype=torch.uint8)  # touched: no page faults while timed
     agent = await NixlAgent(f"bench-{role}-{uuid.uuid4().hex[:8]}").start()
     await agent.register(region)
-    raw = raw_socket_connect(setup.raw_addr, IO_TIMEOUT_S)
+    lanes = range(max(setup.depths))
+    raws = [raw_socket_connect(setup.raw_addr, IO_TIMEOUT_S) for _ in lanes]
+    conns = [await connect(setup.data_uri, timeout=IO_TIMEOUT_S) for _ in lanes]
     _STATE.update(region=region, scratch=torch.zeros(MAX_EXCHANGE, dtype=torch.uint8),
-                  agent=agent, peer=await agent.add_peer(setup.node_metadata), raw=raw,
-                  conn=await connect(setup.data_uri, timeout=IO_TIMEOUT_S))  # fmt: skip
+                  agent=agent, peer=await agent.add_peer(setup.node_metadata), raws=raws,
+                  conns=conns)  # fmt: skip
 
 
 def job_close() -> None:
@@ -232,15 +260,16 @@ def job_close() -> None:
     async def close() -> None:
         for kv in _STATE.pop("clients", {}).values():
             await kv.close()
-        for name in ("conn", "agent"):
-            if name in _STATE:
-                await _STATE.pop(name).close()
+        for conn in _STATE.pop("conns", []):
+            await conn.close()
+        if "agent" in _STATE:
+            await _STATE.pop("agent").close()
 
     if "loop" in _STATE:
         _run(close())
         _STATE.pop("loop").close()
-    if "raw" in _STATE:
-        _STATE.pop("raw").close()
+    for sock in _STATE.pop("raws", []):
+        sock.close()
     _STATE.pop("raw_agent", None)
 
 
@@ -271,49 +300,53 @@ def _encode(point: Point, tag: str, i: int) -> list[bytes]:
     return keys
 
 
-class _Cpu:
-    """Accumulates the node's and this process's CPU seconds over timed spans."""
-
-    def __init__(self, server_pid: int) -> None:
-        self.pid, self.node, self.client = server_pid, 0.0, 0.0
-
-    @contextlib.contextmanager
-    def span(self) -> Iterator[None]:
-        n0, c0 = proc_stat(self.pid).cpu_s, resource.getrusage(resource.RUSAGE_SELF)
-        yield
-        n1, c1 = proc_stat(self.pid).cpu_s, resource.getrusage(resource.RUSAGE_SELF)
-        self.node += n1 - n0
-        self.client += (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
-
-
 Rows = torch.Tensor
 Phases = dict[str, float]
-Exchange = Callable[[int], Awaitable[Phases | None]]
+Sample = tuple[float, Phases | None]
+Exchange = Callable[[int, int], Awaitable[Phases | None]]
+"""One exchange, ``(exchange index, lane)`` → its phases; lane k owns connection k."""
+Segment = Callable[[range], Awaitable[list[Sample]]]
+"""Runs a stretch of exchanges, the depth in flight; (seconds, phases) of each."""
 
 
-async def _timed(
-    setup: Setup, point: Point, exchange: Exchange, prepare: Callable[[int], None] | None = None
-) -> Measured:
-    """Run a point's exchanges one after another, timing all but the warm-ups (and the
-    node's CPU around each); ``prepare(i)`` runs untimed before exchange ``i``, and the
-    caches are flushed (untimed) whenever the rows start another round over the region."""
-    res, cpu = Measured(point.exchange_bytes), _Cpu(setup.server_pid)
-    for i in range(setup.exchanges(point)):
+def in_lanes(exchange: Exchange, depth: int) -> Segment:
+    """:func:`in_flight` of ``exchange``: ``depth`` lanes, lane k on connection k."""
+    return functools.partial(in_flight, exchange, depth=depth)
+
+
+async def _walled(stretch: Awaitable[list[Sample]]) -> tuple[float, list[Sample]]:
+    t0 = time.perf_counter()
+    samples = await stretch
+    return time.perf_counter() - t0, samples
+
+
+def _measure(setup: Setup, point: Point, depth: int, segment: Segment,
+             prepare: Callable[[int], None] | None = None) -> Measured:  # fmt: skip
+    """Run a point's exchanges with ``depth`` in flight, in stretches: the warm-ups, then
+    the rest of each round over the region (so exchanges in flight never share rows).
+    Between stretches nothing is in flight: ``prepare(i)`` runs for each exchange of the
+    next one and, when it starts a round over the region, the caches are flushed (untimed).
+    Timed: each exchange, and each stretch's wall time and node / client CPU."""
+    total, slots, warm = setup.exchanges(point, depth), _slots(point), _warmups(depth)
+    res = Measured(point.exchange_bytes, depth)
+    for a, b in itertools.pairwise(sorted({0, warm, total, *range(slots, total, slots)})):
         if prepare is not None:
-            prepare(i)
-        if i % _slots(point) == 0:  # a new round over the region: evict it from the caches
+            for i in range(a, b):
+                prepare(i)
+        if a % slots == 0:  # a new round over the region: evict it from the caches
             _flush_caches()
-        with cpu.span() if i >= WARMUP else contextlib.nullcontext():
-            t0 = time.perf_counter()
-            phases = await exchange(i)
-            elapsed = time.perf_counter() - t0
-        if i >= WARMUP:
-            res.add(elapsed, phases)
-    res.node_cpu, res.client_cpu = cpu.node, cpu.client
+        with meter(setup.server_pid) as cpu:
+            wall, samples = _run(_walled(segment(range(a, b))))
+        if a >= warm:
+            res.wall += wall
+            res.node_cpu += cpu["server_cpu"]
+            res.client_cpu += cpu["client_cpu"]
+            for seconds, phases in samples:
+                res.add(seconds, phases)
     return res
 
 
-# ---- kvstore's exchanges, one in flight per connection
+# ---- kvstore's exchanges, one in flight per connection (a lane)
 
 
 async def _answer(conn: Connection, op: str) -> dict[str, Any]:
@@ -390,53 +423,63 @@ def job_fill(setup: Setup) -> float:
     point, start = Point("4 MiB", SIZES["4 MiB"], 16), time.perf_counter()
     ns = point.namespace().canonical_bytes().hex()
     for i in range(-(-setup.pool_bytes * 11 // 10 // point.exchange_bytes)):
-        _run(put_tcp(_STATE["conn"], ns, _encode(point, "fill", i), _rows(point, i)))
+        _run(put_tcp(_STATE["conns"][0], ns, _encode(point, "fill", i), _rows(point, i)))
     return time.perf_counter() - start
 
 
-def job_put(setup: Setup, point: Point, transport: str) -> Measured:
-    """Writer: put exchanges of fresh pre-encoded chunks, encoded (untimed) one round over
-    the region at a time."""
-    ns, tag = point.namespace().canonical_bytes().hex(), f"{transport}/{point.name}"
-    total, keys = setup.exchanges(point), {}
+def _put_tag(transport: str, point: Point, depth: int) -> str:
+    """What a put job's keys are made of (the get jobs rebuild them from it)."""
+    return f"{transport}/{point.name}/depth {depth}"
+
+
+def job_put(setup: Setup, point: Point, transport: str, depth: int) -> Measured:
+    """Writer: put exchanges of fresh pre-encoded chunks, ``depth`` in flight, encoded
+    (untimed) one round over the region at a time."""
+    ns, tag = point.namespace().canonical_bytes().hex(), _put_tag(transport, point, depth)
+    total, keys = setup.exchanges(point, depth), {}
 
     def prepare(i: int) -> None:
         if i % _slots(point) == 0:
             keys.update({j: _encode(point, tag, j) for j in range(i, i + _slots(point))
                          if j < total})  # fmt: skip
 
-    async def put(i: int) -> dict[str, float]:
-        return await KV[(transport, "put")](_STATE["conn"], ns, keys.pop(i), _rows(point, i))
+    async def put(i: int, lane: int) -> Phases:
+        conn = _STATE["conns"][lane]
+        return await KV[(transport, "put")](conn, ns, keys.pop(i), _rows(point, i))
 
-    return _run(_timed(setup, point, put, prepare))  # type: ignore[no-any-return]
+    return _measure(setup, point, depth, in_lanes(put, depth), prepare)
 
 
-def job_get(setup: Setup, point: Point, transport: str, put_tag: str) -> Measured:
-    """Reader: gets cycling over the last put exchanges of ``put_tag`` that fit half the
-    pool, into rotating rows; the last chunk is then verified (untimed)."""
-    ns_id, tag = point.namespace().id.hex(), f"{put_tag}/{point.name}"
-    total = setup.exchanges(point)
+def job_get(setup: Setup, point: Point, transport: str, depth: int) -> Measured:
+    """Reader: gets, ``depth`` in flight, cycling over the last ``ucx://`` put exchanges of
+    the same point and depth that fit half the pool, into rotating rows; the last chunk is
+    then verified (untimed)."""
+    ns_id, tag = point.namespace().id.hex(), _put_tag("ucx", point, depth)
+    total = setup.exchanges(point, depth)
     ring = max(1, min(total, setup.pool_bytes // 2 // point.exchange_bytes))
 
     def keys(i: int) -> list[bytes]:
         return block_keys(tag, total - ring + i % ring, point.batch)
 
-    async def get(i: int) -> dict[str, float]:
-        return await KV[(transport, "get")](_STATE["conn"], ns_id, keys(i), _rows(point, i))
+    async def get(i: int, lane: int) -> Phases:
+        conn = _STATE["conns"][lane]
+        return await KV[(transport, "get")](conn, ns_id, keys(i), _rows(point, i))
 
-    res: Measured = _run(_timed(setup, point, get))
+    res = _measure(setup, point, depth, in_lanes(get, depth))
     verify_chunk(_rows(point, total - 1)[-1], expect_key=ChunkKey(keys(total - 1)[-1], 0, 0))
     return res
 
 
-def job_raw(setup: Setup, point: Point, op: str) -> Measured:
-    """Writer (``put``) or reader (``get``): the same bytes over the raw socket server."""
+def job_raw(setup: Setup, point: Point, op: str, depth: int) -> Measured:
+    """Writer (``put``) or reader (``get``): the same bytes over the raw socket server,
+    ``depth`` in flight, one socket each."""
     move = raw_socket_put if op == "put" else raw_socket_get
 
-    async def exchange(i: int) -> None:
-        await move(_STATE["raw"], [as_byte_view(r, writable=True) for r in _rows(point, i)])
+    async def exchange(i: int, lane: int) -> None:
+        views = [as_byte_view(r, writable=True) for r in _rows(point, i)]
+        await move(_STATE["raws"][lane], views)
 
-    return _run(_timed(setup, point, exchange))  # type: ignore[no-any-return]
+    return _measure(setup, point, depth, in_lanes(exchange, depth))
 
 
 def _raw_nixl_once(code: Any, local: Any, remote: Any) -> None:
@@ -450,35 +493,68 @@ def _raw_nixl_once(code: Any, local: Any, remote: Any) -> None:
     expect(status == nixl.NIXL_SUCCESS, f"raw NIXL transfer failed: {status}")
 
 
-def job_raw_nixl(setup: Setup, point: Point, op: str) -> Measured:
-    """Writer: raw NIXL ``op`` (READ or WRITE) of one exchange's spans per request (the
-    binding spinning on its status: the ceiling, as ``bench/nixl_raw.py``'s raw path)."""
+def _raw_nixl_posted(code: Any, lists: dict[int, tuple[Any, Any]], depth: int) -> Segment:
+    """Raw NIXL requests, ``depth`` in flight, all on the calling thread: post up to
+    ``depth``, then poll them in turn (spinning), releasing each as it completes and
+    posting the next. Each one's time: create → completed and released."""
+    nixl, agent, peer = _STATE["nixl"], _STATE["raw_agent"], _STATE["raw_peer"]
+
+    async def segment(indices: range) -> list[Sample]:
+        todo, flight = iter(indices), collections.deque[tuple[Any, float, Any]]()
+        out: list[Sample] = []
+
+        def post() -> None:
+            if (i := next(todo, None)) is not None:
+                t0 = time.perf_counter()
+                handle = agent.createXferReq(code, *lists.pop(i), peer)
+                flight.append((handle, t0, agent.postXferReq(handle)))
+
+        for _ in range(depth):
+            post()
+        while flight:
+            handle, t0, status = flight.popleft()
+            if status == nixl.NIXL_IN_PROG:
+                status = agent.getXferStatus(handle)
+            if status == nixl.NIXL_IN_PROG:
+                flight.append((handle, t0, status))
+                continue
+            agent.releaseXferReq(handle)
+            expect(status == nixl.NIXL_SUCCESS, f"raw NIXL transfer failed: {status}")
+            out.append((time.perf_counter() - t0, None))
+            post()
+        return out
+
+    return segment
+
+
+def job_raw_nixl(setup: Setup, point: Point, op: str, depth: int) -> Measured:
+    """Writer: raw NIXL ``op`` (READ or WRITE) of one exchange's spans per request,
+    ``depth`` requests in flight (the binding spinning on their status: the ceiling, as
+    ``bench/nixl_raw.py``'s raw path)."""
     nixl, cb, lists = _STATE["nixl"], point.chunk_bytes, {}
     code = nixl.NIXL_READ if op == "READ" else nixl.NIXL_WRITE
 
     def prepare(i: int) -> None:  # descriptor lists are built outside the timing
         local = _rows(point, i).data_ptr()
         bases = (local, setup.raw_nixl_addr + local - _STATE["region"].data_ptr())
-        lists[i] = [nixl.nixlXferDList(nixl.DRAM_SEG, [(b + k * cb, cb, 0)
-                    for k in range(point.batch)]) for b in bases]  # fmt: skip
+        lists[i] = tuple(nixl.nixlXferDList(nixl.DRAM_SEG, [(b + k * cb, cb, 0)
+                         for k in range(point.batch)]) for b in bases)  # fmt: skip
 
-    async def exchange(i: int) -> None:
-        _raw_nixl_once(code, *lists.pop(i))
-
-    return _run(_timed(setup, point, exchange, prepare))  # type: ignore[no-any-return]
+    return _measure(setup, point, depth, _raw_nixl_posted(code, lists, depth), prepare)
 
 
 def job_memcpy(setup: Setup, point: Point) -> Measured:
-    """Writer: one-thread ``copy_`` of one exchange's chunks per step, region → scratch."""
+    """Writer: one-thread ``copy_`` of one exchange's chunks per step, region → scratch
+    (depth 1 only: a ceiling, one thread)."""
     threads, scratch, cb = torch.get_num_threads(), _STATE["scratch"], point.chunk_bytes
 
-    async def exchange(i: int) -> None:
+    async def exchange(i: int, lane: int) -> None:
         for k, row in enumerate(_rows(point, i)):
             scratch[k * cb : (k + 1) * cb].copy_(row)
 
     torch.set_num_threads(1)
     try:
-        return _run(_timed(setup, point, exchange))  # type: ignore[no-any-return]
+        return _measure(setup, point, 1, in_lanes(exchange, 1))
     finally:
         torch.set_num_threads(threads)
 
@@ -489,7 +565,7 @@ def job_probes(setup: Setup) -> dict[str, dict[str, float]]:
 
 
 async def _probes(setup: Setup) -> dict[str, dict[str, float]]:
-    nixl, agent, conn = _STATE["nixl"], _STATE["agent"], _STATE["conn"]
+    nixl, agent, conn = _STATE["nixl"], _STATE["agent"], _STATE["conns"][0]
     peer = await agent.add_peer(setup.raw_nixl_metadata)
     tiny, remote = _STATE["region"][:64], setup.raw_nixl_addr
     ldl, rdl = (nixl.nixlXferDList(nixl.DRAM_SEG, [(a, 64, 0)]) for a in (tiny.data_ptr(), remote))
@@ -503,7 +579,7 @@ async def _probes(setup: Setup) -> dict[str, dict[str, float]]:
 
     view = as_byte_view(tiny, writable=True)
     calls = {
-        "raw socket: 9 B request, 64 B answer": lambda: raw_socket_get(_STATE["raw"], [view]),
+        "raw socket: 9 B request, 64 B answer": lambda: raw_socket_get(_STATE["raws"][0], [view]),
         "kvstore tcp://: stats frame and answer": stats,
         "raw NIXL WRITE of 64 B (binding, spinning)": raw_nixl,
         "NixlAgent.write of 64 B (kvstore's layer)": lambda: agent.write(
@@ -574,44 +650,44 @@ async def _node_metadata(master: str) -> bytes:
 
 @dataclass
 class Results:
-    """Everything one run measured; ``by`` is keyed by (point name, path)."""
+    """Everything one run measured; ``by`` is keyed by (point name, path, depth)."""
 
     setup: Setup
     points: list[Point]
-    by: dict[tuple[str, str], Measured] = field(default_factory=dict)
+    by: dict[tuple[str, str, int], Measured] = field(default_factory=dict)
     e2e: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     probes: dict[str, dict[str, float]] = field(default_factory=dict)
     idle: list[tuple[str, WindowCpu]] = field(default_factory=list)
     fill_s: float = 0.0
 
 
-PUT_PATHS = ("kv tcp put", "kv ucx put", "raw asyncio put", "raw NIXL WRITE", "memcpy")
-GET_PATHS = ("kv tcp get", "kv ucx get", "raw asyncio get", "raw NIXL READ", "memcpy")
-
-
-Job = tuple[str, str, Callable[..., Any], tuple[Any, ...]]
+Job = tuple[str, int, str, Callable[..., Any], tuple[Any, ...]]
 
 
 def _point_jobs(setup: Setup, point: Point) -> list[Job]:
-    """(path, worker, job, args) of one point, side by side; puts first (gets read them)."""
-    return [
-        ("kv tcp put", "writer", job_put, (setup, point, "tcp")),
-        ("kv ucx put", "writer", job_put, (setup, point, "ucx")),
-        ("raw asyncio put", "writer", job_raw, (setup, point, "put")),
-        ("raw NIXL WRITE", "writer", job_raw_nixl, (setup, point, "WRITE")),
-        ("memcpy", "writer", job_memcpy, (setup, point)),
-        ("kv tcp get", "reader", job_get, (setup, point, "tcp", "ucx")),
-        ("kv ucx get", "reader", job_get, (setup, point, "ucx", "ucx")),
-        ("raw asyncio get", "reader", job_raw, (setup, point, "get")),
-        ("raw NIXL READ", "writer", job_raw_nixl, (setup, point, "READ")),
-    ]
+    """(path, depth, worker, job, args) of one point: memcpy, then per depth that fits each
+    kvstore path right before its baseline, puts before gets (gets read the ucx puts)."""
+    jobs: list[Job] = [("memcpy", 1, "writer", job_memcpy, (setup, point))]
+    for d in (d for d in setup.depths if fits(point, d)):
+        jobs += [
+            ("kv tcp put", d, "writer", job_put, (setup, point, "tcp", d)),
+            ("raw asyncio put", d, "writer", job_raw, (setup, point, "put", d)),
+            ("kv ucx put", d, "writer", job_put, (setup, point, "ucx", d)),
+            ("raw NIXL WRITE", d, "writer", job_raw_nixl, (setup, point, "WRITE", d)),
+            ("kv tcp get", d, "reader", job_get, (setup, point, "tcp", d)),
+            ("raw asyncio get", d, "reader", job_raw, (setup, point, "get", d)),
+            ("kv ucx get", d, "reader", job_get, (setup, point, "ucx", d)),
+            ("raw NIXL READ", d, "writer", job_raw_nixl, (setup, point, "READ", d)),
+        ]
+    return jobs
 
 
 def run(args: argparse.Namespace) -> Results:
     """Start everything, measure, stop everything (also on failure)."""
     pts = points(args.sizes, args.batches)
     with contextlib.ExitStack() as stack, progress() as bar:
-        total = 6 + len(pts) * 9 + 4 * (args.e2e_reps + 1) + args.idle_after
+        jobs = sum(1 + 8 * sum(fits(p, d) for d in args.depth) for p in pts)
+        total = 6 + jobs + 4 * (args.e2e_reps + 1) + args.idle_after
         task = bar.add_task("starting kvstore serve --transport ucx", total=total)
 
         def step(what: str) -> None:
@@ -630,7 +706,7 @@ def run(args: argparse.Namespace) -> Results:
         setup = Setup(serve.addresses["grpc"], serve.addresses["data"], pid,
                       asyncio.run(_node_metadata(serve.addresses["grpc"])), tuple(raw.address),
                       raw_md, raw_addr, parse_size(args.host_mem), args.budget, args.min_n,
-                      args.max_n, args.e2e_tokens, args.e2e_layers)  # fmt: skip
+                      args.max_n, args.e2e_tokens, args.e2e_layers, args.depth)  # fmt: skip
         res = Results(setup, pts, idle=idle)
         step("starting writer and reader processes")
         workers = {r: spawn_worker(stack, job_close) for r in ("writer", "reader")}
@@ -641,10 +717,10 @@ def run(args: argparse.Namespace) -> Results:
         step("fixed costs: small round trips")
         res.probes = workers["writer"].submit(job_probes, setup).result(JOB_TIMEOUT_S)
         for point in pts:
-            for path, role, job, job_args in _point_jobs(setup, point):
-                step(f"{point.name}: {path}")
+            for path, depth, role, job, job_args in _point_jobs(setup, point):
+                step(f"{point.name}: {path}, depth {depth}")
                 m = workers[role].submit(job, *job_args).result(JOB_TIMEOUT_S)
-                res.by[(point.name, path)] = m
+                res.by[(point.name, path, depth)] = m
         _measure_e2e(workers, res, args.e2e_reps, step)
         for w in workers.values():
             w.submit(job_close).result(60)
@@ -670,189 +746,7 @@ def _measure_e2e(workers: dict[str, ProcessPoolExecutor], res: Results, reps: in
                     res.e2e.setdefault((transport, op), []).append(seconds)
 
 
-# ----------------------------------------------------------------------- report
-
-
-def _ms(seconds: float) -> str:
-    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.2f}"
-
-
-def _per_gb(cpu_s: float, m: Measured) -> str:
-    return f"{cpu_s / m.moved_gb:.3f}"
-
-
-def kv_table(res: Results) -> Table:
-    """Section 1: kvstore's exchanges over both transports, with their phases."""
-    table = Table(
-        "1. kvstore data plane: pre-encoded chunks, one exchange in flight",
-        ["op", "chunk", "chunks", "MiB", "transport", "n", "GB/s", "p50 ms", "p99 ms",
-         "control ms", "move ms", "after ms", "node CPU s/GB"],
-    )  # fmt: skip
-    for op in ("put", "get"):
-        for p in res.points:
-            for transport in ("tcp", "ucx"):
-                m = res.by[(p.name, f"kv {transport} {op}")]
-                st = latency_stats(m.seconds)
-                ph = {k: statistics.median(v) for k, v in m.phases.items()}
-                table.add(op, p.label, p.batch, f"{p.exchange_bytes / MiB:.1f}", f"{transport}://",
-                          len(m.seconds), f"{m.gbps:.2f}", _ms(st["p50"]), _ms(st["p99"]),
-                          _ms(ph["control"]), _ms(ph["move"]),
-                          _ms(ph.get("after", math.nan)), _per_gb(m.node_cpu, m))  # fmt: skip
-    s = res.setup
-    table.notes += [
-        f"chunk = payload + 72 B (header, checksum), quant none; chunks per exchange; MiB per "
-        f"exchange. n timed exchanges after {WARMUP} warm-ups (about {s.budget // MiB} MiB, "
-        f"{s.min_n}..{s.max_n}); GB/s = bytes per exchange / mean latency.",
-        "Phases (medians): control = request sent → the node's answer (ready / reserved / "
-        "data header / leased). move: tcp put = data frame sent → ack (node receive, checksum "
-        "of every chunk, master commit); tcp get = payload received; ucx = the "
-        "NixlAgent.write/read call. after: ucx put = landed → ack (node checksums every chunk, "
-        "commits to the master); ucx get = sending release (no answer).",
-        "put: writer process, fresh keys every exchange. get: reader process, reading back "
-        "the ucx:// puts of the point (cycling over those that fit half the pool).",
-        f"Node: kvstore serve --transport ucx --host-mem {s.pool_bytes // MiB}MiB (master + "
-        f"node in one process), pool filled first ({res.fill_s:.1f} s) so puts evict and land "
-        "in touched pages. Node CPU: /proc/<pid>/stat around each timed exchange (10 ms ticks; "
-        "see section 3 for totals).",
-    ]
-    return table
-
-
-def probe_table(res: Results) -> Table:
-    """Section 1b: fixed costs of one small round trip of each kind."""
-    table = Table(f"1b. fixed costs: one small round trip, {PROBES} sequential (writer process)",
-                  ["round trip", "p50 µs", "p99 µs", "mean µs"])  # fmt: skip
-    for name, st in res.probes.items():
-        table.add(name, *(f"{st[k] * 1e6:.0f}" for k in ("p50", "p99", "mean")))
-    table.notes.append(
-        "stats: one framed JSON request and answer on the node's data port (the floor under "
-        "every control step in section 1). NIXL rows: against the raw NIXL target process."
-    )
-    return table
-
-
-def baseline_table(res: Results) -> Table:
-    """Section 2: the same bytes without kvstore."""
-    table = Table(
-        "2. the same bytes without kvstore",
-        ["direction", "chunk", "chunks", "raw asyncio GB/s", "p50 ms", "p99 ms",
-         "raw NIXL GB/s", "p50 ms", "p99 ms", "memcpy GB/s"],
-    )  # fmt: skip
-    ways = [("client → node (put)", "raw asyncio put", "raw NIXL WRITE"),
-            ("node → client (get)", "raw asyncio get", "raw NIXL READ")]  # fmt: skip
-    for direction, aio, nixl in ways:
-        for p in res.points:
-            a, x, c = (res.by[(p.name, k)] for k in (aio, nixl, "memcpy"))
-            sa, sx = latency_stats(a.seconds), latency_stats(x.seconds)
-            table.add(direction, p.label, p.batch, f"{a.gbps:.2f}", _ms(sa["p50"]),
-                      _ms(sa["p99"]), f"{x.gbps:.2f}", _ms(sx["p50"]), _ms(sx["p99"]),
-                      f"{c.gbps:.2f}")  # fmt: skip
-    table.notes += [
-        "raw asyncio: loop.sock_sendall / sock_recv_into between the client process and a "
-        "server process, a 9-byte header per exchange, chunks straight into preallocated "
-        "rotating memory, a 1-byte ack per put (no framing, no checks, no commit).",
-        "raw NIXL: the binding called directly from the writer process, one request carrying "
-        "the exchange's spans, spinning on getXferStatus, against bench/nixl_raw.py's target "
-        "(progress thread, like a node); UCX_NET_DEVICES=lo. memcpy: torch copy_ of the same "
-        "chunks, one thread, rotating source.",
-    ]
-    return table
-
-
-def cpu_table(res: Results) -> Table:
-    """Section 3: node CPU per GB, all points together."""
-    table = Table("3. CPU per GB moved, all points of section 1 together",
-                  ["transport", "op", "GB moved", "node CPU s", "node CPU s/GB",
-                   "client CPU s/GB"])  # fmt: skip
-    for op in ("put", "get"):
-        for transport in ("tcp", "ucx"):
-            ms = [res.by[(p.name, f"kv {transport} {op}")] for p in res.points]
-            gb = sum(m.moved_gb for m in ms)
-            node, client = sum(m.node_cpu for m in ms), sum(m.client_cpu for m in ms)
-            table.add(f"{transport}://", op, f"{gb:.2f}", f"{node:.2f}", f"{node / gb:.3f}",
-                      f"{client / gb:.3f}")  # fmt: skip
-    table.notes.append(
-        "Node: the kvstore serve process, all threads (its put CPU includes the master's side "
-        "of the commit RPC). Client: the writer or reader process (getrusage); over ucx:// "
-        "the client's kernel does the copy (CMA), so the copy is billed to the client."
-    )
-    return table
-
-
-def _ratio(a: Measured, b: Measured, target: float) -> str:
-    r = a.gbps / b.gbps
-    return f"{r:.2f} {'✓' if r >= target else '✗'}"
-
-
-def ratio_table(res: Results) -> Table:
-    """Section 4: kvstore ÷ its baseline, side by side."""
-    table = Table(
-        f"4. kvstore ÷ baseline (GB/s); targets: ucx:// ÷ raw NIXL ≥ {TARGETS['ucx']:.2f}, "
-        f"tcp:// ÷ raw asyncio ≥ {TARGETS['tcp']:.2f}",
-        ["chunk", "chunks", "put ucx ÷ NIXL WRITE", "get ucx ÷ NIXL READ",
-         "put tcp ÷ asyncio", "get tcp ÷ asyncio"],
-    )  # fmt: skip
-    pairs = [("kv ucx put", "raw NIXL WRITE", "ucx"), ("kv ucx get", "raw NIXL READ", "ucx"),
-             ("kv tcp put", "raw asyncio put", "tcp"),
-             ("kv tcp get", "raw asyncio get", "tcp")]  # fmt: skip
-    for p in (p for p in res.points if p.label in RATIO_SIZES):
-        cells = [_ratio(res.by[(p.name, a)], res.by[(p.name, b)], TARGETS[t]) for a, b, t in pairs]
-        table.add(p.label, p.batch, *cells)
-    table.notes.append("Each ratio compares two paths measured one right after the other.")
-    return table
-
-
-def e2e_table(res: Results) -> Table:
-    """Section 4b: KVClient with the codec, for context."""
-    s = res.setup
-    ns, full = big_namespace(s.e2e_layers), s.e2e_tokens // BLOCK * BLOCK
-    wire = s.e2e_layers * (full // BLOCK) * chunk_nbytes(BLOCK, HEADS, HEAD_DIM, ns.dtype, "int8")
-    bf16 = s.e2e_layers * 2 * full * HEADS * HEAD_DIM * 2
-    reps = len(res.e2e[("tcp", "put")])
-    table = Table(
-        f"4b. end to end: KVClient.put_layer / get_layer x {s.e2e_layers}, {s.e2e_tokens}-token "
-        f"prompt (H={HEADS}, D={HEAD_DIM}, bf16, int8), median of {reps} prompts",
-        ["transport", "calls", "ms median", "ms best", "bf16 GB/s", "wire GB/s"],
-    )
-    for transport in ("tcp", "ucx"):
-        for op in ("put", "get"):
-            secs = res.e2e[(transport, op)]
-            med = statistics.median(secs)
-            gbps = [f"{n / med / 1e9:.2f}" for n in (bf16, wire)]
-            table.add(f"{transport}://", f"{op}_layer x {s.e2e_layers}", _ms(med),
-                      _ms(min(secs)), *gbps)  # fmt: skip
-    table.notes.append(
-        f"Writer and reader processes, codec included; KVClient.connect(..., ucx=False) forces "
-        f"tcp://. bf16 bytes {bf16:,}, wire bytes {wire:,}; one warm-up prompt each first."
-    )
-    return table
-
-
-def idle_table(res: Results) -> Table:
-    """Section 5: the node's idle CPU."""
-    table = Table(
-        f"5. idle CPU of the kvstore serve --transport ucx process (target < {IDLE_TARGET:.0%} "
-        "of a core)",
-        ["when", "window s", "% of a core", "busiest threads (% of a core)"],
-    )
-    for when, w in res.idle:
-        busiest = ", ".join(f"{n} {c:.1%}" for n, c in w.threads) or "-"
-        mark = "✓" if w.cores < IDLE_TARGET else "✗"
-        table.add(when, f"{w.seconds:.1f}", f"{w.cores:.1%} {mark}", busiest)
-    table.notes.append("/proc/<pid>/task/*/stat, 10 ms ticks (0.2% of a core over 5 s).")
-    return table
-
-
-def plot(res: Results, path: str) -> None:
-    """GB/s per point and path, puts and gets side by side."""
-    labels = [p.name for p in res.points]
-    panels = [
-        BarPanel(title, "GB/s", labels, {k: [res.by[(p.name, k)].gbps for p in res.points]
-                                         for k in paths})
-        for title, paths in (("client → node (put / WRITE)", PUT_PATHS),
-                             ("node → client (get / READ)", GET_PATHS))
-    ]  # fmt: skip
-    save_bar_plot(path, panels, suptitle="bench/transfer.py: one exchange in flight")
+# ----------------------------------------------------------------------- command line
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -861,7 +755,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="about a minute: fewer points")
     parser.add_argument("--sizes", help=f"comma-separated, of: {', '.join(SIZES)}")
     parser.add_argument("--batches", help="chunks per exchange, comma-separated (1,8,64)")
-    parser.add_argument("--budget", type=parse_size, help="bytes per point (512MiB)")
+    parser.add_argument("--depth", default=DEPTHS,
+                        help=f"exchanges in flight, comma-separated ({DEPTHS})")  # fmt: skip
+    parser.add_argument("--budget", type=parse_size, help="bytes per point and depth (512MiB)")
     parser.add_argument("--min-n", type=int, help="fewest timed exchanges per point (8)")
     parser.add_argument("--max-n", type=int, default=300, help="most timed exchanges per point")
     parser.add_argument("--host-mem", default="1GiB", help="node pool (default 1GiB)")
@@ -877,12 +773,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(s not in SIZES for s in args.sizes):
         parser.error(f"--sizes takes {', '.join(SIZES)}")
     args.batches = [int(b) for b in (args.batches or "1,8,64").split(",")]
+    args.depth = tuple(sorted({int(d) for d in args.depth.split(",")}))
     args.budget = args.budget or (64 * MiB if quick else 512 * MiB)
     args.min_n = args.min_n or (3 if quick else 8)
     args.e2e_reps = args.e2e_reps if args.e2e_reps is not None else (1 if quick else 3)
     args.idle_after = not quick
-    if min(args.batches) < 1 or args.min_n < 1 or args.max_n < args.min_n or args.e2e_reps < 1:
-        parser.error("need batches >= 1, 1 <= --min-n <= --max-n, --e2e-reps >= 1")
+    if min(args.batches) < 1 or min(args.depth) < 1 or args.min_n < 1 or args.max_n < args.min_n:
+        parser.error("need batches >= 1, depths >= 1, 1 <= --min-n <= --max-n")
+    if args.e2e_reps < 1:
+        parser.error("need --e2e-reps >= 1")
     if not points(args.sizes, args.batches):
         parser.error(f"every size x batch exceeds {MAX_EXCHANGE // MiB} MiB per exchange")
     return args
@@ -895,8 +794,8 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python bench/transfer.py", *(argv if argv is not None else sys.argv[1:])])
     print(f"## Data plane: kvstore tcp:// and ucx:// beside their baselines\n\n`{command}`\n")
     print(machine_markdown())
-    for table in (kv_table(res), probe_table(res), baseline_table(res), cpu_table(res),
-                  ratio_table(res), e2e_table(res), idle_table(res)):  # fmt: skip
+    for table in (kv_table(res, WARMUP, REGION), probe_table(res, PROBES), baseline_table(res),
+                  cpu_table(res), ratio_table(res), e2e_table(res), idle_table(res)):  # fmt: skip
         print(table.to_markdown())
     if args.plot:
         plot(res, args.plot)

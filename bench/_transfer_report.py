@@ -1,0 +1,280 @@
+"""The Markdown report of ``bench/transfer.py``: its sections' tables and its bar chart.
+
+Each ``*_table`` builds one section from a run's :class:`transfer.Results`; :func:`plot`
+draws GB/s per point and path. This module imports nothing from ``transfer`` at run time
+(``transfer`` imports it): what the report states about the run's knobs (warm-ups, the
+client region, probe count) is passed in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from typing import TYPE_CHECKING
+
+from _common import BarPanel, Table, latency_stats, save_bar_plot
+from service import BLOCK, HEAD_DIM, HEADS, big_namespace
+
+from kvstore.core.codec import chunk_nbytes
+
+if TYPE_CHECKING:
+    from transfer import Measured, Point, Results
+
+__all__ = [
+    "GET_PATHS",
+    "IDLE_TARGET",
+    "PUT_PATHS",
+    "RATIO_SIZES",
+    "TARGETS",
+    "baseline_table",
+    "cpu_table",
+    "e2e_table",
+    "idle_table",
+    "kv_table",
+    "plot",
+    "probe_table",
+    "ratio_table",
+]
+
+MiB = 1 << 20
+RATIO_SIZES = ("512 KiB", "4 MiB")
+"""Chunk sizes of section 4's ratios."""
+TARGETS = {"ucx": 0.70, "tcp": 0.80}
+"""kvstore ÷ baseline GB/s targets: ``ucx://`` ÷ raw NIXL, ``tcp://`` ÷ raw asyncio."""
+IDLE_TARGET = 0.15
+"""Most idle CPU of the node, in cores."""
+PUT_PATHS = ("kv tcp put", "kv ucx put", "raw asyncio put", "raw NIXL WRITE")
+GET_PATHS = ("kv tcp get", "kv ucx get", "raw asyncio get", "raw NIXL READ")
+
+
+def _ms(seconds: float) -> str:
+    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.2f}"
+
+
+def _per_gb(cpu_s: float, m: Measured) -> str:
+    return f"{cpu_s / m.moved_gb:.3f}"
+
+
+def _phase(m: Measured, name: str) -> str:
+    return _ms(statistics.median(m.phases[name])) if name in m.phases else "-"
+
+
+def _ran(res: Results, point: Point, depth: int) -> bool:
+    """Whether the run measured ``point`` at ``depth`` (it skips those that do not fit the
+    region: then it has none of the point's paths at that depth)."""
+    return (point.name, "kv tcp put", depth) in res.by
+
+
+def _skipped_note(res: Results, region: int) -> str:
+    """Which points a depth skipped ("-" rows), or that none was; ``region``: the bytes each
+    client process rotates over."""
+    out = [f"{p.name} at depth {d}" for p in res.points for d in res.setup.depths
+           if not _ran(res, p, d)]  # fmt: skip
+    why = f"depth x MiB per exchange must fit the {region // MiB} MiB region on distinct rows"
+    return f"not run ('-'): {', '.join(out)} ({why})." if out else "every depth ran everywhere."
+
+
+def kv_table(res: Results, warmup: int, region: int) -> Table:
+    """Section 1: kvstore's exchanges over both transports at each depth, with phases;
+    ``warmup``: the fewest untimed exchanges per point, ``region``: the bytes each client
+    process rotates over."""
+    table = Table(
+        "1. kvstore data plane: pre-encoded chunks, depth = exchanges in flight",
+        ["op", "chunk", "chunks", "MiB", "depth", "transport", "n", "GB/s", "p50 ms", "p99 ms",
+         "control ms", "move ms", "after ms", "node CPU s/GB"],
+    )  # fmt: skip
+    rows = itertools.product(("put", "get"), res.points, res.setup.depths, ("tcp", "ucx"))
+    for op, p, d, transport in rows:
+        head = (op, p.label, p.batch, f"{p.exchange_bytes / MiB:.1f}", d, f"{transport}://")
+        m = res.by.get((p.name, f"kv {transport} {op}", d))
+        if m is None:
+            table.add(*head, *["-"] * 8)
+            continue
+        st = latency_stats(m.seconds)
+        table.add(*head, len(m.seconds), f"{m.gbps:.2f}", _ms(st["p50"]), _ms(st["p99"]),
+                  _phase(m, "control"), _phase(m, "move"), _phase(m, "after"),
+                  _per_gb(m.node_cpu, m))  # fmt: skip
+    s = res.setup
+    table.notes += [
+        f"chunk = payload + 72 B (header, checksum), quant none; chunks per exchange; MiB per "
+        f"exchange; depth = exchanges in flight, each on its own connection to the node (one "
+        f"NixlAgent per process, as a client). n timed exchanges after max({warmup}, depth) "
+        f"warm-ups (about {s.budget // MiB} MiB, {s.min_n}..{s.max_n}, ≥ 2 x depth); "
+        + _skipped_note(res, region),
+        "GB/s = bytes of the timed exchanges / the wall time they took, first start → last "
+        "end, less the untimed pauses between rounds over the client region (re-encoding, "
+        "cache flush, nothing in flight); at depth 1 that is bytes per exchange / mean "
+        "latency. p50/p99: per exchange, from its request to its end.",
+        "Phases (medians): control = request sent → the node's answer (ready / reserved / "
+        "data header / leased). move: tcp put = data frame sent → ack (node receive, checksum "
+        "of every chunk, master commit); tcp get = payload received; ucx = the "
+        "NixlAgent.write/read call. after: ucx put = landed → ack (node checksums every chunk, "
+        "commits to the master); ucx get = sending release (no answer).",
+        "put: writer process, fresh keys every exchange. get: reader process, reading back "
+        "the ucx:// puts of the same point and depth (cycling over those that fit half the "
+        "pool).",
+        f"Node: kvstore serve --transport ucx --host-mem {s.pool_bytes // MiB}MiB (master + "
+        f"node in one process), pool filled first ({res.fill_s:.1f} s) so puts evict and land "
+        "in touched pages. Node CPU: /proc/<pid>/stat before and after each timed stretch of "
+        "exchanges (10 ms ticks; see section 3 for totals).",
+    ]
+    return table
+
+
+def probe_table(res: Results, probes: int) -> Table:
+    """Section 1b: fixed costs of one small round trip of each kind, ``probes`` of each."""
+    table = Table(f"1b. fixed costs: one small round trip, {probes} sequential (writer process)",
+                  ["round trip", "p50 µs", "p99 µs", "mean µs"])  # fmt: skip
+    for name, st in res.probes.items():
+        table.add(name, *(f"{st[k] * 1e6:.0f}" for k in ("p50", "p99", "mean")))
+    table.notes.append(
+        "stats: one framed JSON request and answer on the node's data port (the floor under "
+        "every control step in section 1). NIXL rows: against the raw NIXL target process."
+    )
+    return table
+
+
+def _speed(m: Measured | None) -> list[str]:
+    """GB/s, p50 ms, p99 ms of a path, or dashes where it was not measured."""
+    if m is None:
+        return ["-"] * 3
+    st = latency_stats(m.seconds)
+    return [f"{m.gbps:.2f}", _ms(st["p50"]), _ms(st["p99"])]
+
+
+def baseline_table(res: Results) -> Table:
+    """Section 2: the same bytes without kvstore, at each depth."""
+    table = Table(
+        "2. the same bytes without kvstore",
+        ["direction", "chunk", "chunks", "depth", "raw asyncio GB/s", "p50 ms", "p99 ms",
+         "raw NIXL GB/s", "p50 ms", "p99 ms", "memcpy GB/s"],
+    )  # fmt: skip
+    ways = [("client → node (put)", "raw asyncio put", "raw NIXL WRITE"),
+            ("node → client (get)", "raw asyncio get", "raw NIXL READ")]  # fmt: skip
+    for (direction, aio, nixl), p, d in itertools.product(ways, res.points, res.setup.depths):
+        a, x, c = (res.by.get((p.name, k, d)) for k in (aio, nixl, "memcpy"))
+        table.add(direction, p.label, p.batch, d, *_speed(a), *_speed(x),
+                  "-" if c is None else f"{c.gbps:.2f}")  # fmt: skip
+    table.notes += [
+        "raw asyncio: loop.sock_sendall / sock_recv_into between the client process and a "
+        "server process, a 9-byte header per exchange, chunks straight into preallocated "
+        "rotating memory, a 1-byte ack per put (no framing, no checks, no commit); depth D: "
+        "D sockets, one exchange in flight on each.",
+        "raw NIXL: the binding called directly from the writer process, one request carrying "
+        "the exchange's spans, spinning on getXferStatus, against bench/nixl_raw.py's target "
+        "(progress thread, like a node); UCX_NET_DEVICES=lo. Depth D: D requests posted, "
+        "polled in turn from that one thread, the next posted as each completes (over CMA the "
+        "post itself copies, so depth barely changes it). memcpy: torch copy_ of the same "
+        "chunks, one thread, rotating source; depth 1 only (a ceiling).",
+        "GB/s, p50, p99 and the skipped points as in section 1.",
+    ]
+    return table
+
+
+def cpu_table(res: Results) -> Table:
+    """Section 3: node CPU per GB, all points of each depth together."""
+    table = Table("3. CPU per GB moved, all points of section 1 together, per depth",
+                  ["transport", "op", "depth", "GB moved", "node CPU s", "node CPU s/GB",
+                   "client CPU s/GB"])  # fmt: skip
+    for op, transport, d in itertools.product(("put", "get"), ("tcp", "ucx"), res.setup.depths):
+        ms = [m for p in res.points if (m := res.by.get((p.name, f"kv {transport} {op}", d)))]
+        if not ms:
+            continue
+        gb = sum(m.moved_gb for m in ms)
+        node, client = sum(m.node_cpu for m in ms), sum(m.client_cpu for m in ms)
+        table.add(f"{transport}://", op, d, f"{gb:.2f}", f"{node:.2f}", f"{node / gb:.3f}",
+                  f"{client / gb:.3f}")  # fmt: skip
+    table.notes.append(
+        "Node: the kvstore serve process, all threads (its put CPU includes the master's side "
+        "of the commit RPC). Client: the writer or reader process (getrusage); over ucx:// "
+        "the client's kernel does the copy (CMA), so the copy is billed to the client. Both "
+        "over the timed stretches only."
+    )
+    return table
+
+
+def _ratio(a: Measured | None, b: Measured | None, target: float) -> str:
+    if a is None or b is None:
+        return "-"
+    r = a.gbps / b.gbps
+    return f"{r:.2f} {'✓' if r >= target else '✗'}"
+
+
+def ratio_table(res: Results) -> Table:
+    """Section 4: kvstore ÷ its baseline at the same depth, side by side."""
+    table = Table(
+        f"4. kvstore ÷ baseline (GB/s); targets: ucx:// ÷ raw NIXL ≥ {TARGETS['ucx']:.2f}, "
+        f"tcp:// ÷ raw asyncio ≥ {TARGETS['tcp']:.2f}",
+        ["chunk", "chunks", "depth", "put ucx ÷ NIXL WRITE", "get ucx ÷ NIXL READ",
+         "put tcp ÷ asyncio", "get tcp ÷ asyncio"],
+    )  # fmt: skip
+    pairs = [("kv ucx put", "raw NIXL WRITE", "ucx"), ("kv ucx get", "raw NIXL READ", "ucx"),
+             ("kv tcp put", "raw asyncio put", "tcp"),
+             ("kv tcp get", "raw asyncio get", "tcp")]  # fmt: skip
+    for p in (p for p in res.points if p.label in RATIO_SIZES):
+        for d in res.setup.depths:
+            cells = [_ratio(res.by.get((p.name, a, d)), res.by.get((p.name, b, d)), TARGETS[t])
+                     for a, b, t in pairs]  # fmt: skip
+            table.add(p.label, p.batch, d, *cells)
+    table.notes.append(
+        "Each ratio compares kvstore at depth D with its baseline at the same depth D, the "
+        "baseline measured right after it (GB/s as in section 1; - where the depth was "
+        "skipped)."
+    )
+    return table
+
+
+def e2e_table(res: Results) -> Table:
+    """Section 4b: KVClient with the codec, for context."""
+    s = res.setup
+    ns, full = big_namespace(s.e2e_layers), s.e2e_tokens // BLOCK * BLOCK
+    wire = s.e2e_layers * (full // BLOCK) * chunk_nbytes(BLOCK, HEADS, HEAD_DIM, ns.dtype, "int8")
+    bf16 = s.e2e_layers * 2 * full * HEADS * HEAD_DIM * 2
+    reps = len(res.e2e[("tcp", "put")])
+    table = Table(
+        f"4b. end to end: KVClient.put_layer / get_layer x {s.e2e_layers}, {s.e2e_tokens}-token "
+        f"prompt (H={HEADS}, D={HEAD_DIM}, bf16, int8), median of {reps} prompts",
+        ["transport", "calls", "ms median", "ms best", "bf16 GB/s", "wire GB/s"],
+    )
+    for transport in ("tcp", "ucx"):
+        for op in ("put", "get"):
+            secs = res.e2e[(transport, op)]
+            med = statistics.median(secs)
+            gbps = [f"{n / med / 1e9:.2f}" for n in (bf16, wire)]
+            table.add(f"{transport}://", f"{op}_layer x {s.e2e_layers}", _ms(med),
+                      _ms(min(secs)), *gbps)  # fmt: skip
+    table.notes.append(
+        f"Writer and reader processes, codec included; KVClient.connect(..., ucx=False) forces "
+        f"tcp://. bf16 bytes {bf16:,}, wire bytes {wire:,}; one warm-up prompt each first."
+    )
+    return table
+
+
+def idle_table(res: Results) -> Table:
+    """Section 5: the node's idle CPU."""
+    table = Table(
+        f"5. idle CPU of the kvstore serve --transport ucx process (target < {IDLE_TARGET:.0%} "
+        "of a core)",
+        ["when", "window s", "% of a core", "busiest threads (% of a core)"],
+    )
+    for when, w in res.idle:
+        busiest = ", ".join(f"{n} {c:.1%}" for n, c in w.threads) or "-"
+        mark = "✓" if w.cores < IDLE_TARGET else "✗"
+        table.add(when, f"{w.seconds:.1f}", f"{w.cores:.1%} {mark}", busiest)
+    table.notes.append("/proc/<pid>/task/*/stat, 10 ms ticks (0.2% of a core over 5 s).")
+    return table
+
+
+def plot(res: Results, path: str) -> None:
+    """GB/s per point and path, puts and gets, at the smallest and the largest depth."""
+    ends = sorted({res.setup.depths[0], res.setup.depths[-1]})
+    ways = (("client → node (put / WRITE)", PUT_PATHS), ("node → client (get / READ)", GET_PATHS))
+    panels = []
+    for (title, paths), d in itertools.product(ways, ends):
+        pts = [p for p in res.points if _ran(res, p, d)]
+        series = {k: [res.by[(p.name, k, d)].gbps for p in pts] for k in paths}
+        series["memcpy (1 thread, depth 1)"] = [res.by[(p.name, "memcpy", 1)].gbps for p in pts]
+        panels.append(BarPanel(f"{title}, depth {d}", "GB/s", [p.name for p in pts], series))
+    save_bar_plot(path, panels, suptitle="bench/transfer.py: depth = exchanges in flight",
+                  columns=len(ends))  # fmt: skip
