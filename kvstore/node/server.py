@@ -210,7 +210,7 @@ class StorageNode:
         self._unreported: list[SlotKey] = []
         self._holds: dict[str, _Hold] = {}
         self._hold_ids = itertools.count(1)
-        self._master = master or MasterClient(config.master, timeout_s=10.0)
+        self._master = master if master is not None else MasterClient(config.master)
         self._commit_lock = asyncio.Lock()
         self._queued: list[_Queued] = []
         self._flusher: asyncio.Task[None] | None = None
