@@ -242,7 +242,7 @@ class BoundedSubscription(Subscription):
             remaining = None if deadline is None else max(0.0, deadline - loop.time())
             try:
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
-            except asyncio.TimeoutError as exc:
+            except TimeoutError as exc:
                 raise KVTimeout(f"no index event within {timeout} s") from exc
 
 

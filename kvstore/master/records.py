@@ -278,7 +278,7 @@ class NodeInfo:
         return sum(max(0, t.capacity_bytes - t.used_bytes) for t in self.tiers)
 
 
-class WatchKind(str, enum.Enum):
+class WatchKind(str, enum.Enum):  # noqa: UP042 (str() stays "WatchKind.X", as shipped)
     """Kinds of :class:`WatchEvent` on a ``Watch`` stream (equal to their names as str)."""
 
     COMMIT = "COMMIT"

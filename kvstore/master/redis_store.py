@@ -679,7 +679,7 @@ class RedisIndexStore(IndexStore):
             return await asyncio.wait_for(op(), limit)
         except KVStoreError:
             raise
-        except (asyncio.TimeoutError, redis_errors.TimeoutError) as exc:
+        except (TimeoutError, redis_errors.TimeoutError) as exc:
             self._raise_closed(exc)
             raise KVTimeout(f"redis at {self.where} did not answer within {limit} s") from exc
         except (redis_errors.ConnectionError, OSError) as exc:

@@ -125,11 +125,9 @@ async def with_timeout(aw: Awaitable[T], timeout: float | None, what: str) -> T:
     if timeout is None:
         return await aw
     try:
-        if sys.version_info >= (3, 11):
-            async with asyncio.timeout(timeout):
-                return await aw
-        return await asyncio.wait_for(aw, timeout)
-    except (TimeoutError, asyncio.TimeoutError) as exc:  # distinct classes before 3.11
+        async with asyncio.timeout(timeout):
+            return await aw
+    except TimeoutError as exc:
         if isinstance(exc, KVTimeout):
             raise
         raise KVTimeout(f"{what} timed out after {timeout:g} s") from exc

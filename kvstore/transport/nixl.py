@@ -297,7 +297,7 @@ class NixlAgent:
                 self._executor.shutdown(wait=False)
         try:
             await asyncio.wait_for(asyncio.wrap_future(self._teardown), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.error("NIXL agent %r did not close within %.1f s", self._name, timeout)
         except Exception:
             logger.exception("closing NIXL agent %r failed", self._name)
