@@ -5,9 +5,10 @@ prints one flushed line containing ``kvstore ready`` and its addresses once it c
 A bad flag or an unbindable port exits non-zero with one line on stderr. SIGTERM (or
 SIGINT) stops accepting, drains, stops the gRPC server with a grace period and exits 0.
 
-``serve`` runs a master and one node in one process: the node registers with the master
-over loopback gRPC on a private port, and only then is the public ``--grpc-port`` opened,
-so a client that reaches it always finds a node.
+``serve`` runs a master and one node in one process: the node registers and commits by
+calling the master's handlers directly (``MasterClient.in_process``; its heartbeats use a
+private loopback gRPC port), and only then is the public ``--grpc-port`` opened, so a
+client that reaches it always finds a node.
 """
 
 from __future__ import annotations
