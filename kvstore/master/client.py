@@ -106,14 +106,21 @@ class MasterClient:
         *,
         timeout_s: float = 10.0,
         max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
+        service: pb_grpc.MasterServicer | None = None,
     ) -> None:
+        """``service``: see :meth:`in_process` (``target`` then only names it)."""
         if not target:
             raise InvalidArgument("master address must not be empty")
         if not timeout_s > 0:
             raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
         self.target = target
         self.timeout_s = float(timeout_s)
-        self._channel: grpc.aio.Channel | None = grpc.aio.insecure_channel(
+        self._service = service
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.MasterStub | None = None
+        if service is not None:
+            return
+        self._channel = grpc.aio.insecure_channel(
             target,
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
@@ -124,8 +131,7 @@ class MasterClient:
                 ("grpc.max_reconnect_backoff_ms", 2000),
             ],
         )
-        self._stub: pb_grpc.MasterStub | None = pb_grpc.MasterStub(self._channel)
-        self._service: pb_grpc.MasterServicer | None = None
+        self._stub = pb_grpc.MasterStub(self._channel)
 
     @classmethod
     def in_process(
@@ -136,15 +142,7 @@ class MasterClient:
         with the same requests, answers, deadlines and typed errors as over gRPC, minus the
         loopback round trip (a Commit: 0.79 ms over gRPC, 0.05 ms direct). ``watch`` still
         needs a gRPC channel and raises :class:`InvalidArgument` here."""
-        client = cls.__new__(cls)
-        if not timeout_s > 0:
-            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
-        client.target = "in-process"
-        client.timeout_s = float(timeout_s)
-        client._channel = None
-        client._stub = None
-        client._service = service
-        return client
+        return cls("in-process", timeout_s=timeout_s, service=service)
 
     async def close(self) -> None:
         """Close the channel; in-flight calls fail. Idempotent."""

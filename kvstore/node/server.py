@@ -18,13 +18,14 @@ costs the node its lease.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +101,10 @@ class _Hold:
     leases: list[Lease[Slot]] = field(default_factory=list)
 
 
+_Landed = tuple[int, bytes, int, torch.Tensor]
+"""A chunk of a put to check: (request position, block hash, chunk index, slot view)."""
+
+
 @dataclass
 class _Queued:
     """One caller's share of the next Commit RPC, and the future it waits on."""
@@ -126,15 +131,16 @@ class _Checks:
 
     def __init__(
         self,
-        node: StorageNode,
-        peer: str,
-        ns: Namespace,
-        items: list[tuple[int, bytes, int, torch.Tensor]],
+        check: Callable[[list[_Landed]], list[int]],
+        executor: ThreadPoolExecutor,
+        threads: int,
+        items: list[_Landed],
     ) -> None:
-        """``items``: (request position, block hash, chunk index, slot view) per chunk."""
-        self._node, self._peer, self._ns, self._items = node, peer, ns, items
+        """``check(part)``: the request positions of ``part`` that failed; ``items``: every
+        chunk of the put; ``threads``: ``executor``'s."""
+        self._check, self._executor, self._threads, self._items = check, executor, threads, items
         self._inline = sum(item[3].numel() for item in items) <= _INLINE_VERIFY_BYTES
-        self._group: list[tuple[int, bytes, int, torch.Tensor]] = []
+        self._group: list[_Landed] = []
         self._group_bytes = 0
         self._running: list[asyncio.Future[list[int]]] = []
 
@@ -149,25 +155,19 @@ class _Checks:
             self._start(self._group)
             self._group, self._group_bytes = [], 0
 
-    def _start(self, part: list[tuple[int, bytes, int, torch.Tensor]]) -> None:
+    def _start(self, part: list[_Landed]) -> None:
         loop = asyncio.get_running_loop()
-        node = self._node
-        self._running.append(
-            loop.run_in_executor(node._verifier, node._check_chunks, self._peer, self._ns, part)
-        )
+        self._running.append(loop.run_in_executor(self._executor, self._check, part))
 
     async def verdict(self) -> list[int]:
-        """Check whatever is not yet checked, wait for every check; positions that failed."""
+        """Check what no :meth:`landed` started (everything, over ``ucx://``), wait for
+        every check; the request positions that failed."""
         if self._inline:
-            return self._node._check_chunks(self._peer, self._ns, self._items)
+            return self._check(self._items)
         if not self._running:
-            n = self._node._verify_threads
-            for k in range(n):
-                if part := self._items[k::n]:
+            for k in range(self._threads):
+                if part := self._items[k :: self._threads]:
                     self._start(part)
-        elif self._group:
-            self._start(self._group)
-            self._group = []
         return sorted(i for bad in await asyncio.gather(*self._running) for i in bad)
 
     async def abandon(self) -> None:
@@ -367,17 +367,15 @@ class StorageNode:
                         await self._commit_locked(adds, refs, obj_adds, obj_removes)
             except Exception as exc:
                 for q in batch:
-                    if not q.done.done():
-                        q.done.set_exception(exc)
+                    q.done.set_exception(exc)
             except BaseException:  # cancelled (the node stops): nobody waits in vain
                 for q in [*batch, *self._queued]:
                     q.done.cancel()
                 self._queued.clear()
                 raise
-            else:
+            else:  # (a caller cancelled meanwhile is shielded from its future)
                 for q in batch:
-                    if not q.done.done():
-                        q.done.set_result(None)
+                    q.done.set_result(None)
 
     async def _commit_locked(
         self,
@@ -554,7 +552,8 @@ class StorageNode:
             picked = [i for i, a in enumerate(accept) if a]
             views = [self.table.chunk_view(slots[i], wanted[i][2]) for i in picked]
             items = [(i, wanted[i][0][1], wanted[i][2], views[k]) for k, i in enumerate(picked)]
-            checks = _Checks(self, conn.peer, ns, items)
+            check = functools.partial(self._check_chunks, conn.peer, ns)
+            checks = _Checks(check, self._verifier, self._verify_threads, items)
             t0 = time.perf_counter()
             if header["op"] == "reserve":
                 await self._land_by_ucx(conn, accept, views, [slots[i] for i in picked])
@@ -647,9 +646,7 @@ class StorageNode:
         if slot.alive and slot.quarantined:
             self.table.unquarantine(slot)
 
-    def _check_chunks(
-        self, peer: str, ns: Namespace, part: list[tuple[int, bytes, int, torch.Tensor]]
-    ) -> list[int]:
+    def _check_chunks(self, peer: str, ns: Namespace, part: list[_Landed]) -> list[int]:
         """Verify header, key and checksum of landed chunks ``(position, block, index,
         view)``; the positions that failed. Runs on the loop or a verifier thread."""
         bad = []
