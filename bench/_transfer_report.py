@@ -108,11 +108,9 @@ def kv_table(res: Results, warmup: int, region: int) -> Table:
         "latency. p50/p99: per exchange, from its request to its end.",
         "Phases (medians): control = request sent → the node's answer (ready / reserved / "
         "data header / leased). move: tcp put = data frame sent → ack (node receive, checksum "
-        "of every chunk, master commit); tcp get = payload received; ucx get = the "
-        "NixlAgent.read call; ucx put = the NixlAgent.write calls, one per part of about 8 "
-        "MiB, each but the last followed by 'landed upto' (the node checks that part while "
-        "the next is written). after: ucx put = final landed → ack (the node checks what is "
-        "left, commits to the master); ucx get = sending release (no answer).",
+        "of every chunk, master commit); tcp get = payload received; ucx = the "
+        "NixlAgent.write/read call. after: ucx put = landed → ack (node checksums every chunk, "
+        "commits to the master); ucx get = sending release (no answer).",
         "put: writer process, fresh keys every exchange. get: reader process, reading back "
         "the ucx:// puts of the same point and depth (cycling over those that fit half the "
         "pool).",

@@ -74,7 +74,7 @@ from kvstore.core.arena import parse_size
 from kvstore.core.codec import ChunkKey, chunk_nbytes, encode_blocks, verify_chunk
 from kvstore.core.hashing import Namespace
 from kvstore.master.client import MasterClient
-from kvstore.node.protocol import landed_parts, raise_if_error
+from kvstore.node.protocol import raise_if_error
 from kvstore.transport import Connection, as_byte_view, connect
 from kvstore.transport.nixl import NixlAgent, Span
 
@@ -374,19 +374,13 @@ async def put_tcp(conn: Connection, ns: str, keys: list[bytes], rows: Rows) -> P
 
 
 async def put_ucx(conn: Connection, ns: str, keys: list[bytes], rows: Rows) -> Phases:
-    """``reserve → reserved {spans} → NIXL WRITE → landed → ack``, the WRITE in the
-    client's parts (``landed_parts``), each but the last followed by ``landed upto``."""
+    """``reserve → reserved {spans} → NIXL WRITE → landed → ack``."""
     t0 = time.perf_counter()
     spec = [[k.hex(), "", 0, rows.shape[1]] for k in keys]
     head = await _ask(conn, {"op": "reserve", "ns": ns, "chunks": spec}, "reserved", len(keys))
     spans = [Span.from_wire(s) for s in head["spans"]]
     t1 = time.perf_counter()
-    for part in landed_parts(len(keys), rows.shape[1]):
-        await _STATE["agent"].write(_STATE["peer"], spans[part.start : part.stop],
-                                    list(rows[part.start : part.stop].unbind(0)),
-                                    timeout=IO_TIMEOUT_S)  # fmt: skip
-        if part.stop < len(keys):
-            await conn.send({"op": "landed", "upto": part.stop}, timeout=IO_TIMEOUT_S)
+    await _STATE["agent"].write(_STATE["peer"], spans, list(rows.unbind(0)), timeout=IO_TIMEOUT_S)
     t2 = time.perf_counter()
     await conn.send({"op": "landed"}, timeout=IO_TIMEOUT_S)
     expect((await _answer(conn, "ack")).get("stored") == len(keys), "node refused chunks")

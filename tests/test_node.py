@@ -4,10 +4,10 @@ of landed chunks split over the verifier threads, over ``tcp://`` and ``ucx://``
 from __future__ import annotations
 
 import asyncio
-import itertools
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -15,9 +15,9 @@ import xxhash
 
 from kvstore.core.codec import ChunkKey, encode_blocks
 from kvstore.core.hashing import Namespace
-from kvstore.errors import ProtocolError, TransportError
+from kvstore.errors import TransportError
 from kvstore.master import BlockAdd, MasterClient, MasterConfig, MasterServer, ObjectAdd
-from kvstore.node.protocol import landed_parts, raise_if_error
+from kvstore.node.protocol import raise_if_error
 from kvstore.node.server import NodeConfig, StorageNode
 from kvstore.transport import Connection, connect
 from tests.cluster import TRANSPORTS
@@ -68,15 +68,8 @@ def chunks(keys: list[bytes], layer: int = 0) -> torch.Tensor:
     return torch.stack(out)
 
 
-async def put(
-    conn: Connection,
-    node: StorageNode,
-    keys: list[bytes],
-    rows: torch.Tensor,
-    parts: list[int] | None = None,
-) -> dict:
-    """One put exchange of layer-0 chunks on ``node``'s transport; the node's ack. Over
-    ucx://, ``parts``: say ``landed upto`` after writing each of these many chunks."""
+async def put(conn: Connection, node: StorageNode, keys: list[bytes], rows: torch.Tensor) -> dict:
+    """One put exchange of layer-0 chunks on ``node``'s transport; the node's ack."""
     spec = [[k.hex(), "", 0, rows.shape[1]] for k in keys]
     op = "reserve" if node.config.transport == "ucx" else "put"
     await conn.send({"op": op, "ns": NS.canonical_bytes().hex(), "chunks": spec}, timeout=TIMEOUT)
@@ -87,18 +80,19 @@ async def put(
     if op == "put":
         await conn.send({"op": "data"}, [r.numpy() for r in rows], timeout=TIMEOUT)
     else:
-        from kvstore.transport.nixl import NixlAgent, Span
-
-        async with NixlAgent(f"test-writer-{uuid.uuid4().hex[:8]}") as agent:
-            await agent.register(rows)
-            peer = await agent.add_peer(node._nixl_metadata)
-            for lo, hi in itertools.pairwise([0, *(parts or []), len(keys)]):
-                remote = [Span.from_wire(s) for s in answer["spans"][lo:hi]]
-                await agent.write(peer, remote, list(rows[lo:hi].unbind(0)), timeout=TIMEOUT)
-            for upto in parts or []:  # reported after the writes: the test is the node's check
-                await conn.send({"op": "landed", "upto": upto}, timeout=TIMEOUT)
+        await write_by_ucx(node, answer["spans"], rows)
         await conn.send({"op": "landed"}, timeout=TIMEOUT)
     return raise_if_error((await conn.recv_header(TIMEOUT)).header, "ack")
+
+
+async def write_by_ucx(node: StorageNode, spans: list[Any], rows: torch.Tensor) -> None:
+    from kvstore.transport.nixl import NixlAgent, Span
+
+    async with NixlAgent(f"test-writer-{uuid.uuid4().hex[:8]}") as agent:
+        await agent.register(rows)
+        peer = await agent.add_peer(node._nixl_metadata)
+        remote = [Span.from_wire(s) for s in spans]
+        await agent.write(peer, remote, list(rows.unbind(0)), timeout=TIMEOUT)
 
 
 async def get(conn: Connection, keys: list[bytes]) -> tuple[list[int], list[torch.Tensor]]:
@@ -111,15 +105,9 @@ async def get(conn: Connection, keys: list[bytes]) -> tuple[list[int], list[torc
     return found, bufs
 
 
-@pytest.mark.parametrize("parts", [None, [6, 13]], ids=["landed", "landed-in-parts"])
-async def test_bad_chunks_in_a_split_batch_are_refused_one_by_one(
-    rig: Rig, parts: list[int] | None
-) -> None:
-    """20 chunks (2.5 MiB): checked in several groups, as they arrive over tcp:// or as
-    the ucx:// writer reports parts, the rest split over the verifier threads; each bad one
-    is refused on its own."""
-    if parts and rig.node.config.transport != "ucx":
-        pytest.skip("parts are reported over ucx:// only")
+async def test_bad_chunks_in_a_split_batch_are_refused_one_by_one(rig: Rig) -> None:
+    """20 chunks (2.5 MiB): checked in several groups, as they arrive over tcp:// or split
+    over the verifier threads over ucx://; each bad one is refused on its own."""
     keys = blocks(20)
     rows = chunks(keys)
     good = rows.clone()
@@ -129,7 +117,7 @@ async def test_bad_chunks_in_a_split_batch_are_refused_one_by_one(
     expected = [0 if i in (3, 5, 17) else 1 for i in range(20)]
     conn = await connect(rig.node.data_uri, timeout=TIMEOUT)
     try:
-        ack = await put(conn, rig.node, keys, rows, parts)
+        ack = await put(conn, rig.node, keys, rows)
         assert (ack["stored"], ack["skipped"], ack["failed"]) == (17, 0, [3, 5, 17])
         assert await rig.holders(keys) == expected
         found, bufs = await get(conn, keys)
@@ -202,44 +190,3 @@ async def test_group_commit_failure_reaches_every_caller(rig: Rig) -> None:
         *(node._commit([BlockAdd(NS.id, k, (0,))]) for k in blocks(3)), return_exceptions=True
     )
     assert all(isinstance(r, TransportError) for r in results), results
-
-
-@pytest.mark.parametrize("parts", [[5, 5], [7, 3], [0], [20], [25]])
-async def test_landed_parts_out_of_order_refuse_the_put(rig: Rig, parts: list[int]) -> None:
-    """``landed upto`` must grow and stay below the accepted count: anything else is a
-    typed refusal, nothing of the put is stored, and the node keeps serving."""
-    if rig.node.config.transport != "ucx":
-        pytest.skip("parts are reported over ucx:// only")
-    keys = blocks(20)
-    conn = await connect(rig.node.data_uri, timeout=TIMEOUT)
-    try:
-        with pytest.raises(ProtocolError, match="upto"):
-            await put(conn, rig.node, keys, chunks(keys), parts)
-        assert await rig.holders(keys) == [0] * 20
-    finally:
-        await conn.close()
-    # (this writer sent frames after the refusal: the next put goes on a new connection)
-    conn = await connect(rig.node.data_uri, timeout=TIMEOUT)
-    try:
-        fresh = blocks(2)
-        ack = await put(conn, rig.node, fresh, chunks(fresh), [1])
-        assert (ack["stored"], ack["failed"]) == (2, [])
-    finally:
-        await conn.close()
-
-
-async def test_client_put_in_landed_parts_reads_back_exactly(rig: Rig) -> None:
-    """A KVClient put of a 10 MiB layer over ucx:// goes in parts (``landed_parts``); the
-    layer reads back bit for bit (quant none) and every part was checked."""
-    if rig.node.config.transport != "ucx":
-        pytest.skip("parts are reported over ucx:// only")
-    from kvclient import KVClient
-
-    n = 80  # blocks of 128 KiB: more than one LANDED_PART_BYTES
-    assert len(landed_parts(n, chunks(blocks(1)).shape[1])) > 1
-    tokens = list(range(n * TOKENS))
-    kv = torch.randn(2, n * TOKENS, H, D).bfloat16()
-    async with await KVClient.connect(rig.master.address, NS, timeout_s=TIMEOUT) as client:
-        assert await client.put_layer(tokens, 0, kv) == n * TOKENS
-        out = await client.get_layer(tokens, 0)
-    assert torch.equal(out, kv)

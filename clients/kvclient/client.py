@@ -40,13 +40,7 @@ from kvstore.errors import (
     TransportError,
 )
 from kvstore.master.client import MasterClient
-from kvstore.node.protocol import (
-    MAX_CHUNKS_PER_REQUEST,
-    MAX_KEY_LEN,
-    landed_parts,
-    raise_if_error,
-)
-from kvstore.transport.base import Connection
+from kvstore.node.protocol import MAX_CHUNKS_PER_REQUEST, MAX_KEY_LEN, raise_if_error
 
 from .engine import EngineOps
 from .handles import no_blocks, prefix_len
@@ -427,7 +421,7 @@ class ClientCore:
                 raise TransportError(f"node {node.node_id} sent a malformed {answer}")
             picked = [chunks[i] for i, a in zip(idx, accept, strict=True) if a]
             if node.ucx:
-                await self._write_ucx(node, conn, ready.get("spans"), picked)
+                await self._write_ucx(node, ready.get("spans"), picked)
                 await conn.send({"op": "landed"})
             else:
                 await conn.send({"op": "data"}, [c.numpy() for c in picked])
@@ -435,33 +429,24 @@ class ClientCore:
         failed = {idx[k] for k in ack.get("failed", [])}
         return set(idx) - failed
 
-    async def _write_ucx(
-        self, node: _Node, conn: Connection, spans: Any, chunks: list[torch.Tensor]
-    ) -> None:
-        """WRITE ``chunks`` into the node's ``spans`` part after part (see
-        :func:`landed_parts`), telling the node after each part but the last, so it checks
-        one part while the next is written. The caller sends the final ``landed``."""
+    async def _write_ucx(self, node: _Node, spans: Any, chunks: list[torch.Tensor]) -> None:
         if not isinstance(spans, list) or len(spans) != len(chunks):
             raise TransportError(f"node {node.node_id} sent malformed spans")
         if not chunks:
             return
         peer = await self._ucx.peer(node.nixl_metadata, node.host)
-        staged = all(self._ucx.holds(c) for c in chunks)  # encoded straight into staging
-        most = self._ucx.rows_per_transfer(self._chunk_bytes)
-        parts = landed_parts(len(chunks), self._chunk_bytes, most)
-        for part in parts:
-            if staged:
-                await self._ucx.write(peer, spans[part.start : part.stop],
-                                      chunks[part.start : part.stop], self.timeout_s)  # fmt: skip
-            else:
-                async with self._ucx.staging(len(part), self._chunk_bytes) as rows:
-                    for row, k in zip(rows.unbind(0), part, strict=True):
-                        row.copy_(chunks[k])
-                    await self._ucx.write(
-                        peer, spans[part.start : part.stop], list(rows.unbind(0)), self.timeout_s
-                    )
-            if part.stop < len(chunks):
-                await conn.send({"op": "landed", "upto": part.stop})
+        if all(self._ucx.holds(c) for c in chunks):  # encoded straight into staging
+            await self._ucx.write(peer, spans, chunks, self.timeout_s)
+            return
+        step = self._ucx.rows_per_transfer(self._chunk_bytes)
+        for lo in range(0, len(chunks), step):
+            part = chunks[lo : lo + step]
+            async with self._ucx.staging(len(part), self._chunk_bytes) as rows:
+                for row, chunk in zip(rows.unbind(0), part, strict=True):
+                    row.copy_(chunk)
+                await self._ucx.write(
+                    peer, spans[lo : lo + step], list(rows.unbind(0)), self.timeout_s
+                )
 
     async def _abort(self, hashes: list[bytes], reason: str) -> None:
         """Tell watchers that this writer gave up (best effort, short deadline)."""

@@ -19,9 +19,6 @@ One request is in flight per connection; every exchange starts with a client hea
                    | {op: error, ...}               (slots pinned; one span per accepted chunk)
                 C: one-sided NIXL WRITE of each accepted chunk into its span, then
                 C: {op: landed}                     N: ack as for put (after the master commit)
-                   (a writer may first report parts: {op: landed, upto: n} after the first
-                   n accepted chunks are written, n growing, n < accepted; the node starts
-                   checking them while the rest is written; see landed_parts)
                    (no ``landed`` within the I/O timeout: the slots are quarantined, since
                    the writer may still be writing into them)
     lease       C: {op: lease, ns_id, chunks: [[block, index]...], lease_s}        (ucx://)
@@ -60,13 +57,11 @@ from kvstore.errors import (
 )
 
 __all__ = [
-    "LANDED_PART_BYTES",
     "MAX_CHUNKS_PER_REQUEST",
     "MAX_KEY_LEN",
     "error_for",
     "error_header",
     "hex16",
-    "landed_parts",
     "raise_if_error",
     "require",
 ]
@@ -74,21 +69,6 @@ __all__ = [
 MAX_CHUNKS_PER_REQUEST = 4096
 """Most chunks one put or get may name (fits the frame limits: 4096 buffers, 1 MiB header);
 clients split larger batches."""
-
-LANDED_PART_BYTES = 8 * 2**20
-"""A ``ucx://`` writer reports ``landed`` (``upto``) after about this many bytes written,
-so the node checks them while it writes the rest (each part costs one more NIXL post)."""
-
-
-def landed_parts(count: int, chunk_bytes: int, most: int | None = None) -> list[range]:
-    """The positions of ``count`` accepted chunks a ``ucx://`` writer WRITEs part after
-    part, reporting ``{op: landed, upto: part.stop}`` after each part but the last: about
-    :data:`LANDED_PART_BYTES` each, at least one chunk, at most ``most`` chunks."""
-    step = max(1, LANDED_PART_BYTES // max(1, chunk_bytes))
-    if most is not None:
-        step = max(1, min(step, most))
-    return [range(lo, min(count, lo + step)) for lo in range(0, count, step)]
-
 
 MAX_KEY_LEN = 1024
 """Longest object key, in UTF-8 bytes."""

@@ -126,9 +126,7 @@ class _Checks:
     verifier threads (xxh3 releases the GIL, so they check in parallel), off the loop so
     other connections keep being served: over ``tcp://`` in groups of about
     :data:`_CHECK_GROUP_BYTES` started by :meth:`landed` as the chunks arrive, overlapping
-    the receive, and likewise over ``ucx://`` as the writer reports parts written
-    (``landed`` with ``upto``); a batch reported only by the final ``landed`` is split over
-    the threads at :meth:`verdict`.
+    the receive; over ``ucx://`` split over the threads once the writer says ``landed``.
     """
 
     def __init__(
@@ -144,13 +142,10 @@ class _Checks:
         self._inline = sum(item[3].numel() for item in items) <= _INLINE_VERIFY_BYTES
         self._group: list[_Landed] = []
         self._group_bytes = 0
-        self._reported = 0
         self._running: list[asyncio.Future[list[int]]] = []
 
     def landed(self, k: int) -> None:
-        """Chunk ``k`` is complete (they are reported in order): start checking it
-        (grouped) unless checks run inline."""
-        self._reported = k + 1
+        """Chunk ``k`` is complete: start checking it (grouped) unless checks run inline."""
         if self._inline:
             return
         item = self._items[k]
@@ -165,15 +160,14 @@ class _Checks:
         self._running.append(loop.run_in_executor(self._executor, self._check, part))
 
     async def verdict(self) -> list[int]:
-        """Check what no :meth:`landed` started, split over the threads; wait for every
-        check; the request positions that failed."""
+        """Check what no :meth:`landed` started (everything, over ``ucx://``), wait for
+        every check; the request positions that failed."""
         if self._inline:
             return self._check(self._items)
-        rest = self._group + self._items[self._reported :]
-        self._group = []
-        for k in range(self._threads):
-            if part := rest[k :: self._threads]:
-                self._start(part)
+        if not self._running:
+            for k in range(self._threads):
+                if part := self._items[k :: self._threads]:
+                    self._start(part)
         return sorted(i for bad in await asyncio.gather(*self._running) for i in bad)
 
     async def abandon(self) -> None:
@@ -562,7 +556,7 @@ class StorageNode:
             checks = _Checks(check, self._verifier, self._verify_threads, items)
             t0 = time.perf_counter()
             if header["op"] == "reserve":
-                await self._land_by_ucx(conn, accept, views, [slots[i] for i in picked], checks)
+                await self._land_by_ucx(conn, accept, views, [slots[i] for i in picked])
                 transport = "ucx"
             else:
                 await conn.send({"op": "ready", "accept": accept}, timeout=self.config.io_timeout_s)
@@ -615,41 +609,23 @@ class StorageNode:
             raise
 
     async def _land_by_ucx(
-        self,
-        conn: Connection,
-        accept: list[int],
-        views: list[torch.Tensor],
-        slots: list[Slot],
-        checks: _Checks,
+        self, conn: Connection, accept: list[int], views: list[torch.Tensor], slots: list[Slot]
     ) -> None:
         """``ucx://``: hand the writer the chunk views' spans, wait for its ``landed``.
 
-        A writer may say ``landed`` with ``upto: n`` first (the first ``n`` chunks are
-        written, growing ``n`` each time): their checks start while it writes the rest.
-        If the writer never says the final ``landed`` (timeout, disconnect, garbage), it may
-        still be writing one-sidedly into those slots: they are quarantined for a while,
-        unreadable and not reused, instead of being handed to someone else.
+        If the writer never says ``landed`` (timeout, disconnect, garbage), it may still be
+        writing one-sidedly into those slots: they are quarantined for a while, unreadable
+        and not reused, instead of being handed to someone else.
         """
         timeout = self.config.io_timeout_s
         spans = [self._span(v) for v in views]
         await conn.send({"op": "reserved", "accept": accept, "spans": spans}, timeout=timeout)
-        done = 0
         try:
-            while True:
-                frame = await conn.recv_header(timeout=timeout)
-                if frame.header.get("op") != "landed" or frame.sizes:
-                    raise ProtocolError(f"expected 'landed', got {frame.header.get('op')!r}")
-                upto = frame.header.get("upto")
-                if upto is None:
-                    return
-                if not isinstance(upto, int) or not done < upto < len(views):
-                    raise ProtocolError(f"'landed' upto {upto!r} outside ({done}, {len(views)})")
-                for k in range(done, upto):
-                    checks.landed(k)
-                done = upto
+            frame = await conn.recv_header(timeout=timeout)
+            if frame.header.get("op") != "landed" or frame.sizes:
+                raise ProtocolError(f"expected 'landed', got {frame.header.get('op')!r}")
         except BaseException:
             self._quarantine(slots)
-            await checks.abandon()
             raise
 
     def _span(self, view: torch.Tensor) -> list[int]:
