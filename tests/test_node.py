@@ -106,8 +106,8 @@ async def get(conn: Connection, keys: list[bytes]) -> tuple[list[int], list[torc
 
 
 async def test_bad_chunks_in_a_split_batch_are_refused_one_by_one(rig: Rig) -> None:
-    """20 chunks (2.5 MiB): checked in several groups, as they arrive over tcp:// or split
-    over the verifier threads over ucx://; each bad one is refused on its own."""
+    """20 chunks (2.5 MiB): split over the verifier threads; each bad one is refused on its
+    own."""
     keys = blocks(20)
     rows = chunks(keys)
     good = rows.clone()

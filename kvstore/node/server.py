@@ -18,14 +18,13 @@ costs the node its lease.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,8 +74,6 @@ _MAX_HOLDS = 65536
 _MAX_VERIFY_THREADS = 4
 _INLINE_VERIFY_BYTES = 256 * 2**10
 """Batches up to this size are verified on the loop: cheaper than a thread hop (~0.1 ms)."""
-_CHECK_GROUP_BYTES = 1 << 20
-"""Chunks received over ``tcp://`` are handed to a verifier thread in groups of this size."""
 
 
 @dataclass(frozen=True)
@@ -116,63 +113,6 @@ class _Queued:
 
     def object_keys(self) -> set[str]:
         return {a.key for a in self.object_adds} | set(self.object_removes)
-
-
-class _Checks:
-    """The checks of one put's landed chunks (header, key, checksum; reading every byte).
-
-    A batch of at most :data:`_INLINE_VERIFY_BYTES` is checked on the loop at
-    :meth:`verdict`, which costs less than a thread hop. Larger ones run on the node's
-    verifier threads (xxh3 releases the GIL, so they check in parallel), off the loop so
-    other connections keep being served: over ``tcp://`` in groups of about
-    :data:`_CHECK_GROUP_BYTES` started by :meth:`landed` as the chunks arrive, overlapping
-    the receive; over ``ucx://`` split over the threads once the writer says ``landed``.
-    """
-
-    def __init__(
-        self,
-        check: Callable[[list[_Landed]], list[int]],
-        executor: ThreadPoolExecutor,
-        threads: int,
-        items: list[_Landed],
-    ) -> None:
-        """``check(part)``: the request positions of ``part`` that failed; ``items``: every
-        chunk of the put; ``threads``: ``executor``'s."""
-        self._check, self._executor, self._threads, self._items = check, executor, threads, items
-        self._inline = sum(item[3].numel() for item in items) <= _INLINE_VERIFY_BYTES
-        self._group: list[_Landed] = []
-        self._group_bytes = 0
-        self._running: list[asyncio.Future[list[int]]] = []
-
-    def landed(self, k: int) -> None:
-        """Chunk ``k`` is complete: start checking it (grouped) unless checks run inline."""
-        if self._inline:
-            return
-        item = self._items[k]
-        self._group.append(item)
-        self._group_bytes += item[3].numel()
-        if self._group_bytes >= _CHECK_GROUP_BYTES or k == len(self._items) - 1:
-            self._start(self._group)
-            self._group, self._group_bytes = [], 0
-
-    def _start(self, part: list[_Landed]) -> None:
-        loop = asyncio.get_running_loop()
-        self._running.append(loop.run_in_executor(self._executor, self._check, part))
-
-    async def verdict(self) -> list[int]:
-        """Check what no :meth:`landed` started (everything, over ``ucx://``), wait for
-        every check; the request positions that failed."""
-        if self._inline:
-            return self._check(self._items)
-        if not self._running:
-            for k in range(self._threads):
-                if part := self._items[k :: self._threads]:
-                    self._start(part)
-        return sorted(i for bad in await asyncio.gather(*self._running) for i in bad)
-
-    async def abandon(self) -> None:
-        """The put failed: wait for checks already running (they read this put's slots)."""
-        await asyncio.gather(*self._running, return_exceptions=True)
 
 
 class StorageNode:
@@ -551,18 +491,16 @@ class StorageNode:
                 accept.append(1 if take else 0)
             picked = [i for i, a in enumerate(accept) if a]
             views = [self.table.chunk_view(slots[i], wanted[i][2]) for i in picked]
-            items = [(i, wanted[i][0][1], wanted[i][2], views[k]) for k, i in enumerate(picked)]
-            check = functools.partial(self._check_chunks, conn.peer, ns)
-            checks = _Checks(check, self._verifier, self._verify_threads, items)
             t0 = time.perf_counter()
             if header["op"] == "reserve":
                 await self._land_by_ucx(conn, accept, views, [slots[i] for i in picked])
                 transport = "ucx"
             else:
                 await conn.send({"op": "ready", "accept": accept}, timeout=self.config.io_timeout_s)
-                await self._receive_chunks(conn, views, chunk_bytes, checks)
+                await self._receive_chunks(conn, views, chunk_bytes)
                 transport = "tcp"
-            failed = await checks.verdict()
+            items = [(i, wanted[i][0][1], wanted[i][2], views[k]) for k, i in enumerate(picked)]
+            failed = await self._verify(conn.peer, ns, items)
             stored = await self._commit_landed(ns, wanted, slots, picked, failed)
             self._count("put", transport, len(views) * chunk_bytes, t0)
             ack = {"op": "ack", "stored": stored, "skipped": len(accept) - len(picked)}
@@ -592,21 +530,16 @@ class StorageNode:
         return [by_key[key] for key, _, _ in wanted]
 
     async def _receive_chunks(
-        self, conn: Connection, views: list[torch.Tensor], chunk_bytes: int, checks: _Checks
+        self, conn: Connection, views: list[torch.Tensor], chunk_bytes: int
     ) -> None:
-        """``tcp://``: the data frame's buffers land straight in the slots' chunk views,
-        each checked as soon as it is complete while the next ones arrive."""
+        """``tcp://``: the data frame's buffers land straight in the slots' chunk views."""
         timeout = self.config.io_timeout_s
         frame = await conn.recv_header(timeout=timeout)
         if frame.header.get("op") != "data":
             raise ProtocolError(f"expected the data frame, got {frame.header.get('op')!r}")
         if frame.sizes != [chunk_bytes] * len(views):
             raise ProtocolError("data frame does not match the accepted chunks")
-        try:
-            await conn.recv_payload_into([v.numpy() for v in views], timeout, checks.landed)
-        except BaseException:
-            await checks.abandon()
-            raise
+        await conn.recv_payload_into([v.numpy() for v in views], timeout)
 
     async def _land_by_ucx(
         self, conn: Connection, accept: list[int], views: list[torch.Tensor], slots: list[Slot]
@@ -645,6 +578,24 @@ class StorageNode:
     def _unquarantine(self, slot: Slot) -> None:
         if slot.alive and slot.quarantined:
             self.table.unquarantine(slot)
+
+    async def _verify(self, peer: str, ns: Namespace, items: list[_Landed]) -> list[int]:
+        """Check every landed chunk of a put (header, key, checksum: every byte is read);
+        the request positions that failed.
+
+        A batch of at most :data:`_INLINE_VERIFY_BYTES` is checked on the loop, which costs
+        less than a thread hop; a larger one off the loop, so other connections keep being
+        served (its slots are pinned by this exchange), split over the verifier threads
+        (xxh3 releases the GIL: two threads check twice the bytes per second).
+        """
+        if sum(item[3].numel() for item in items) <= _INLINE_VERIFY_BYTES:
+            return self._check_chunks(peer, ns, items)
+        loop, n = asyncio.get_running_loop(), self._verify_threads
+        parts = [items[k::n] for k in range(n) if items[k::n]]
+        checked = await asyncio.gather(
+            *(loop.run_in_executor(self._verifier, self._check_chunks, peer, ns, p) for p in parts)
+        )
+        return sorted(i for bad in checked for i in bad)
 
     def _check_chunks(self, peer: str, ns: Namespace, part: list[_Landed]) -> list[int]:
         """Verify header, key and checksum of landed chunks ``(position, block, index,
