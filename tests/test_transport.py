@@ -224,6 +224,26 @@ async def test_recv_into_numpy_torch_and_slot_views(case: Case) -> None:
     assert tiny.numpy().tobytes() == parts[3].tobytes()
 
 
+async def test_on_buffer_sees_each_view_complete_in_order(case: Case) -> None:
+    rng = np.random.default_rng(2)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in (300_000, 7, 0, 90_000, 5)]
+    outs: list[bytearray | None] = [bytearray(300_000), bytearray(7), bytearray(0), None,
+                                    bytearray(5)]  # fmt: skip
+    seen: list[tuple[int, bool]] = []
+
+    def on_buffer(i: int) -> None:
+        out = outs[i]
+        assert out is not None, "a discarded buffer is not reported"
+        seen.append((i, bytes(out) == parts[i].tobytes()))
+
+    async with pair(case) as (client, server):
+        send = asyncio.create_task(client.send({"op": "data"}, parts))
+        await server.recv_header(timeout=5)
+        await server.recv_payload_into(outs, timeout=5, on_buffer=on_buffer)
+        await send
+    assert seen == [(0, True), (1, True), (2, True), (4, True)]
+
+
 async def test_none_views_discard_and_stream_stays_in_sync(case: Case) -> None:
     async with pair(case) as (client, server):
         await client.send({"i": 0}, [b"a" * 10, b"b" * 100_000, b"c" * 5])

@@ -491,16 +491,16 @@ class StorageNode:
                 accept.append(1 if take else 0)
             picked = [i for i, a in enumerate(accept) if a]
             views = [self.table.chunk_view(slots[i], wanted[i][2]) for i in picked]
+            items = [(i, wanted[i][0][1], wanted[i][2], views[k]) for k, i in enumerate(picked)]
             t0 = time.perf_counter()
             if header["op"] == "reserve":
                 await self._land_by_ucx(conn, accept, views, [slots[i] for i in picked])
+                failed = await self._verify(conn.peer, ns, items)
                 transport = "ucx"
             else:
                 await conn.send({"op": "ready", "accept": accept}, timeout=self.config.io_timeout_s)
-                await self._receive_chunks(conn, views, chunk_bytes)
+                failed = await self._receive_chunks(conn, ns, items, chunk_bytes)
                 transport = "tcp"
-            items = [(i, wanted[i][0][1], wanted[i][2], views[k]) for k, i in enumerate(picked)]
-            failed = await self._verify(conn.peer, ns, items)
             stored = await self._commit_landed(ns, wanted, slots, picked, failed)
             self._count("put", transport, len(views) * chunk_bytes, t0)
             ack = {"op": "ack", "stored": stored, "skipped": len(accept) - len(picked)}
@@ -530,16 +530,25 @@ class StorageNode:
         return [by_key[key] for key, _, _ in wanted]
 
     async def _receive_chunks(
-        self, conn: Connection, views: list[torch.Tensor], chunk_bytes: int
-    ) -> None:
-        """``tcp://``: the data frame's buffers land straight in the slots' chunk views."""
+        self, conn: Connection, ns: Namespace, items: list[_Landed], chunk_bytes: int
+    ) -> list[int]:
+        """``tcp://``: the data frame's buffers land straight in the slots' chunk views, and
+        each chunk is checked on the loop the moment it is complete, while its bytes are
+        still in this core's cache (measured: xxh3 of a just-written 512 KiB chunk 60 GB/s,
+        of one read back from memory 8.5 GB/s); the request positions that failed."""
         timeout = self.config.io_timeout_s
         frame = await conn.recv_header(timeout=timeout)
         if frame.header.get("op") != "data":
             raise ProtocolError(f"expected the data frame, got {frame.header.get('op')!r}")
-        if frame.sizes != [chunk_bytes] * len(views):
+        if frame.sizes != [chunk_bytes] * len(items):
             raise ProtocolError("data frame does not match the accepted chunks")
-        await conn.recv_payload_into([v.numpy() for v in views], timeout)
+        failed: list[int] = []
+
+        def landed(k: int) -> None:
+            failed.extend(self._check_chunks(conn.peer, ns, items[k : k + 1]))
+
+        await conn.recv_payload_into([item[3].numpy() for item in items], timeout, landed)
+        return failed
 
     async def _land_by_ucx(
         self, conn: Connection, accept: list[int], views: list[torch.Tensor], slots: list[Slot]
@@ -580,8 +589,9 @@ class StorageNode:
             self.table.unquarantine(slot)
 
     async def _verify(self, peer: str, ns: Namespace, items: list[_Landed]) -> list[int]:
-        """Check every landed chunk of a put (header, key, checksum: every byte is read);
-        the request positions that failed.
+        """``ucx://``: check every chunk a writer says it wrote (header, key, checksum: every
+        byte is read, from memory: another process wrote it); the request positions that
+        failed.
 
         A batch of at most :data:`_INLINE_VERIFY_BYTES` is checked on the loop, which costs
         less than a thread hop; a larger one off the loop, so other connections keep being

@@ -218,12 +218,18 @@ class Connection(abc.ABC):
         return frame
 
     async def recv_payload_into(
-        self, views: Sequence[Buffer | None], timeout: float | None = None
+        self,
+        views: Sequence[Buffer | None],
+        timeout: float | None = None,
+        on_buffer: Callable[[int], None] | None = None,
     ) -> None:
         """Receive the pending frame's payload straight into caller-provided ``views``.
 
         One writable view per payload buffer, each exactly that buffer's size; a ``None``
-        entry discards that buffer. Blocks up to ``timeout`` seconds. Raises
+        entry discards that buffer. ``on_buffer(i)``, if given, is called on the event loop
+        as soon as view ``i`` is complete (in order), so the caller can start on it while
+        the rest is still arriving; it must not block. Blocks up to ``timeout`` seconds.
+        Raises
         :class:`~kvstore.errors.ProtocolError` when the count or a size differs from the
         frame's (nothing is read; the payload stays pending),
         :class:`~kvstore.errors.InvalidArgument` for a non-writable view or when no payload
@@ -240,7 +246,9 @@ class Connection(abc.ABC):
         self._begin_read(header=False)
         try:
             await with_timeout(
-                self._read_payload(targets, frame.sizes), timeout, f"recv from {self._peer}"
+                self._read_payload(targets, frame.sizes, on_buffer),
+                timeout,
+                f"recv from {self._peer}",
             )
         except BaseException as exc:
             self._fail(exc)
@@ -314,8 +322,14 @@ class Connection(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def _read_payload(self, targets: list[memoryview | None], sizes: list[int]) -> None:
-        """Read the payload buffers into ``targets`` (``None``: discard ``sizes[i]`` bytes)."""
+    async def _read_payload(
+        self,
+        targets: list[memoryview | None],
+        sizes: list[int],
+        on_buffer: Callable[[int], None] | None,
+    ) -> None:
+        """Read the payload buffers into ``targets`` (``None``: discard ``sizes[i]`` bytes),
+        calling ``on_buffer(i)`` after each target is complete."""
 
     @abc.abstractmethod
     def _buffered(self) -> int:

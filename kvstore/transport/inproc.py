@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from kvstore.errors import (
@@ -154,11 +155,18 @@ class InprocConnection(Connection):
         self._payload = buffers
         return frame, length
 
-    async def _read_payload(self, targets: list[memoryview | None], sizes: list[int]) -> None:
+    async def _read_payload(
+        self,
+        targets: list[memoryview | None],
+        sizes: list[int],
+        on_buffer: Callable[[int], None] | None,
+    ) -> None:
         payload, self._payload = self._payload, []
-        for target, buf in zip(targets, payload, strict=True):
+        for i, (target, buf) in enumerate(zip(targets, payload, strict=True)):
             if target is not None:
                 target[:] = buf
+                if on_buffer is not None:
+                    on_buffer(i)
 
     def _buffered(self) -> int:
         return self._inbox.queued_bytes()

@@ -113,12 +113,19 @@ class TcpConnection(Connection):
             self._restage(_STAGE_BYTES)  # a large header grew staging: give the memory back
         return frame, total
 
-    async def _read_payload(self, targets: list[memoryview | None], sizes: list[int]) -> None:
-        for target, size in zip(targets, sizes, strict=True):
+    async def _read_payload(
+        self,
+        targets: list[memoryview | None],
+        sizes: list[int],
+        on_buffer: Callable[[int], None] | None,
+    ) -> None:
+        for i, (target, size) in enumerate(zip(targets, sizes, strict=True)):
             if target is None:
                 await self._skip(size)
             else:
                 await self._fill(target)
+                if on_buffer is not None:
+                    on_buffer(i)
 
     def _buffered(self) -> int:
         staged = self._end - self._start
