@@ -42,6 +42,7 @@ from kvstore.transport import (
     connect,
     listen,
 )
+from kvstore.transport.base import PROGRESS_BYTES
 from kvstore.transport.framing import (
     FIXED_SIZE,
     MAGIC,
@@ -224,24 +225,37 @@ async def test_recv_into_numpy_torch_and_slot_views(case: Case) -> None:
     assert tiny.numpy().tobytes() == parts[3].tobytes()
 
 
-async def test_on_buffer_sees_each_view_complete_in_order(case: Case) -> None:
+async def test_on_progress_reports_each_view_filling_in_order(case: Case) -> None:
     rng = np.random.default_rng(2)
-    parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in (300_000, 7, 0, 90_000, 5)]
-    outs: list[bytearray | None] = [bytearray(300_000), bytearray(7), bytearray(0), None,
-                                    bytearray(5)]  # fmt: skip
-    seen: list[tuple[int, bool]] = []
+    sizes = (3 * PROGRESS_BYTES + 1000, 7, 0, 90_000, 5, 300_000)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    outs: list[bytearray | None] = [bytearray(n) for n in sizes]
+    outs[3] = None  # discarded: never reported
+    seen: list[tuple[int, int]] = []
 
-    def on_buffer(i: int) -> None:
+    def on_progress(i: int, upto: int) -> None:
         out = outs[i]
         assert out is not None, "a discarded buffer is not reported"
-        seen.append((i, bytes(out) == parts[i].tobytes()))
+        # Everything reported has arrived: the caller may read it at once.
+        assert bytes(out[:upto]) == parts[i][:upto].tobytes()
+        seen.append((i, upto))
 
     async with pair(case) as (client, server):
         send = asyncio.create_task(client.send({"op": "data"}, parts))
         await server.recv_header(timeout=5)
-        await server.recv_payload_into(outs, timeout=5, on_buffer=on_buffer)
+        await server.recv_payload_into(outs, timeout=5, on_progress=on_progress)
         await send
-    assert seen == [(0, True), (1, True), (2, True), (4, True)]
+    assert [i for i, _ in seen] == sorted(i for i, _ in seen), "views in order"
+    for i, size in enumerate(sizes):
+        ups = [upto for j, upto in seen if j == i]
+        if outs[i] is None:
+            assert not ups
+            continue
+        assert ups and ups[-1] == size, f"view {i} reported complete once it is"
+        assert ups == sorted(ups) and len(set(ups)) == len(ups), "each report is new bytes"
+        if case.name == "tcp":  # a socket is read in cache-sized pieces
+            steps = np.diff([0, *ups])
+            assert all(step <= PROGRESS_BYTES for step in steps), steps
 
 
 async def test_none_views_discard_and_stream_stays_in_sync(case: Case) -> None:

@@ -159,14 +159,14 @@ class InprocConnection(Connection):
         self,
         targets: list[memoryview | None],
         sizes: list[int],
-        on_buffer: Callable[[int], None] | None,
+        on_progress: Callable[[int, int], None] | None,
     ) -> None:
         payload, self._payload = self._payload, []
         for i, (target, buf) in enumerate(zip(targets, payload, strict=True)):
             if target is not None:
                 target[:] = buf
-                if on_buffer is not None:
-                    on_buffer(i)
+                if on_progress is not None:
+                    on_progress(i, len(target))
 
     def _buffered(self) -> int:
         return self._inbox.queued_bytes()

@@ -38,6 +38,7 @@ from kvstore.errors import (
 )
 from kvstore.transport.base import (
     DEFAULT_MAX_CONNECTIONS,
+    PROGRESS_BYTES,
     Backend,
     Connection,
     Handler,
@@ -117,15 +118,15 @@ class TcpConnection(Connection):
         self,
         targets: list[memoryview | None],
         sizes: list[int],
-        on_buffer: Callable[[int], None] | None,
+        on_progress: Callable[[int, int], None] | None,
     ) -> None:
         for i, (target, size) in enumerate(zip(targets, sizes, strict=True)):
             if target is None:
                 await self._skip(size)
-            else:
+            elif on_progress is None:
                 await self._fill(target)
-                if on_buffer is not None:
-                    on_buffer(i)
+            else:
+                await self._fill(target, functools.partial(on_progress, i))
 
     def _buffered(self) -> int:
         staged = self._end - self._start
@@ -147,16 +148,25 @@ class TcpConnection(Connection):
                 self._end += await self._recv(self._recv_to_stage, payload=False)
         return self._stage_mv[self._start : self._start + n]
 
-    async def _fill(self, view: memoryview) -> None:
-        """Fill ``view``: staged bytes first, then straight from the kernel."""
+    async def _fill(self, view: memoryview, progress: Callable[[int], None] | None = None) -> None:
+        """Fill ``view``: staged bytes first, then straight from the kernel; with
+        ``progress``, in pieces of at most :data:`PROGRESS_BYTES`, reporting each."""
         pos = self._take(view)
+        if progress is not None and (pos or not view.nbytes):
+            progress(pos)
         while pos < len(view):
-            target = view[pos:]
             self._start = self._end = 0  # staging is empty here: _take drained it
-            got = await self._recv(functools.partial(self._recv_scatter, target), payload=True)
-            into = min(got, len(target))
+            piece = view[pos:] if progress is None else view[pos : pos + PROGRESS_BYTES]
+            if pos + len(piece) < len(view):  # short of the view's end: nothing spills
+                call = functools.partial(_recv_into, piece)
+            else:
+                call = functools.partial(self._recv_scatter, piece)
+            got = await self._recv(call, payload=True)
+            into = min(got, len(view) - pos)
             self._end = got - into
             pos += into
+            if progress is not None:
+                progress(pos)
 
     async def _skip(self, size: int) -> None:
         """Consume and drop ``size`` payload bytes."""
@@ -254,6 +264,10 @@ class TcpConnection(Connection):
         if isinstance(exc, ConnectionError):
             return PeerDisconnected(f"{op} on {self.peer}: {exc}")
         return TransportError(f"{op} on {self.peer} failed: {exc}")
+
+
+def _recv_into(target: memoryview, sock: socket.socket) -> int:
+    return sock.recv_into(target)
 
 
 def _advance(iov: list[memoryview], sent: int) -> list[memoryview]:
