@@ -17,13 +17,14 @@ from kvstore.core.codec import ChunkKey, encode_blocks
 from kvstore.core.hashing import Namespace
 from kvstore.errors import TransportError
 from kvstore.master import BlockAdd, MasterClient, MasterConfig, MasterServer, ObjectAdd
+from kvstore.node import server
 from kvstore.node.protocol import raise_if_error
 from kvstore.node.server import NodeConfig, StorageNode
 from kvstore.transport import Connection, connect
 from tests.cluster import TRANSPORTS
 
 H, D, TOKENS = 8, 64, 64
-"""Chunks of 128 KiB payload: a batch of 8 is past the node's inline-verification size."""
+"""Chunks of 128 KiB payload."""
 NS = Namespace(model="node-test", revision="1", num_layers=2, num_kv_heads=H, head_dim=D,
                dtype=torch.bfloat16, block_tokens=TOKENS, quant="none")  # fmt: skip
 TIMEOUT = 10.0
@@ -105,9 +106,12 @@ async def get(conn: Connection, keys: list[bytes]) -> tuple[list[int], list[torc
     return found, bufs
 
 
-async def test_bad_chunks_in_a_split_batch_are_refused_one_by_one(rig: Rig) -> None:
-    """20 chunks (2.5 MiB): split over the verifier threads; each bad one is refused on its
-    own."""
+async def test_bad_chunks_in_a_split_batch_are_refused_one_by_one(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """20 chunks (2.5 MiB): over ucx:// split over the verifier threads (past the inline
+    size set here); each bad one is refused on its own."""
+    monkeypatch.setattr(server, "_INLINE_VERIFY_BYTES", 256 * 2**10)
     keys = blocks(20)
     rows = chunks(keys)
     good = rows.clone()
