@@ -536,7 +536,7 @@ class StorageNode:
     ) -> list[int]:
         """``tcp://``: the data frame's buffers land straight in the slots' chunk views, and
         each chunk is checked on the loop piece by piece as its bytes arrive, while they are
-        still in this core's cache (measured: xxh3 of a just-received 256 KiB piece ~60
+        still in this core's cache (measured: xxh3 of a just-received 128 KiB piece ~60
         GB/s, of a chunk read back from memory ~8.5 GB/s); the request positions that
         failed."""
         timeout = self.config.io_timeout_s

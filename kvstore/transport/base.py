@@ -64,10 +64,11 @@ T = TypeVar("T")
 DEFAULT_MAX_CONNECTIONS = 1024
 """Default bound on the connections one listener serves at once."""
 
-PROGRESS_BYTES = 256 * 2**10
+PROGRESS_BYTES = 128 * 2**10
 """Largest piece a socket backend receives at once while a caller watches progress: well
 inside a core's L2, so the caller reads each piece from cache (measured here: xxh3 of a
-just-received piece ~60 GB/s, of the same bytes from memory ~8.5 GB/s)."""
+just-received piece ~60 GB/s, of the same bytes from memory ~8.5 GB/s). 128 KiB measured
+best for 4 MiB chunks against 64 KiB, 256 KiB and 1 MiB (docs/decisions.md)."""
 
 Handler = Callable[["Connection"], Awaitable[None]]
 """``async def handler(conn)``: serves one accepted connection, in its own task."""
