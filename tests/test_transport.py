@@ -258,6 +258,51 @@ async def test_on_progress_reports_each_view_filling_in_order(case: Case) -> Non
             assert all(step <= PROGRESS_BYTES for step in steps), steps
 
 
+async def _one_layout(
+    client: Connection, server: Connection, rng: np.random.Generator, round_: int
+) -> None:
+    count = int(rng.integers(1, 40))
+    sizes = [int(rng.choice([0, 1, 70, 4096, 65_536 + 72, 200_000])) for _ in range(count)]
+    parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    outs: list[bytearray | None] = [bytearray(n) if rng.random() > 0.2 else None for n in sizes]
+    watch = bool(round_ % 2)
+    seen: dict[int, list[int]] = {}
+
+    def on_progress(i: int, upto: int) -> None:
+        assert outs[i] is not None and upto <= sizes[i]
+        assert not seen or max(seen) <= i, "views in order"
+        seen.setdefault(i, []).append(upto)
+
+    async def both() -> None:
+        await client.send({"round": round_}, parts)
+        await client.send({"after": round_})
+
+    send = asyncio.create_task(both())
+    assert (await server.recv_header(timeout=5)).header == {"round": round_}
+    await server.recv_payload_into(outs, timeout=5, on_progress=on_progress if watch else None)
+    await send
+    for i, out in enumerate(outs):
+        if out is None:
+            assert i not in seen
+            continue
+        assert bytes(out) == parts[i].tobytes(), (round_, i)
+        if watch:
+            assert seen[i][-1] == sizes[i], (round_, i, seen.get(i))
+    assert (await server.recv_header(timeout=5)).header == {"after": round_}
+
+
+async def test_many_buffers_per_frame_land_in_place_with_and_without_progress(
+    case: Case,
+) -> None:
+    """Random layouts: tiny, empty, discarded and large buffers, frames back to back; every
+    byte lands in its own view, the next frame stays framed, progress (when watched) is
+    reported in order up to each view's size."""
+    rng = np.random.default_rng(11)
+    async with pair(case) as (client, server):
+        for round_ in range(24):
+            await _one_layout(client, server, rng, round_)
+
+
 async def test_none_views_discard_and_stream_stays_in_sync(case: Case) -> None:
     async with pair(case) as (client, server):
         await client.send({"i": 0}, [b"a" * 10, b"b" * 100_000, b"c" * 5])
