@@ -94,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--node-id", default="")
         p.add_argument("--host-mem", type=_size, default=parse_size("512MiB"))
         p.add_argument(
+            "--gpu-mem",
+            type=_size,
+            default=0,
+            help="a GPU tier of this size on the current CUDA device, where ucx:// puts land "
+            "(default none)",
+        )
+        p.add_argument(
             "--transport",
             choices=["tcp", "ucx"],
             default="tcp",
@@ -160,6 +167,7 @@ async def _run(args: argparse.Namespace) -> int:
                     data_port=args.data_port,
                     node_id=args.node_id,
                     host_mem=args.host_mem,
+                    gpu_mem=args.gpu_mem,
                     transport=args.transport,
                 ),
                 metrics,

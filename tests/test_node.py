@@ -69,10 +69,18 @@ def chunks(keys: list[bytes], layer: int = 0) -> torch.Tensor:
     return torch.stack(out)
 
 
-async def put(conn: Connection, node: StorageNode, keys: list[bytes], rows: torch.Tensor) -> dict:
-    """One put exchange of layer-0 chunks on ``node``'s transport; the node's ack."""
-    spec = [[k.hex(), "", 0, rows.shape[1]] for k in keys]
-    op = "reserve" if node.config.transport == "ucx" else "put"
+async def put(
+    conn: Connection,
+    node: StorageNode,
+    keys: list[bytes],
+    rows: torch.Tensor,
+    op: str | None = None,
+    layer: int = 0,
+) -> dict:
+    """One put exchange of ``layer``'s chunks; ``op`` "put" (tcp://) or "reserve" (ucx://),
+    by default the one of ``node``'s transport; the node's ack."""
+    spec = [[k.hex(), "", layer, rows.shape[1]] for k in keys]
+    op = op or ("reserve" if node.config.transport == "ucx" else "put")
     await conn.send({"op": op, "ns": NS.canonical_bytes().hex(), "chunks": spec}, timeout=TIMEOUT)
     answer = raise_if_error(
         (await conn.recv_header(TIMEOUT)).header, "reserved" if op == "reserve" else "ready"

@@ -36,7 +36,7 @@ from kvstore import __version__
 from kvstore.core.arena import Arena
 from kvstore.core.codec import ChunkKey, ChunkVerifier, chunk_nbytes, verify_chunk
 from kvstore.core.hashing import Namespace
-from kvstore.core.slots import Lease, ObjectStore, Slot, SlotKey, SlotTable
+from kvstore.core.slots import Lease, ObjectStore, Slot, SlotKey, SlotTable, TierStats
 from kvstore.errors import (
     BadShape,
     CapacityError,
@@ -87,12 +87,33 @@ class NodeConfig:
     data_port: int = 50052
     node_id: str = ""
     host_mem: int = 512 * 2**20
+    gpu_mem: int = 0
+    """Bytes of the GPU tier (0: none): ``ucx://`` puts land there, in device memory."""
+    gpu_device: str = "cuda"
+    """The GPU tier's torch device (tests run the same code on ``"cpu"``)."""
     transport: str = "tcp"
     io_timeout_s: float = 30.0
     """Deadline of each step of a data-plane exchange (one header, one payload)."""
     max_object_bytes: int = 64 * 2**20
     max_hold_s: float = 600.0
     sweep_s: float = 0.5
+
+
+@dataclass
+class _Tier:
+    """One memory tier of the node: its arena, its slots and its NIXL registration."""
+
+    name: str
+    arena: Arena
+    table: SlotTable
+    reg: Registration | None = None
+
+    def owns(self, slot: Slot) -> bool:
+        return self.table.get(slot.key) is slot
+
+    def holds(self, view: torch.Tensor) -> bool:
+        base, t = view.data_ptr(), self.arena.tensor
+        return view.device == t.device and t.data_ptr() <= base < t.data_ptr() + t.numel()
 
 
 @dataclass
@@ -132,11 +153,18 @@ class StorageNode:
             raise InvalidArgument(f"transport must be 'tcp' or 'ucx', got {config.transport!r}")
         if config.host_mem <= 0:
             raise InvalidArgument("--host-mem must be positive")
+        if config.gpu_mem < 0:
+            raise InvalidArgument("--gpu-mem must not be negative")
         self.config = config
         self.node_id = config.node_id or f"node-{uuid.uuid4().hex[:8]}"
         self.metrics = metrics or Metrics()
         self.arena = Arena(config.host_mem, device="cpu")
         self.table = SlotTable(self.arena)
+        self.tiers = [_Tier("host", self.arena, self.table)]
+        """Fastest first: ``[gpu, host]`` with ``--gpu-mem``, else ``[host]``."""
+        if config.gpu_mem:
+            gpu = Arena(config.gpu_mem, device=_gpu_device(config.gpu_device))
+            self.tiers.insert(0, _Tier("gpu", gpu, SlotTable(gpu)))
         self.objects = ObjectStore(
             self.arena,
             max_object_bytes=config.max_object_bytes,
@@ -149,7 +177,8 @@ class StorageNode:
             self._verify_threads, thread_name_prefix="kvstore-verify"
         )
         self._inflight: set[tuple[SlotKey, int]] = set()
-        self._unreported: list[SlotKey] = []
+        self._unreported: list[tuple[str, SlotKey]] = []
+        """Evictions (tier, key) not yet reported to the master."""
         self._holds: dict[str, _Hold] = {}
         self._hold_ids = itertools.count(1)
         self._master = master if master is not None else MasterClient(config.master)
@@ -169,7 +198,6 @@ class StorageNode:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._nixl: NixlAgent | None = None
         self._nixl_metadata = b""
-        self._arena_reg: Registration | None = None
         self.data_uri = ""
 
     # ------------------------------------------------------------------ lifecycle
@@ -197,12 +225,14 @@ class StorageNode:
 
     async def _start_nixl(self) -> None:
         """Create the node's NIXL agent (event-driven progress thread: a target must make
-        progress or peers cannot connect) and register the whole arena once."""
+        progress or peers cannot connect) and register every tier's arena once (host
+        memory as DRAM, the GPU tier as VRAM)."""
         self._nixl = NixlAgent(
             f"{self.node_id}-{uuid.uuid4().hex[:8]}", host=self.config.host, progress_thread=True
         )
         await self._nixl.start()
-        self._arena_reg = await self._nixl.register(self.arena.tensor)
+        for tier in self.tiers:
+            tier.reg = await self._nixl.register(tier.arena.tensor)
         self._nixl_metadata = await self._nixl.metadata()
 
     async def stop(self, grace: float = 5.0) -> None:
@@ -231,13 +261,32 @@ class StorageNode:
     @property
     def pinned_slots(self) -> int:
         """Slots pinned right now (0 when idle: anything else is a leak)."""
-        return self.table.stats().pinned_slots
+        return sum(t.table.stats().pinned_slots for t in self.tiers)
 
     # ------------------------------------------------------------------ master
 
     def _tiers(self) -> list[Tier]:
-        st = self.table.stats()
-        return [Tier("host", st.capacity_bytes, st.used_bytes)]
+        stats = [(t.name, t.table.stats()) for t in self.tiers]
+        return [Tier(name, st.capacity_bytes, st.used_bytes) for name, st in stats]
+
+    def _lookup(self, key: SlotKey) -> tuple[_Tier, Slot] | None:
+        """The tier holding ``key``'s slot and the slot (a key lives in one tier at most)."""
+        for tier in self.tiers:
+            slot = tier.table.get(key)
+            if slot is not None:
+                return tier, slot
+        return None
+
+    def _tier_of(self, slot: Slot) -> _Tier:
+        for tier in self.tiers:
+            if tier.owns(slot):
+                return tier
+        raise ProtocolError(f"slot {slot.key[1].hex()} is no longer held here")
+
+    def _take_evictions(self) -> list[tuple[str, SlotKey]]:
+        gone = [(t.name, k) for t in self.tiers for k in t.table.take_evictions()]
+        gone, self._unreported = [*self._unreported, *gone], []
+        return gone
 
     async def _register(self) -> None:
         async with self._commit_lock:
@@ -252,15 +301,15 @@ class StorageNode:
             )
             self._epoch, self._lease_s, self._seq = reply.epoch, reply.lease_s, 0
             # Entries of the old epoch are dead already; evictions need no report.
-            self._unreported.clear()
-            self.table.take_evictions()
+            self._take_evictions()
             logger.info(
                 "registered %s epoch=%d lease=%.1fs", self.node_id, self._epoch, self._lease_s
             )
             # Re-report everything held (after a master restart or a lost lease).
             adds = [
                 BlockAdd(s.key[0], s.key[1], tuple(_bits(s.landed_mask)))
-                for s in self.table.slots()
+                for t in self.tiers
+                for s in t.table.slots()
                 if s.landed_mask and not s.quarantined
             ]
             objs = [ObjectAdd(k, n) for k, n in self.objects.items()]
@@ -297,11 +346,12 @@ class StorageNode:
                 keys |= batch[-1].object_keys()
             try:
                 async with self._commit_lock:
-                    gone = [*self._unreported, *self.table.take_evictions()]
-                    self._unreported = []
-                    if gone:
-                        self.metrics.evictions.labels(tier="host").inc(len(gone))
-                    refs = [BlockRef(k[0], k[1]) for k in gone]
+                    gone = self._take_evictions()
+                    for tier in {name for name, _ in gone}:
+                        self.metrics.evictions.labels(tier=tier).inc(
+                            sum(name == tier for name, _ in gone)
+                        )
+                    refs = [BlockRef(k[0], k[1]) for _, k in gone]
                     adds = [a for q in batch for a in q.adds]
                     obj_adds = [a for q in batch for a in q.object_adds]
                     obj_removes = [k for q in batch for k in q.object_removes]
@@ -376,7 +426,8 @@ class StorageNode:
                     self._reregister.clear()
                     await self._register()
                 now = time.monotonic()
-                self.table.expire_leases(now)
+                for tier in self.tiers:
+                    tier.table.expire_leases(now)
                 self.objects.expire_leases(now)
                 for hid in [h for h, v in self._holds.items() if all(x.released for x in v.leases)]:
                     del self._holds[hid]
@@ -386,13 +437,16 @@ class StorageNode:
                 logger.warning("node sweep: %s", exc)
 
     def _refresh_usage(self) -> None:
-        st = self.table.stats()
         self._usage = self._tiers()
         g = self.metrics.pool_bytes
-        g.labels(tier="host", state="free").set(st.free_bytes)
-        g.labels(tier="host", state="used").set(st.used_bytes)
-        g.labels(tier="host", state="pinned").set(st.pinned_bytes)
-        self.metrics.blocks.labels(role="node").set(st.slots)
+        blocks = 0
+        for tier in self.tiers:
+            st = tier.table.stats()
+            g.labels(tier=tier.name, state="free").set(st.free_bytes)
+            g.labels(tier=tier.name, state="used").set(st.used_bytes)
+            g.labels(tier=tier.name, state="pinned").set(st.pinned_bytes)
+            blocks += st.slots
+        self.metrics.blocks.labels(role="node").set(blocks)
 
     # ------------------------------------------------------------------ data plane
 
@@ -482,8 +536,11 @@ class StorageNode:
             )
         leases: list[Lease[Slot]] = []
         claimed: list[tuple[SlotKey, int]] = []
+        # ucx:// lands in the fastest tier (device memory, written one-sidedly); tcp:// in
+        # host memory, where the socket delivers. A block already held stays where it is.
+        tier = self.tiers[0] if header["op"] == "reserve" else self.tiers[-1]
         try:
-            slots = self._allocate(wanted, chunk_bytes, num_chunks, leases)
+            slots = self._allocate(wanted, chunk_bytes, num_chunks, leases, tier)
             accept = []
             for (key, _, index), slot in zip(wanted, slots, strict=True):
                 take = not (slot.landed_mask >> index) & 1 and (key, index) not in self._inflight
@@ -492,7 +549,8 @@ class StorageNode:
                     claimed.append((key, index))
                 accept.append(1 if take else 0)
             picked = [i for i, a in enumerate(accept) if a]
-            views = [self.table.chunk_view(slots[i], wanted[i][2]) for i in picked]
+            views = [self._tier_of(slots[i]).table.chunk_view(slots[i], wanted[i][2])
+                     for i in picked]  # fmt: skip
             items = [(i, wanted[i][0][1], wanted[i][2], views[k]) for k, i in enumerate(picked)]
             t0 = time.perf_counter()
             if header["op"] == "reserve":
@@ -518,17 +576,21 @@ class StorageNode:
         chunk_bytes: int,
         num_chunks: int,
         leases: list[Lease[Slot]],
+        tier: _Tier,
     ) -> list[Slot]:
-        """Allocate and pin the batch's slots (REJECT = CapacityError before any payload)."""
+        """Allocate and pin the batch's slots, new ones in ``tier``, blocks already held in
+        the tier that holds them (REJECT = CapacityError before any payload)."""
         by_key: dict[SlotKey, Slot] = {}
         for key, parent, _ in wanted:
             if key not in by_key:
-                res = self.table.allocate(
+                held = self._lookup(key)
+                into = held[0] if held is not None else tier
+                res = into.table.allocate(
                     key, chunk_bytes * num_chunks, chunk_bytes, num_chunks, parent
                 )
                 by_key[key] = res.slot
-                leases.append(self.table.pin(res.slot))
-                self._unreported.extend(res.evicted)
+                leases.append(into.table.pin(res.slot))
+                self._unreported.extend((into.name, k) for k in res.evicted)
         return [by_key[key] for key, _, _ in wanted]
 
     async def _receive_chunks(
@@ -545,9 +607,13 @@ class StorageNode:
             raise ProtocolError(f"expected the data frame, got {frame.header.get('op')!r}")
         if frame.sizes != [chunk_bytes] * len(items):
             raise ProtocolError("data frame does not match the accepted chunks")
+        # A block held in the GPU tier (put over ucx:// before) is received into host
+        # memory, checked there and then copied to the device.
+        in_host = self.tiers[-1].holds
+        hosts = [v if in_host(v) else torch.empty_like(v, device="cpu") for *_, v in items]
         checks = [
-            ChunkVerifier(view, ChunkKey(block, *divmod(index, ns.tp_size)))
-            for _, block, index, view in items
+            ChunkVerifier(buf, ChunkKey(block, *divmod(index, ns.tp_size)))
+            for (_, block, index, _), buf in zip(items, hosts, strict=True)
         ]
         failed: list[int] = []
 
@@ -560,7 +626,10 @@ class StorageNode:
                     logger.warning("rejected chunk from %s: %s", conn.peer, exc)
                     failed.append(items[k][0])
 
-        await conn.recv_payload_into([item[3].numpy() for item in items], timeout, arrived)
+        await conn.recv_payload_into([h.numpy() for h in hosts], timeout, arrived)
+        for (i, *_, view), buf in zip(items, hosts, strict=True):
+            if buf is not view and i not in failed:
+                view.copy_(buf)
         return failed
 
     async def _land_by_ucx(
@@ -584,22 +653,24 @@ class StorageNode:
             raise
 
     def _span(self, view: torch.Tensor) -> list[int]:
-        if self._arena_reg is None:
-            raise InvalidArgument("this node does not serve ucx://")
-        offset = view.data_ptr() - self.arena.tensor.data_ptr()
-        return self._arena_reg.span(offset, view.numel()).to_wire()  # type: ignore[no-any-return]
+        for tier in self.tiers:
+            if tier.reg is not None and tier.holds(view):
+                offset = view.data_ptr() - tier.arena.tensor.data_ptr()
+                return tier.reg.span(offset, view.numel()).to_wire()  # type: ignore[no-any-return]
+        raise InvalidArgument("this node does not serve ucx://")
 
     def _quarantine(self, slots: Iterable[Slot]) -> None:
         """Quarantine ``slots`` for one I/O timeout (a peer may still write into them)."""
         loop = asyncio.get_running_loop()
         for slot in set(slots):
-            if self.table.get(slot.key) is slot:
-                self.table.quarantine(slot)
-                loop.call_later(self.config.io_timeout_s, self._unquarantine, slot)
+            for tier in self.tiers:
+                if tier.owns(slot):
+                    tier.table.quarantine(slot)
+                    loop.call_later(self.config.io_timeout_s, self._unquarantine, tier, slot)
 
-    def _unquarantine(self, slot: Slot) -> None:
-        if slot.alive and slot.quarantined:
-            self.table.unquarantine(slot)
+    def _unquarantine(self, tier: _Tier, slot: Slot) -> None:
+        if slot.alive and slot.quarantined and tier.owns(slot):
+            tier.table.unquarantine(slot)
 
     async def _verify(self, peer: str, ns: Namespace, items: list[_Landed]) -> list[int]:
         """``ucx://``: check every chunk a writer says it wrote (header, key, checksum: every
@@ -646,7 +717,7 @@ class StorageNode:
         rejected = set(failed)
         for i in picked:
             key, _, index = wanted[i]
-            if i not in rejected and self.table.mark_landed(slots[i], index):
+            if i not in rejected and self._tier_of(slots[i]).table.mark_landed(slots[i], index):
                 landed.setdefault(key, []).append(index)
         await self._commit([BlockAdd(k[0], k[1], tuple(v)) for k, v in landed.items()])
         return len(picked) - len(failed)
@@ -658,25 +729,27 @@ class StorageNode:
         ns_id = hex16(header.get("ns_id"), "ns_id")
         views: list[torch.Tensor] = []
         found: list[int] = []
-        keys: list[SlotKey] = []
+        keys: dict[str, list[SlotKey]] = {}
         for item in self._chunk_list(header):
             if not isinstance(item, list) or len(item) != 2 or not isinstance(item[1], int):
                 raise ProtocolError("a get chunk is [block, index]")
             key = (ns_id, hex16(item[0]))
-            slot = self.table.get(key)
+            held = self._lookup(key)
             if (
-                slot is None
-                or not 0 <= item[1] < slot.num_chunks
-                or not (slot.landed_mask >> item[1] & 1)
+                held is None
+                or not 0 <= item[1] < held[1].num_chunks
+                or not (held[1].landed_mask >> item[1] & 1)
             ):
                 found.append(0)
                 self.metrics.stale_misses.inc()
                 continue
-            leases.append(self.table.pin(slot, ttl_s=ttl_s))
-            views.append(self.table.chunk_view(slot, item[1]))
+            tier, slot = held
+            leases.append(tier.table.pin(slot, ttl_s=ttl_s))
+            views.append(tier.table.chunk_view(slot, item[1]))
             found.append(1)
-            keys.append(key)
-        self.table.touch(keys)
+            keys.setdefault(tier.name, []).append(key)
+        for tier in self.tiers:
+            tier.table.touch(keys.get(tier.name, []))
         return found, views
 
     async def _on_get(self, conn: Connection, header: dict[str, Any]) -> None:
@@ -684,9 +757,11 @@ class StorageNode:
         try:
             found, views = self._find(header, leases)
             t0 = time.perf_counter()
+            # The GPU tier goes out through a host copy (tcp:// sends host bytes only).
+            host = self.tiers[-1]
             await conn.send(
                 {"op": "data", "found": found},
-                [v.numpy() for v in views],
+                [(v if host.holds(v) else _host_copy(v)).numpy() for v in views],
                 timeout=self.config.io_timeout_s,
             )
             self._count("get", "tcp", sum(v.numel() for v in views), t0)
@@ -734,10 +809,10 @@ class StorageNode:
             raise CapacityError("too many holds on this node")
         hold = _Hold()
         for block in blocks:
-            slot = self.table.get((ns_id, hex16(block)))
-            if slot is None:
+            held = self._lookup((ns_id, hex16(block)))
+            if held is None:
                 break
-            hold.leases.append(self.table.pin(slot, ttl_s=float(ttl)))
+            hold.leases.append(held[0].table.pin(held[1], ttl_s=float(ttl)))
         hold_id = f"h{next(self._hold_ids)}"
         if hold.leases:
             self._holds[hold_id] = hold
@@ -804,13 +879,13 @@ class StorageNode:
         ns_id = hex16(header.get("ns_id"), "ns_id")
         blocks = header.get("blocks")
         if blocks is None:
-            candidates = [s.key for s in self.table.slots() if s.key[0] == ns_id]
+            candidates = [s.key for t in self.tiers for s in t.table.slots() if s.key[0] == ns_id]
         else:
             if not isinstance(blocks, list) or len(blocks) > MAX_CHUNKS_PER_REQUEST:
                 raise ProtocolError(f"blocks must be a list of <= {MAX_CHUNKS_PER_REQUEST}")
             candidates = [(ns_id, hex16(b)) for b in blocks]
-        present = [key for key in candidates if self.table.get(key) is not None]
-        gone = [key for key in present if self.table.evict(key)]
+        present = [(held[0], key) for key in candidates if (held := self._lookup(key))]
+        gone = [(tier.name, key) for tier, key in present if tier.table.evict(key)]
         self._unreported.extend(gone)
         await self._commit([])
         await conn.send(
@@ -819,22 +894,48 @@ class StorageNode:
         )
 
     async def _on_stats(self, conn: Connection, header: dict[str, Any]) -> None:
-        st = self.table.stats()
+        stats = [(t.name, t.table.stats()) for t in self.tiers]
         await conn.send(
             {
                 "op": "stats",
                 "node_id": self.node_id,
                 "epoch": self._epoch,
-                "slots": st.slots,
-                "pinned_slots": st.pinned_slots,
-                "leases": st.leases,
+                "slots": sum(st.slots for _, st in stats),
+                "pinned_slots": sum(st.pinned_slots for _, st in stats),
+                "leases": sum(st.leases for _, st in stats),
                 "holds": len(self._holds),
                 "objects": len(self.objects),
-                "capacity_bytes": st.capacity_bytes,
-                "used_bytes": st.used_bytes,
+                "capacity_bytes": sum(st.capacity_bytes for _, st in stats),
+                "used_bytes": sum(st.used_bytes for _, st in stats),
+                "tiers": [_tier_stats(name, st) for name, st in stats],
             },
             timeout=self.config.io_timeout_s,
         )
+
+
+def _host_copy(view: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(view, device="cpu").copy_(view)
+
+
+def _tier_stats(name: str, st: TierStats) -> dict[str, Any]:
+    return {
+        "name": name,
+        "slots": st.slots,
+        "pinned_slots": st.pinned_slots,
+        "capacity_bytes": st.capacity_bytes,
+        "used_bytes": st.used_bytes,
+    }
+
+
+def _gpu_device(name: str) -> torch.device:
+    """The GPU tier's device; InvalidArgument when torch cannot use it."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidArgument(f"bad GPU tier device {name!r}: {exc}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument("--gpu-mem needs a CUDA device, and torch sees none")
+    return device
 
 
 def _bits(mask: int) -> list[int]:

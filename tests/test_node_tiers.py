@@ -1,0 +1,179 @@
+"""The node's GPU tier (``--gpu-mem``): where puts land, reads from either tier over either
+transport, a block that stays in its tier, and the GPU tier's own eviction.
+
+No GPU exists in CI, so the tier runs on CPU tensors (``NodeConfig(gpu_device="cpu")``):
+the same code as on CUDA, including the host bounce of ``tcp://`` puts into and gets out
+of that tier (taken for any view outside the host tier). A real master, a real node, real
+sockets and real NIXL/UCX one-sided transfers.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvclient.ucx import nixl_available
+from kvstore.master import MasterClient, MasterConfig, MasterServer
+from kvstore.node.protocol import raise_if_error
+from kvstore.node.server import NodeConfig, StorageNode
+from kvstore.transport import Connection, connect
+from tests.test_node import NS, TIMEOUT, blocks, chunks, get, put
+
+pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 not installed")
+
+CHUNK = chunks(blocks(1)).shape[1]
+SLOT = 2 * CHUNK  # NS has two layers: a slot holds both chunks of its block
+
+
+@pytest.fixture
+async def master() -> AsyncIterator[MasterServer]:
+    master = MasterServer(MasterConfig(grpc_port=0))
+    await master.start()
+    yield master
+    await master.stop(grace=0.5)
+
+
+@pytest.fixture
+async def node(master: MasterServer) -> AsyncIterator[StorageNode]:
+    config = NodeConfig(master=master.address, data_port=0, transport="ucx",
+                        host_mem=16 * 2**20, gpu_mem=4 * 2**20, gpu_device="cpu")  # fmt: skip
+    node = StorageNode(config, master=MasterClient.in_process(master.service))
+    await node.start()
+    try:
+        yield node
+    finally:
+        await node.stop(grace=1.0)
+    assert node.pinned_slots == 0
+
+
+async def nixl(node: StorageNode, op: str, spans: list[Any], rows: torch.Tensor) -> None:
+    from kvstore.transport.nixl import NixlAgent, Span
+
+    async with NixlAgent(f"test-tiers-{uuid.uuid4().hex[:8]}") as agent:
+        await agent.register(rows)
+        peer = await agent.add_peer(node._nixl_metadata)
+        move = agent.write if op == "write" else agent.read
+        await move(peer, [Span.from_wire(s) for s in spans], list(rows.unbind(0)), timeout=TIMEOUT)
+
+
+async def read_by_ucx(
+    conn: Connection, node: StorageNode, keys: list[bytes], index: int
+) -> torch.Tensor:
+    spec = [[k.hex(), index] for k in keys]
+    lease = {"op": "lease", "ns_id": NS.id.hex(), "chunks": spec, "lease_s": TIMEOUT}
+    await conn.send(lease, timeout=TIMEOUT)
+    answer = raise_if_error((await conn.recv_header(TIMEOUT)).header, "leased")
+    assert answer["found"] == [1] * len(keys)
+    rows = torch.zeros(len(keys), CHUNK, dtype=torch.uint8)
+    await nixl(node, "read", answer["spans"], rows)
+    await conn.send({"op": "release"}, timeout=TIMEOUT)
+    return rows
+
+
+def tier_of(node: StorageNode, key: bytes) -> str | None:
+    found = [t.name for t in node.tiers if t.table.get((NS.id, key)) is not None]
+    assert len(found) <= 1, "a block lives in one tier at most"
+    return found[0] if found else None
+
+
+async def stats(conn: Connection) -> dict[str, Any]:
+    await conn.send({"op": "stats"}, timeout=TIMEOUT)
+    return (await conn.recv_header(TIMEOUT)).header
+
+
+async def test_ucx_puts_land_in_the_gpu_tier_tcp_puts_in_host_memory(
+    master: MasterServer, node: StorageNode
+) -> None:
+    assert [t.name for t in node.tiers] == ["gpu", "host"]
+    one, two = blocks(3), blocks(3)
+    rows_one, rows_two = chunks(one), chunks(two)
+    conn = await connect(node.data_uri, timeout=TIMEOUT)
+    try:
+        assert (await put(conn, node, one, rows_one, "reserve", 0))["stored"] == 3
+        assert (await put(conn, node, two, rows_two, "put", 0))["stored"] == 3
+        assert [tier_of(node, k) for k in one + two] == ["gpu"] * 3 + ["host"] * 3
+        # Every chunk reads back byte for byte from either tier over either transport.
+        found, bufs = await get(conn, one + two)
+        assert found == [1] * 6
+        assert torch.equal(torch.stack(bufs), torch.cat([rows_one, rows_two]))
+        assert torch.equal(await read_by_ucx(conn, node, one + two, 0),
+                           torch.cat([rows_one, rows_two]))  # fmt: skip
+        st = await stats(conn)
+        tiers = {t["name"]: t for t in st["tiers"]}
+        assert (tiers["gpu"]["slots"], tiers["host"]["slots"], st["slots"]) == (3, 3, 6)
+        assert tiers["gpu"]["capacity_bytes"] == node.tiers[0].arena.capacity_bytes
+        # The master hears of both tiers (kvctl nodes shows them).
+        listed = await MasterClient.in_process(master.service).nodes()
+        assert [t.name for t in listed[0].tiers] == ["gpu", "host"]
+    finally:
+        await conn.close()
+
+
+async def test_a_block_stays_in_its_tier_whatever_carries_its_next_layer(
+    node: StorageNode,
+) -> None:
+    """Layer 0 over ucx:// puts the block in the GPU tier; layer 1 over tcp:// lands in the
+    same slot through a host bounce, checked before it is copied in; a bad chunk is not."""
+    keys = blocks(2)
+    conn = await connect(node.data_uri, timeout=TIMEOUT)
+    try:
+        await put(conn, node, keys, chunks(keys, 0), "reserve", 0)
+        layer1 = chunks(keys, 1)
+        bad = layer1.clone()
+        bad[1, -1] ^= 0xFF  # the second block's checksum no longer matches
+        ack = await put(conn, node, keys, bad, "put", 1)
+        assert (ack["stored"], ack["failed"]) == (1, [1])
+        assert [tier_of(node, k) for k in keys] == ["gpu", "gpu"]
+        slot = node.tiers[0].table.get((NS.id, keys[1]))
+        assert slot is not None and slot.landed_mask == 0b01
+        assert not torch.equal(node.tiers[0].table.chunk_view(slot, 1), bad[1])
+        ack = await put(conn, node, keys[1:], layer1[1:], "put", 1)
+        assert ack["stored"] == 1
+        assert torch.equal(await read_by_ucx(conn, node, keys, 1), layer1)
+    finally:
+        await conn.close()
+
+
+async def test_the_gpu_tier_evicts_its_own_lru_and_reports_it(
+    master: MasterServer, node: StorageNode
+) -> None:
+    gpu, host = node.tiers
+    fits = gpu.arena.capacity_bytes // gpu.arena.slot_stride(SLOT)
+    keys = blocks(fits + 4)
+    conn = await connect(node.data_uri, timeout=TIMEOUT)
+    try:
+        for i in range(0, len(keys), 4):
+            await put(conn, node, keys[i : i + 4], chunks(keys[i : i + 4]), "reserve", 0)
+        in_gpu = [tier_of(node, k) == "gpu" for k in keys]
+        assert not any(in_gpu[:4]) and all(in_gpu[-4:]), "the oldest went first"
+        assert len(host.table) == 0, "the GPU tier's evictions do not spill into host memory"
+        await node._commit([])  # the next commit carries the evictions
+        lookup = await MasterClient.in_process(master.service).lookup(NS.id, keys, 2)
+        assert [bool(hs) for hs in lookup] == in_gpu
+
+        def evicted(tier: str) -> float | None:
+            return node.metrics.registry.get_sample_value("kvstore_evictions_total", {"tier": tier})
+
+        assert (evicted("gpu"), evicted("host")) == (in_gpu.count(False), None)
+    finally:
+        await conn.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_gpu_mem_without_a_cuda_device_is_refused_in_one_line() -> None:
+    argv = ["node", "--master", "127.0.0.1:1", "--gpu-mem", "64MiB", "--data-port", "0"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", *argv, "--metrics-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--gpu-mem needs a CUDA device" in lines[0], proc.stderr
