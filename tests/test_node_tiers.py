@@ -1,5 +1,6 @@
 """The node's GPU tier (``--gpu-mem``): where puts land, reads from either tier over either
-transport, a block that stays in its tier, and the GPU tier's own eviction.
+transport, a block that stays in its tier, and demotion of the GPU tier's LRU victims to
+host memory.
 
 No GPU exists in CI, so the tier runs on CPU tensors (``NodeConfig(gpu_device="cpu")``):
 the same code as on CUDA, including the host bounce of ``tcp://`` puts into and gets out
@@ -140,27 +141,36 @@ async def test_a_block_stays_in_its_tier_whatever_carries_its_next_layer(
         await conn.close()
 
 
-async def test_the_gpu_tier_evicts_its_own_lru_and_reports_it(
+async def test_gpu_victims_move_to_host_memory_and_leave_the_node_only_from_there(
     master: MasterServer, node: StorageNode
 ) -> None:
-    gpu, host = node.tiers
-    fits = gpu.arena.capacity_bytes // gpu.arena.slot_stride(SLOT)
-    keys = blocks(fits + 4)
+    room = sum(t.arena.capacity_bytes // t.arena.slot_stride(SLOT) for t in node.tiers)
+    keys = blocks(room + 8)
+    rows = chunks(keys)
     conn = await connect(node.data_uri, timeout=TIMEOUT)
     try:
         for i in range(0, len(keys), 4):
-            await put(conn, node, keys[i : i + 4], chunks(keys[i : i + 4]), "reserve", 0)
-        in_gpu = [tier_of(node, k) == "gpu" for k in keys]
-        assert not any(in_gpu[:4]) and all(in_gpu[-4:]), "the oldest went first"
-        assert len(host.table) == 0, "the GPU tier's evictions do not spill into host memory"
+            await put(conn, node, keys[i : i + 4], rows[i : i + 4], "reserve", 0)
+        where = [tier_of(node, k) for k in keys]
+        rank = {None: 0, "host": 1, "gpu": 2}
+        # Oldest gone, then the GPU tier's victims in host memory, the newest in the GPU.
+        assert [rank[w] for w in where] == sorted(rank[w] for w in where), where
+        assert {None, "host", "gpu"} <= set(where), where
         await node._commit([])  # the next commit carries the evictions
         lookup = await MasterClient.in_process(master.service).lookup(NS.id, keys, 2)
-        assert [bool(hs) for hs in lookup] == in_gpu
+        assert [bool(hs) for hs in lookup] == [w is not None for w in where]
+        held = [i for i, w in enumerate(where) if w is not None]
+        found, bufs = await get(conn, [keys[i] for i in held])
+        assert found == [1] * len(held) and torch.equal(torch.stack(bufs), rows[held])
+        demoted = [i for i in held if where[i] == "host"]
+        got = await read_by_ucx(conn, node, [keys[i] for i in demoted], 0)
+        assert torch.equal(got, rows[demoted])
 
         def evicted(tier: str) -> float | None:
             return node.metrics.registry.get_sample_value("kvstore_evictions_total", {"tier": tier})
 
-        assert (evicted("gpu"), evicted("host")) == (in_gpu.count(False), None)
+        left_gpu = where.count("host") + where.count(None)
+        assert (evicted("gpu"), evicted("host")) == (left_gpu, where.count(None))
     finally:
         await conn.close()
 

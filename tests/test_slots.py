@@ -247,6 +247,25 @@ def test_failed_allocation_still_reports_its_evictions() -> None:
     table.validate()
 
 
+def test_demote_hook_sees_every_lru_victim_and_keeps_demoted_keys_off_the_journal() -> None:
+    offered: list[SlotKey] = []
+
+    def demote(victim: Slot) -> bool:
+        offered.append(victim.key)
+        assert victim.alive and table.get(victim.key) is victim  # still readable here
+        return victim.key[1][-1] % 2 == 0  # even blocks find a home elsewhere
+
+    table = SlotTable(Arena(64 * KiB, page_bytes=4 * KiB), demote=demote)
+    keys = [table.allocate(key(i), 4096, 1024, 4).slot.key for i in range(16)]
+    evicted = [*table.allocate(key(16), 4096, 1024, 4).evicted,
+               *table.allocate(key(17), 4096, 1024, 4).evicted]  # fmt: skip
+    assert table.evict_lru() == keys[2]
+    assert offered == keys[:3]
+    assert evicted == [keys[1]] and table.take_evictions() == []  # keys 0 and 2: demoted
+    assert table.evict(keys[3]) and offered == keys[:3], "an explicit eviction is not offered"
+    table.validate()
+
+
 def test_quarantine() -> None:
     table, _ = small_table()
     slot = table.allocate(key(1), 4096, 1024, 4).slot

@@ -168,9 +168,19 @@ class SlotTable:
     otherwise, and none blocks. ``clock`` is read only when a ``now=`` argument is omitted.
     """
 
-    def __init__(self, arena: Arena, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        arena: Arena,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        demote: Callable[[Slot], bool] | None = None,
+    ) -> None:
+        """``demote(victim)``, if given, is offered every LRU victim just before its memory
+        is reused; True means it copied the slot to another tier of the same node, so the
+        key is not journaled as evicted. It must not raise."""
         self.arena = arena
         self._clock = clock
+        self._demote = demote
         self._slots: dict[SlotKey, Slot] = {}
         self._children: dict[SlotKey, int] = {}
         self._evictable: dict[SlotKey, Slot] = {}
@@ -252,18 +262,23 @@ class SlotTable:
                     f"no room for a {slot_bytes}-byte slot: {len(self._slots)} slots, "
                     f"{self._pinned_slots} pinned, {self._quarantined} quarantined, none evictable"
                 )
-            self._remove(victim)
-            self._journal.append(victim.key)
+            self._evict_victim(victim)
         return offset
 
+    def _evict_victim(self, victim: Slot) -> None:
+        moved = self._demote is not None and self._demote(victim)
+        self._remove(victim)
+        if not moved:
+            self._journal.append(victim.key)
+
     def evict_lru(self) -> SlotKey | None:
-        """Evict the least recently used evictable slot; its key (also journaled for the
-        next report), or None if nothing is evictable. Used by :class:`ObjectStore`."""
+        """Evict the least recently used evictable slot; its key (journaled for the next
+        report unless demoted), or None if nothing is evictable. Used by
+        :class:`ObjectStore`."""
         victim = self._pop_lru()
         if victim is None:
             return None
-        self._remove(victim)
-        self._journal.append(victim.key)
+        self._evict_victim(victim)
         return victim.key
 
     def take_evictions(self) -> list[SlotKey]:

@@ -164,7 +164,7 @@ class StorageNode:
         """Fastest first: ``[gpu, host]`` with ``--gpu-mem``, else ``[host]``."""
         if config.gpu_mem:
             gpu = Arena(config.gpu_mem, device=_gpu_device(config.gpu_device))
-            self.tiers.insert(0, _Tier("gpu", gpu, SlotTable(gpu)))
+            self.tiers.insert(0, _Tier("gpu", gpu, SlotTable(gpu, demote=self._demote)))
         self.objects = ObjectStore(
             self.arena,
             max_object_bytes=config.max_object_bytes,
@@ -283,6 +283,28 @@ class StorageNode:
                 return tier
         raise ProtocolError(f"slot {slot.key[1].hex()} is no longer held here")
 
+    def _demote(self, victim: Slot) -> bool:
+        """The GPU tier's LRU victim moves to host memory instead of leaving the node (one
+        device → host copy of its landed chunks); False, dropping it, when host memory has
+        no room. The master's entries stay as they are: the block is still on this node."""
+        gpu, host = self.tiers[0], self.tiers[-1]
+        self.metrics.evictions.labels(tier=gpu.name).inc()
+        if not victim.landed_mask:
+            return False
+        try:
+            res = host.table.allocate(
+                victim.key, victim.slot_bytes, victim.chunk_bytes, victim.num_chunks, victim.parent
+            )
+        except KVStoreError:
+            return False
+        self._unreported.extend((host.name, k) for k in res.evicted)
+        if not res.created:  # cannot happen (a key lives in one tier); keep the host copy
+            return True
+        host.table.slot_view(res.slot).copy_(gpu.table.slot_view(victim))
+        for index in _bits(victim.landed_mask):
+            host.table.mark_landed(res.slot, index)
+        return True
+
     def _take_evictions(self) -> list[tuple[str, SlotKey]]:
         gone = [(t.name, k) for t in self.tiers for k in t.table.take_evictions()]
         gone, self._unreported = [*self._unreported, *gone], []
@@ -347,7 +369,8 @@ class StorageNode:
             try:
                 async with self._commit_lock:
                     gone = self._take_evictions()
-                    for tier in {name for name, _ in gone}:
+                    for tier in {name for name, _ in gone if name != "gpu"}:
+                        # (the GPU tier counts its evictions as they happen, demoted or not)
                         self.metrics.evictions.labels(tier=tier).inc(
                             sum(name == tier for name, _ in gone)
                         )
@@ -887,6 +910,8 @@ class StorageNode:
         present = [(held[0], key) for key in candidates if (held := self._lookup(key))]
         gone = [(tier.name, key) for tier, key in present if tier.table.evict(key)]
         self._unreported.extend(gone)
+        if self.tiers[0].name == "gpu":  # (counted here: see _flush_commits)
+            self.metrics.evictions.labels(tier="gpu").inc(sum(n == "gpu" for n, _ in gone))
         await self._commit([])
         await conn.send(
             {"op": "evicted", "evicted": len(gone), "kept": len(present) - len(gone)},
