@@ -4,7 +4,8 @@ host memory.
 
 No GPU exists in CI, so the tier runs on CPU tensors (``NodeConfig(gpu_device="cpu")``):
 the same code as on CUDA, including the host bounce of ``tcp://`` puts into and gets out
-of that tier (taken for any view outside the host tier). A real master, a real node, real
+of that tier (taken for any view outside the host tier). Where CUDA exists every test also
+runs with the tier on the device. A real master, a real node, real
 sockets and real NIXL/UCX one-sided transfers.
 """
 
@@ -40,10 +41,20 @@ async def master() -> AsyncIterator[MasterServer]:
     await master.stop(grace=0.5)
 
 
-@pytest.fixture
-async def node(master: MasterServer) -> AsyncIterator[StorageNode]:
+@pytest.fixture(
+    params=[
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+        ),
+    ]
+)
+async def node(master: MasterServer, request: pytest.FixtureRequest) -> AsyncIterator[StorageNode]:
+    """A ``ucx://`` node with a 4 MiB GPU tier: on CPU tensors everywhere, and on the real
+    device where CUDA exists (the device check of this tier)."""
     config = NodeConfig(master=master.address, data_port=0, transport="ucx",
-                        host_mem=16 * 2**20, gpu_mem=4 * 2**20, gpu_device="cpu")  # fmt: skip
+                        host_mem=16 * 2**20, gpu_mem=4 * 2**20,
+                        gpu_device=request.param)  # fmt: skip
     node = StorageNode(config, master=MasterClient.in_process(master.service))
     await node.start()
     try:
@@ -133,7 +144,7 @@ async def test_a_block_stays_in_its_tier_whatever_carries_its_next_layer(
         assert [tier_of(node, k) for k in keys] == ["gpu", "gpu"]
         slot = node.tiers[0].table.get((NS.id, keys[1]))
         assert slot is not None and slot.landed_mask == 0b01
-        assert not torch.equal(node.tiers[0].table.chunk_view(slot, 1), bad[1])
+        assert not torch.equal(node.tiers[0].table.chunk_view(slot, 1).cpu(), bad[1])
         ack = await put(conn, node, keys[1:], layer1[1:], "put", 1)
         assert ack["stored"] == 1
         assert torch.equal(await read_by_ucx(conn, node, keys, 1), layer1)
