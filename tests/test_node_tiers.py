@@ -11,6 +11,8 @@ sockets and real NIXL/UCX one-sided transfers.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import subprocess
 import sys
 import uuid
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 from kvclient.ucx import nixl_available
+from kvstore.errors import CapacityError
 from kvstore.master import MasterClient, MasterConfig, MasterServer
 from kvstore.node.protocol import raise_if_error
 from kvstore.node.server import NodeConfig, StorageNode
@@ -52,9 +55,17 @@ async def master() -> AsyncIterator[MasterServer]:
 async def node(master: MasterServer, request: pytest.FixtureRequest) -> AsyncIterator[StorageNode]:
     """A ``ucx://`` node with a 4 MiB GPU tier: on CPU tensors everywhere, and on the real
     device where CUDA exists (the device check of this tier)."""
+    async with tiered_node(master, request.param) as node:
+        yield node
+
+
+@contextlib.asynccontextmanager
+async def tiered_node(
+    master: MasterServer, device: str, io_timeout_s: float = 30.0
+) -> AsyncIterator[StorageNode]:
     config = NodeConfig(master=master.address, data_port=0, transport="ucx",
-                        host_mem=16 * 2**20, gpu_mem=4 * 2**20,
-                        gpu_device=request.param)  # fmt: skip
+                        host_mem=16 * 2**20, gpu_mem=4 * 2**20, gpu_device=device,
+                        io_timeout_s=io_timeout_s)  # fmt: skip
     node = StorageNode(config, master=MasterClient.in_process(master.service))
     await node.start()
     try:
@@ -89,7 +100,7 @@ async def read_by_ucx(
 
 
 def tier_of(node: StorageNode, key: bytes) -> str | None:
-    found = [t.name for t in node.tiers if t.table.get((NS.id, key)) is not None]
+    found = [t.name for t in node.tiers if t.table.find((NS.id, key)) is not None]
     assert len(found) <= 1, "a block lives in one tier at most"
     return found[0] if found else None
 
@@ -184,6 +195,63 @@ async def test_gpu_victims_move_to_host_memory_and_leave_the_node_only_from_ther
         assert (evicted("gpu"), evicted("host")) == (left_gpu, where.count(None))
     finally:
         await conn.close()
+
+
+async def test_a_ucx_batch_larger_than_the_gpu_tier_goes_on_in_host_memory(
+    node: StorageNode,
+) -> None:
+    room = node.tiers[0].arena.capacity_bytes // node.tiers[0].arena.slot_stride(SLOT)
+    keys = blocks(room + 6)  # more than the GPU tier holds, all pinned by this exchange
+    rows = chunks(keys)
+    conn = await connect(node.data_uri, timeout=TIMEOUT)
+    try:
+        assert (await put(conn, node, keys, rows, "reserve", 0))["stored"] == len(keys)
+        where = [tier_of(node, k) for k in keys]
+        n = where.count("gpu")
+        assert 0 < n < len(keys) and where == ["gpu"] * n + ["host"] * (len(keys) - n), where
+        found, bufs = await get(conn, keys)
+        assert found == [1] * len(keys) and torch.equal(torch.stack(bufs), rows)
+    finally:
+        await conn.close()
+
+
+async def test_a_quarantined_block_is_refused_everywhere_until_its_quarantine_ends(
+    master: MasterServer,
+) -> None:
+    """A ucx:// writer that never says ``landed`` leaves its GPU-tier slot quarantined for
+    one I/O timeout: meanwhile a put of the same block over either transport is refused
+    (never started again in host memory); afterwards the block takes puts again."""
+    async with tiered_node(master, "cpu", io_timeout_s=0.5) as node:
+        [key] = blocks(1)
+        spec = [[key.hex(), "", 0, CHUNK]]
+        quiet = await connect(node.data_uri, timeout=TIMEOUT)
+        await quiet.send({"op": "reserve", "ns": NS.canonical_bytes().hex(), "chunks": spec})
+        raise_if_error((await quiet.recv_header(TIMEOUT)).header, "reserved")
+        conn = await connect(node.data_uri, timeout=TIMEOUT)
+        try:
+            slot = None
+            for _ in range(100):  # the node gives up on 'landed' after 0.5 s
+                slot = node.tiers[0].table.find((NS.id, key))
+                if slot is not None and slot.quarantined:
+                    break
+                await asyncio.sleep(0.02)
+            assert slot is not None and slot.quarantined
+            for op in ("put", "reserve"):
+                with pytest.raises(CapacityError, match="quarantined"):
+                    await put(conn, node, [key], chunks([key]), op, 0)
+            assert tier_of(node, key) == "gpu"
+            for _ in range(100):
+                if not slot.quarantined:
+                    break
+                await asyncio.sleep(0.02)
+            assert not slot.quarantined and node.tiers[0].table.get((NS.id, key)) is slot
+            rows = chunks([key])
+            assert (await put(conn, node, [key], rows, "put", 0))["stored"] == 1
+            found, bufs = await get(conn, [key])
+            assert found == [1] and torch.equal(bufs[0], rows[0])
+        finally:
+            await conn.close()
+            await quiet.close()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")

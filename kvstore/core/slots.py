@@ -333,6 +333,14 @@ class SlotTable:
             return None
         return slot
 
+    def find(self, key: SlotKey) -> Slot | None:
+        """``key``'s slot, quarantined or not; None if absent."""
+        return self._slots.get(key)
+
+    def holds(self, slot: Slot) -> bool:
+        """Whether ``slot`` is this table's slot for its key, quarantined or not."""
+        return self._slots.get(slot.key) is slot
+
     def slots(self) -> list[Slot]:
         """Every slot in the table, quarantined ones included (re-registration). O(slots)."""
         return list(self._slots.values())

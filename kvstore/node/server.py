@@ -109,7 +109,8 @@ class _Tier:
     reg: Registration | None = None
 
     def owns(self, slot: Slot) -> bool:
-        return self.table.get(slot.key) is slot
+        """Whether ``slot`` lives in this tier (quarantined or not)."""
+        return self.table.holds(slot)
 
     def holds(self, view: torch.Tensor) -> bool:
         base, t = view.data_ptr(), self.arena.tensor
@@ -270,11 +271,19 @@ class StorageNode:
         return [Tier(name, st.capacity_bytes, st.used_bytes) for name, st in stats]
 
     def _lookup(self, key: SlotKey) -> tuple[_Tier, Slot] | None:
-        """The tier holding ``key``'s slot and the slot (a key lives in one tier at most)."""
+        """The tier holding ``key``'s readable slot and the slot (None when absent or
+        quarantined; a key lives in one tier at most)."""
         for tier in self.tiers:
             slot = tier.table.get(key)
             if slot is not None:
                 return tier, slot
+        return None
+
+    def _holder(self, key: SlotKey) -> _Tier | None:
+        """The tier holding ``key``'s slot, quarantined or not."""
+        for tier in self.tiers:
+            if tier.table.find(key) is not None:
+                return tier
         return None
 
     def _tier_of(self, slot: Slot) -> _Tier:
@@ -286,11 +295,12 @@ class StorageNode:
     def _demote(self, victim: Slot) -> bool:
         """The GPU tier's LRU victim moves to host memory instead of leaving the node (one
         device → host copy of its landed chunks); False, dropping it, when host memory has
-        no room. The master's entries stay as they are: the block is still on this node."""
+        no room or the copy fails. The master's entries stay as they are: the block is still
+        on this node. Never raises (a :class:`SlotTable` demote hook)."""
         gpu, host = self.tiers[0], self.tiers[-1]
         self.metrics.evictions.labels(tier=gpu.name).inc()
-        if not victim.landed_mask:
-            return False
+        if not victim.landed_mask or host.table.find(victim.key) is not None:
+            return False  # (a key lives in one tier: the second branch cannot happen)
         try:
             res = host.table.allocate(
                 victim.key, victim.slot_bytes, victim.chunk_bytes, victim.num_chunks, victim.parent
@@ -298,11 +308,14 @@ class StorageNode:
         except KVStoreError:
             return False
         self._unreported.extend((host.name, k) for k in res.evicted)
-        if not res.created:  # cannot happen (a key lives in one tier); keep the host copy
-            return True
-        host.table.slot_view(res.slot).copy_(gpu.table.slot_view(victim))
-        for index in _bits(victim.landed_mask):
-            host.table.mark_landed(res.slot, index)
+        try:
+            host.table.slot_view(res.slot).copy_(gpu.table.slot_view(victim))
+            for index in _bits(victim.landed_mask):
+                host.table.mark_landed(res.slot, index)
+        except Exception:
+            logger.exception("moving slot %s to host memory failed", victim.key[1].hex())
+            host.table.evict(victim.key)
+            return False
         return True
 
     def _take_evictions(self) -> list[tuple[str, SlotKey]]:
@@ -604,13 +617,21 @@ class StorageNode:
         """Allocate and pin the batch's slots, new ones in ``tier``, blocks already held in
         the tier that holds them (REJECT = CapacityError before any payload)."""
         by_key: dict[SlotKey, Slot] = {}
+        host = self.tiers[-1]
         for key, parent, _ in wanted:
             if key not in by_key:
-                held = self._lookup(key)
-                into = held[0] if held is not None else tier
-                res = into.table.allocate(
-                    key, chunk_bytes * num_chunks, chunk_bytes, num_chunks, parent
-                )
+                # A quarantined slot counts as held: allocate() refuses it (CapacityError),
+                # so a block is never started again in another tier meanwhile.
+                held = self._holder(key)
+                into = held or tier
+                args = (key, chunk_bytes * num_chunks, chunk_bytes, num_chunks, parent)
+                try:
+                    res = into.table.allocate(*args)
+                except CapacityError:
+                    if held is not None or into is host:
+                        raise
+                    into = host  # the GPU tier is full of pinned slots: host memory
+                    res = into.table.allocate(*args)
                 by_key[key] = res.slot
                 leases.append(into.table.pin(res.slot))
                 self._unreported.extend((into.name, k) for k in res.evicted)
@@ -700,12 +721,15 @@ class StorageNode:
         byte is read, from memory: another process wrote it); the request positions that
         failed.
 
-        A batch of at most :data:`_INLINE_VERIFY_BYTES` is checked on the loop, which costs
-        less than handing it to threads and waiting for them; a larger one off the loop, so
+        A batch in host memory of at most :data:`_INLINE_VERIFY_BYTES` is checked on the
+        loop, which costs less than handing it to threads and waiting for them; a larger
+        one, or one in the GPU tier (each check waits for the device), off the loop, so
         other connections keep being served (its slots are pinned by this exchange), split
         over the verifier threads (xxh3 releases the GIL).
         """
-        if sum(item[3].numel() for item in items) <= _INLINE_VERIFY_BYTES:
+        in_host = self.tiers[-1].holds
+        size = sum(item[3].numel() for item in items)
+        if size <= _INLINE_VERIFY_BYTES and all(in_host(item[3]) for item in items):
             return self._check_chunks(peer, ns, items)
         loop, n = asyncio.get_running_loop(), self._verify_threads
         parts = [items[k::n] for k in range(n) if items[k::n]]
@@ -735,13 +759,23 @@ class StorageNode:
         picked: list[int],
         failed: list[int],
     ) -> int:
-        """Mark the verified chunks landed and commit them to the master; chunks stored."""
+        """Mark the verified chunks landed and commit them to the master; chunks stored.
+        Chunks whose slot was quarantined meanwhile are added to ``failed``."""
         landed: dict[SlotKey, list[int]] = {}
         rejected = set(failed)
         for i in picked:
             key, _, index = wanted[i]
-            if i not in rejected and self._tier_of(slots[i]).table.mark_landed(slots[i], index):
-                landed.setdefault(key, []).append(index)
+            if i in rejected:
+                continue
+            slot = slots[i]
+            if slot.quarantined or not self._tier_of(slot).table.mark_landed(slot, index):
+                # Quarantined by another exchange meanwhile (a writer of the same block
+                # timed out): this chunk is not kept; the writer is told so and may retry.
+                if slot.quarantined:
+                    failed.append(i)
+                continue
+            landed.setdefault(key, []).append(index)
+        failed.sort()
         await self._commit([BlockAdd(k[0], k[1], tuple(v)) for k, v in landed.items()])
         return len(picked) - len(failed)
 
