@@ -178,6 +178,7 @@ class StorageNode:
             self._verify_threads, thread_name_prefix="kvstore-verify"
         )
         self._inflight: set[tuple[SlotKey, int]] = set()
+        self._unquarantine_at: dict[Slot, asyncio.TimerHandle] = {}
         self._unreported: list[tuple[str, SlotKey]] = []
         """Evictions (tier, key) not yet reported to the master."""
         self._holds: dict[str, _Hold] = {}
@@ -247,6 +248,9 @@ class StorageNode:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for timer in self._unquarantine_at.values():
+            timer.cancel()
+        self._unquarantine_at.clear()
         for hold in self._holds.values():
             for lease in hold.leases:
                 lease.release()
@@ -299,8 +303,11 @@ class StorageNode:
         on this node. Never raises (a :class:`SlotTable` demote hook)."""
         gpu, host = self.tiers[0], self.tiers[-1]
         self.metrics.evictions.labels(tier=gpu.name).inc()
-        if not victim.landed_mask or host.table.find(victim.key) is not None:
-            return False  # (a key lives in one tier: the second branch cannot happen)
+        if not victim.landed_mask:
+            return False
+        if host.table.find(victim.key) is not None:  # a key lives in one tier: a bug
+            logger.error("slot %s is in both tiers; dropping the GPU copy", victim.key[1].hex())
+            return False
         try:
             res = host.table.allocate(
                 victim.key, victim.slot_bytes, victim.chunk_bytes, victim.num_chunks, victim.parent
@@ -630,7 +637,7 @@ class StorageNode:
                 except CapacityError:
                     if held is not None or into is host:
                         raise
-                    into = host  # the GPU tier is full of pinned slots: host memory
+                    into = host  # no room in the GPU tier (pinned, quarantined): host memory
                     res = into.table.allocate(*args)
                 by_key[key] = res.slot
                 leases.append(into.table.pin(res.slot))
@@ -710,9 +717,17 @@ class StorageNode:
             for tier in self.tiers:
                 if tier.owns(slot):
                     tier.table.quarantine(slot)
-                    loop.call_later(self.config.io_timeout_s, self._unquarantine, tier, slot)
+                    # One deadline per slot, the latest: a second writer of the same block
+                    # that times out later keeps it quarantined for its own full timeout.
+                    old = self._unquarantine_at.pop(slot, None)
+                    if old is not None:
+                        old.cancel()
+                    self._unquarantine_at[slot] = loop.call_later(
+                        self.config.io_timeout_s, self._unquarantine, tier, slot
+                    )
 
     def _unquarantine(self, tier: _Tier, slot: Slot) -> None:
+        self._unquarantine_at.pop(slot, None)
         if slot.alive and slot.quarantined and tier.owns(slot):
             tier.table.unquarantine(slot)
 
