@@ -221,8 +221,9 @@ class Serve:
         serve = cls(proc, {}, err)
         line = serve._ready_line(timeout)
         if line is None:
+            tail = serve.stderr_tail()  # (stop() closes the file)
             serve.stop()
-            raise RuntimeError(f"kvstore serve did not become ready: {serve.stderr_tail()}")
+            raise RuntimeError(f"kvstore serve did not become ready: {tail}")
         serve.addresses = dict(re.findall(r"(\w+)=(\S+)", line))
         return serve
 

@@ -1,6 +1,6 @@
 """The data plane alone: kvstore ``tcp://`` and ``ucx://`` beside raw NIXL, raw sockets, memcpy.
 
-    python bench/transfer.py [--quick] [--depth 1,4] [--plot out.png]
+    python bench/transfer.py [--quick] [--depth 1,4] [--gpu-mem 8GiB] [--plot out.png]
 
 Starts a ``kvstore serve --transport ucx`` (loopback; its node serves ``tcp://`` and
 ``ucx://``), a raw NIXL target, a raw asyncio socket server and two client processes, a
@@ -153,6 +153,8 @@ class Setup:
     e2e_tokens: int
     e2e_layers: int
     depths: tuple[int, ...]
+    gpu_bytes: int = 0
+    """The node's GPU tier (0: none)."""
 
     def exchanges(self, point: Point, depth: int) -> int:
         """Exchanges of a point at ``depth``, warm-ups included (timed: about ``budget``
@@ -693,7 +695,10 @@ def run(args: argparse.Namespace) -> Results:
         def step(what: str) -> None:
             bar.update(task, advance=1, description=what)
 
-        serve = stack.enter_context(Serve.start("--transport", "ucx", "--host-mem", args.host_mem))
+        gpu = ["--gpu-mem", args.gpu_mem] if args.gpu_mem else []
+        serve = stack.enter_context(
+            Serve.start("--transport", "ucx", "--host-mem", args.host_mem, *gpu)
+        )
         pid = serve.proc.pid
         step(f"idle node, {args.idle_s:.0f} s")
         idle = [("fresh node, nothing connected", window_cpu(pid, args.idle_s))]
@@ -706,7 +711,8 @@ def run(args: argparse.Namespace) -> Results:
         setup = Setup(serve.addresses["grpc"], serve.addresses["data"], pid,
                       asyncio.run(_node_metadata(serve.addresses["grpc"])), tuple(raw.address),
                       raw_md, raw_addr, parse_size(args.host_mem), args.budget, args.min_n,
-                      args.max_n, args.e2e_tokens, args.e2e_layers, args.depth)  # fmt: skip
+                      args.max_n, args.e2e_tokens, args.e2e_layers, args.depth,
+                      parse_size(args.gpu_mem or 0))  # fmt: skip
         res = Results(setup, pts, idle=idle)
         step("starting writer and reader processes")
         workers = {r: spawn_worker(stack, job_close) for r in ("writer", "reader")}
@@ -761,6 +767,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-n", type=int, help="fewest timed exchanges per point (8)")
     parser.add_argument("--max-n", type=int, default=300, help="most timed exchanges per point")
     parser.add_argument("--host-mem", default="1GiB", help="node pool (default 1GiB)")
+    parser.add_argument("--gpu-mem", help="also a GPU tier of this size on the node (needs "
+                        "CUDA): ucx:// puts land in device memory")  # fmt: skip
     parser.add_argument("--e2e-reps", type=int, help="end-to-end prompts per transport (3)")
     parser.add_argument("--e2e-tokens", type=int, default=2048)
     parser.add_argument("--e2e-layers", type=int, default=32)
