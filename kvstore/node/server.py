@@ -1,4 +1,4 @@
-"""The storage node: slots in a host arena, the ``tcp://`` data port, commits to the master.
+"""The storage node: slots in memory tiers, the ``tcp://`` data port, commits to the master.
 
 The node carries out what the pure :class:`~kvstore.core.slots.SlotTable` decides. Per
 put batch (see :mod:`kvstore.node.protocol`): allocate the batch's slots (REJECT when no
@@ -7,9 +7,14 @@ memory, verify each chunk's header, key and checksum, **commit the receipt to th
 (one RPC with epoch and sequence number, evictions first), and only then ack the writer.
 Reads pin the slots while their bytes are sent straight from slot memory.
 
+Tiers: host memory always; with ``--gpu-mem`` a GPU tier first, where ``ucx://`` puts land
+(one-sided writes into device memory) and whose LRU victims move to host memory. A block
+lives in one tier; ``tcp://`` puts start blocks in host memory (docs/decisions.md).
+
 Copies a chunk takes on a put over ``tcp://``: kernel socket buffer → slot (``recv_into``);
-the node's checksum pass reads it once more but copies nothing. Get: slot → kernel
-(``sendall`` on a view of the slot).
+the node's checksum pass reads it as it arrives, from cache, and copies nothing (a block
+in the GPU tier: kernel → host buffer → device). Get: slot → kernel (``sendall`` on a view
+of the slot; from the GPU tier through one host copy).
 
 Heartbeats run on their own thread with their own gRPC channel, so a busy event loop never
 costs the node its lease.
