@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import subprocess
 import sys
 import time
@@ -328,6 +329,94 @@ async def test_a_demotion_that_fails_drops_the_block_cleanly(
         host.table.validate()
     finally:
         await conn.close()
+
+
+async def read_some(
+    conn: Connection, node: StorageNode, keys: list[bytes], layer: int, by_ucx: bool
+) -> dict[bytes, torch.Tensor]:
+    """Read ``layer`` of ``keys`` over ``ucx://`` or ``tcp://``; the chunks found, by block."""
+    spec = [[k.hex(), layer] for k in keys]
+    if not by_ucx:
+        await conn.send({"op": "get", "ns_id": NS.id.hex(), "chunks": spec}, timeout=TIMEOUT)
+        frame = await conn.recv_header(TIMEOUT)
+        found = raise_if_error(frame.header, "data")["found"]
+        bufs = [torch.empty(n, dtype=torch.uint8) for n in frame.sizes]
+        await conn.recv_payload_into([b.numpy() for b in bufs], TIMEOUT)
+    else:
+        lease = {"op": "lease", "ns_id": NS.id.hex(), "chunks": spec, "lease_s": TIMEOUT}
+        await conn.send(lease, timeout=TIMEOUT)
+        answer = raise_if_error((await conn.recv_header(TIMEOUT)).header, "leased")
+        found = answer["found"]
+        rows = torch.zeros(sum(found), CHUNK, dtype=torch.uint8)
+        if len(rows):
+            await nixl(node, "read", answer["spans"], rows)
+        await conn.send({"op": "release"}, timeout=TIMEOUT)
+        bufs = list(rows.unbind(0))
+    hits = [k for k, f in zip(keys, found, strict=True) if f]
+    return dict(zip(hits, bufs, strict=True))
+
+
+async def test_mixed_traffic_under_eviction_pressure_never_returns_wrong_bytes(
+    master: MasterServer, node: StorageNode
+) -> None:
+    """Three writers (each layer over a random transport) and two readers (likewise) at
+    once, on tiers far smaller than what is written: every chunk found is the one asked
+    for, the master's index matches what the tiers hold, nothing stays pinned."""
+    rng = random.Random(5)
+    expected: dict[tuple[bytes, int], torch.Tensor] = {}
+    written: list[bytes] = []
+    reads = {"hits": 0, "misses": 0}
+    done_writing = asyncio.Event()
+
+    async def writer() -> None:
+        conn = await connect(node.data_uri, timeout=TIMEOUT)
+        try:
+            for _ in range(10):
+                keys = blocks(4)
+                for layer in (0, 1):
+                    rows = chunks(keys, layer)
+                    expected.update({(k, layer): r for k, r in zip(keys, rows, strict=True)})
+                    op = rng.choice(["put", "reserve"])
+                    ack = await put(conn, node, keys, rows, op, layer)
+                    assert (ack["stored"], ack["failed"]) == (4, [])
+                written.extend(keys)
+        finally:
+            await conn.close()
+
+    async def reader() -> None:
+        conn = await connect(node.data_uri, timeout=TIMEOUT)
+        try:
+            n = 0
+            while not done_writing.is_set() or n < 30:  # until the last write, and 30 reads
+                n += 1
+                if not written:
+                    await asyncio.sleep(0.01)
+                    continue
+                keys = rng.sample(written, min(4, len(written)))
+                layer = rng.choice([0, 1])
+                got = await read_some(conn, node, keys, layer, rng.random() < 0.5)
+                for key, buf in got.items():
+                    assert torch.equal(buf, expected[(key, layer)])
+                reads["hits"] += len(got)
+                reads["misses"] += len(keys) - len(got)
+        finally:
+            await conn.close()
+
+    async def writers() -> None:
+        await asyncio.gather(*(writer() for _ in range(3)))
+        done_writing.set()
+
+    await asyncio.gather(writers(), *(reader() for _ in range(2)))
+    assert reads["hits"] and reads["misses"], reads  # both happened: the pressure was real
+    await node._commit([])
+    lookup = await MasterClient.in_process(master.service).lookup(NS.id, written, 2)
+    for key, holders in zip(written, lookup, strict=True):
+        held = [t.table.find((NS.id, key)) for t in node.tiers]
+        slots = [slot for slot in held if slot is not None]
+        assert len(slots) <= 1
+        assert [h.mask for h in holders] == [slot.landed_mask for slot in slots]
+    for tier in node.tiers:
+        tier.table.validate()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
