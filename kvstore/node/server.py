@@ -295,10 +295,13 @@ class StorageNode:
                 return tier
         return None
 
+    def _owner(self, slot: Slot) -> _Tier | None:
+        """The tier ``slot`` lives in (quarantined or not); None once it is gone."""
+        return next((tier for tier in self.tiers if tier.owns(slot)), None)
+
     def _tier_of(self, slot: Slot) -> _Tier:
-        for tier in self.tiers:
-            if tier.owns(slot):
-                return tier
+        if (tier := self._owner(slot)) is not None:
+            return tier
         raise ProtocolError(f"slot {slot.key[1].hex()} is no longer held here")
 
     def _demote(self, victim: Slot) -> bool:
@@ -307,7 +310,6 @@ class StorageNode:
         no room or the copy fails. The master's entries stay as they are: the block is still
         on this node. Never raises (a :class:`SlotTable` demote hook)."""
         gpu, host = self.tiers[0], self.tiers[-1]
-        self.metrics.evictions.labels(tier=gpu.name).inc()
         if not victim.landed_mask:
             return False
         if host.table.find(victim.key) is not None:  # a key lives in one tier: a bug
@@ -328,6 +330,8 @@ class StorageNode:
             logger.exception("moving slot %s to host memory failed", victim.key[1].hex())
             host.table.evict(victim.key)
             return False
+        # (a dropped victim is journaled and counted with the other evictions it reports)
+        self.metrics.evictions.labels(tier=gpu.name).inc()
         return True
 
     def _take_evictions(self) -> list[tuple[str, SlotKey]]:
@@ -394,8 +398,7 @@ class StorageNode:
             try:
                 async with self._commit_lock:
                     gone = self._take_evictions()
-                    for tier in {name for name, _ in gone if name != "gpu"}:
-                        # (the GPU tier counts its evictions as they happen, demoted or not)
+                    for tier in {name for name, _ in gone}:
                         self.metrics.evictions.labels(tier=tier).inc(
                             sum(name == tier for name, _ in gone)
                         )
@@ -719,17 +722,18 @@ class StorageNode:
         """Quarantine ``slots`` for one I/O timeout (a peer may still write into them)."""
         loop = asyncio.get_running_loop()
         for slot in set(slots):
-            for tier in self.tiers:
-                if tier.owns(slot):
-                    tier.table.quarantine(slot)
-                    # One deadline per slot, the latest: a second writer of the same block
-                    # that times out later keeps it quarantined for its own full timeout.
-                    old = self._unquarantine_at.pop(slot, None)
-                    if old is not None:
-                        old.cancel()
-                    self._unquarantine_at[slot] = loop.call_later(
-                        self.config.io_timeout_s, self._unquarantine, tier, slot
-                    )
+            tier = self._owner(slot)
+            if tier is None:
+                continue
+            tier.table.quarantine(slot)
+            # One deadline per slot, the latest: a second writer of the same block that
+            # times out later keeps it quarantined for its own full timeout.
+            old = self._unquarantine_at.pop(slot, None)
+            if old is not None:
+                old.cancel()
+            self._unquarantine_at[slot] = loop.call_later(
+                self.config.io_timeout_s, self._unquarantine, tier, slot
+            )
 
     def _unquarantine(self, tier: _Tier, slot: Slot) -> None:
         self._unquarantine_at.pop(slot, None)
@@ -964,8 +968,6 @@ class StorageNode:
         present = [(held[0], key) for key in candidates if (held := self._lookup(key))]
         gone = [(tier.name, key) for tier, key in present if tier.table.evict(key)]
         self._unreported.extend(gone)
-        if self.tiers[0].name == "gpu":  # (counted here: see _flush_commits)
-            self.metrics.evictions.labels(tier="gpu").inc(sum(n == "gpu" for n, _ in gone))
         await self._commit([])
         await conn.send(
             {"op": "evicted", "evicted": len(gone), "kept": len(present) - len(gone)},
