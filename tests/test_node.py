@@ -104,8 +104,11 @@ async def write_by_ucx(node: StorageNode, spans: list[Any], rows: torch.Tensor) 
         await agent.write(peer, remote, list(rows.unbind(0)), timeout=TIMEOUT)
 
 
-async def get(conn: Connection, keys: list[bytes]) -> tuple[list[int], list[torch.Tensor]]:
-    spec = [[k.hex(), 0] for k in keys]
+async def get(
+    conn: Connection, keys: list[bytes], index: int = 0
+) -> tuple[list[int], list[torch.Tensor]]:
+    """One tcp:// get of chunk ``index`` of ``keys``: found flags, the chunks found."""
+    spec = [[k.hex(), index] for k in keys]
     await conn.send({"op": "get", "ns_id": NS.id.hex(), "chunks": spec}, timeout=TIMEOUT)
     frame = await conn.recv_header(TIMEOUT)
     found = raise_if_error(frame.header, "data")["found"]

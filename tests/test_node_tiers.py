@@ -87,18 +87,34 @@ async def nixl(node: StorageNode, op: str, spans: list[Any], rows: torch.Tensor)
         await move(peer, [Span.from_wire(s) for s in spans], list(rows.unbind(0)), timeout=TIMEOUT)
 
 
+async def read_some(
+    conn: Connection, node: StorageNode, keys: list[bytes], layer: int, by_ucx: bool
+) -> dict[bytes, torch.Tensor]:
+    """Read ``layer`` of ``keys`` over ``ucx://`` or ``tcp://``; the chunks found, by block."""
+    if not by_ucx:
+        found, bufs = await get(conn, keys, layer)
+    else:
+        spec = [[k.hex(), layer] for k in keys]
+        lease = {"op": "lease", "ns_id": NS.id.hex(), "chunks": spec, "lease_s": TIMEOUT}
+        await conn.send(lease, timeout=TIMEOUT)
+        answer = raise_if_error((await conn.recv_header(TIMEOUT)).header, "leased")
+        found = answer["found"]
+        rows = torch.zeros(sum(found), CHUNK, dtype=torch.uint8)
+        if len(rows):
+            await nixl(node, "read", answer["spans"], rows)
+        await conn.send({"op": "release"}, timeout=TIMEOUT)
+        bufs = list(rows.unbind(0))
+    hits = [k for k, f in zip(keys, found, strict=True) if f]
+    return dict(zip(hits, bufs, strict=True))
+
+
 async def read_by_ucx(
     conn: Connection, node: StorageNode, keys: list[bytes], index: int
 ) -> torch.Tensor:
-    spec = [[k.hex(), index] for k in keys]
-    lease = {"op": "lease", "ns_id": NS.id.hex(), "chunks": spec, "lease_s": TIMEOUT}
-    await conn.send(lease, timeout=TIMEOUT)
-    answer = raise_if_error((await conn.recv_header(TIMEOUT)).header, "leased")
-    assert answer["found"] == [1] * len(keys)
-    rows = torch.zeros(len(keys), CHUNK, dtype=torch.uint8)
-    await nixl(node, "read", answer["spans"], rows)
-    await conn.send({"op": "release"}, timeout=TIMEOUT)
-    return rows
+    """Chunk ``index`` of every one of ``keys`` over ucx:// (all must be there)."""
+    got = await read_some(conn, node, keys, index, by_ucx=True)
+    assert list(got) == keys
+    return torch.stack(list(got.values()))
 
 
 def tier_of(node: StorageNode, key: bytes) -> str | None:
@@ -329,31 +345,6 @@ async def test_a_demotion_that_fails_drops_the_block_cleanly(
         host.table.validate()
     finally:
         await conn.close()
-
-
-async def read_some(
-    conn: Connection, node: StorageNode, keys: list[bytes], layer: int, by_ucx: bool
-) -> dict[bytes, torch.Tensor]:
-    """Read ``layer`` of ``keys`` over ``ucx://`` or ``tcp://``; the chunks found, by block."""
-    spec = [[k.hex(), layer] for k in keys]
-    if not by_ucx:
-        await conn.send({"op": "get", "ns_id": NS.id.hex(), "chunks": spec}, timeout=TIMEOUT)
-        frame = await conn.recv_header(TIMEOUT)
-        found = raise_if_error(frame.header, "data")["found"]
-        bufs = [torch.empty(n, dtype=torch.uint8) for n in frame.sizes]
-        await conn.recv_payload_into([b.numpy() for b in bufs], TIMEOUT)
-    else:
-        lease = {"op": "lease", "ns_id": NS.id.hex(), "chunks": spec, "lease_s": TIMEOUT}
-        await conn.send(lease, timeout=TIMEOUT)
-        answer = raise_if_error((await conn.recv_header(TIMEOUT)).header, "leased")
-        found = answer["found"]
-        rows = torch.zeros(sum(found), CHUNK, dtype=torch.uint8)
-        if len(rows):
-            await nixl(node, "read", answer["spans"], rows)
-        await conn.send({"op": "release"}, timeout=TIMEOUT)
-        bufs = list(rows.unbind(0))
-    hits = [k for k, f in zip(keys, found, strict=True) if f]
-    return dict(zip(hits, bufs, strict=True))
 
 
 async def test_mixed_traffic_under_eviction_pressure_never_returns_wrong_bytes(
