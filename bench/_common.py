@@ -1,7 +1,8 @@
 """Shared pieces of the benchmarks in ``bench/``.
 
 - Report: :func:`machine_markdown` (CPU, cores, torch, commit), :class:`Table` (Markdown),
-  :func:`progress` (rich, on stderr), :func:`save_bar_plot` (optional PNG).
+  :func:`print_report` (title, command, machine, tables), :func:`progress` (rich, on
+  stderr), :func:`save_bar_plot` (optional PNG).
 - Measure: :func:`meter` (wall time, CPU and page faults of this and another process),
   :func:`time_calls` / :func:`time_calls_async` / :func:`latency_stats` (p50, p99, mean),
   :func:`in_flight` (calls kept in flight, each timed),
@@ -36,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection as Pipe
@@ -68,6 +69,7 @@ __all__ = [
     "machine_markdown",
     "meter",
     "percentile",
+    "print_report",
     "proc_stat",
     "progress",
     "raw_socket_connect",
@@ -156,6 +158,16 @@ def machine_info() -> dict[str, str]:
 def machine_markdown() -> str:
     """:func:`machine_info` as one Markdown bullet line per field."""
     return "\n".join(f"- **{k}**: {v}" for k, v in machine_info().items()) + "\n"
+
+
+def print_report(title: str, script: str, argv: list[str] | None, tables: Iterable[Table]) -> None:
+    """Print a benchmark's Markdown: ``## title``, the command that ran it (``argv``, or
+    this process's arguments), the machine, then each table."""
+    command = " ".join([f"python {script}", *(argv if argv is not None else sys.argv[1:])])
+    print(f"## {title}\n\n`{command}`\n")
+    print(machine_markdown())
+    for table in tables:
+        print(table.to_markdown())
 
 
 def _cpuinfo_field(name: str) -> str:

@@ -46,8 +46,8 @@ from _common import (
     SpawnedServer,
     Table,
     expect,
-    machine_markdown,
     meter,
+    print_report,
     progress,
     save_bar_plot,
     time_calls,
@@ -782,11 +782,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print Markdown; 0 on success."""
     args = parse_args(argv)
     res = run(args)
-    command = " ".join(["python bench/service.py", *(argv if argv is not None else sys.argv[1:])])
-    print(f"## kvstore serve, end to end\n\n`{command}`\n")
-    print(machine_markdown())
-    for table in (throughput_table(res), raw_table(res), match_table(res), cpu_table(res)):
-        print(table.to_markdown())
+    tables = (throughput_table(res), raw_table(res), match_table(res), cpu_table(res))
+    print_report("kvstore serve, end to end", "bench/service.py", argv, tables)
     if args.plot:
         plot(res, args.plot)
         print(f"Plot: {args.plot}")

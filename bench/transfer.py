@@ -46,8 +46,8 @@ from _common import (
     WindowCpu,
     expect,
     in_flight,
-    machine_markdown,
     meter,
+    print_report,
     progress,
     raw_socket_connect,
     raw_socket_get,
@@ -799,12 +799,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print Markdown; 0 on success."""
     args = parse_args(argv)
     res = run(args)
-    command = " ".join(["python bench/transfer.py", *(argv if argv is not None else sys.argv[1:])])
-    print(f"## Data plane: kvstore tcp:// and ucx:// beside their baselines\n\n`{command}`\n")
-    print(machine_markdown())
-    for table in (kv_table(res, WARMUP, REGION), probe_table(res, PROBES), baseline_table(res),
-                  cpu_table(res), ratio_table(res), e2e_table(res), idle_table(res)):  # fmt: skip
-        print(table.to_markdown())
+    tables = (kv_table(res, WARMUP, REGION), probe_table(res, PROBES), baseline_table(res),
+              cpu_table(res), ratio_table(res), e2e_table(res), idle_table(res))  # fmt: skip
+    print_report("Data plane: kvstore tcp:// and ucx:// beside their baselines",
+                 "bench/transfer.py", argv, tables)  # fmt: skip
     if args.plot:
         plot(res, args.plot)
         print(f"Plot: {args.plot}")
