@@ -12,7 +12,8 @@ the boundary with ``raise ... from exc`` so callers catch one family::
     │   ├── ChunkFormatError     garbage, truncated, inconsistent header
     │   ├── ChunkVersionError    magic right, version unknown
     │   ├── ChecksumError        payload bits flipped
-    │   └── ChunkKeyMismatch     chunk carries another (block, layer, shard)
+    │   ├── ChunkKeyMismatch     chunk carries another (block, layer, shard)
+    │   └── ChunkSpecMismatch    chunk's shape, dtype or scheme is not its namespace's
     ├── CapacityError            pool full, oversized put, allocator exhausted
     ├── TransportError           data or control plane failure
     │   ├── Unreachable          cannot connect (refused, unknown host, no live node)
@@ -36,6 +37,7 @@ __all__ = [
     "ChunkError",
     "ChunkFormatError",
     "ChunkKeyMismatch",
+    "ChunkSpecMismatch",
     "ChunkVersionError",
     "Closed",
     "InvalidArgument",
@@ -86,6 +88,11 @@ class ChecksumError(ChunkError):
 
 class ChunkKeyMismatch(ChunkError):
     """The chunk is valid but carries another (block hash, layer, shard) than expected."""
+
+
+class ChunkSpecMismatch(ChunkError):
+    """The chunk is valid but its shape, dtype or scheme is not what its namespace stores
+    (for example a chunk encoded from bfloat16 put into a float16 namespace)."""
 
 
 class CapacityError(KVStoreError):

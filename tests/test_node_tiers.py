@@ -25,12 +25,11 @@ import pytest
 import torch
 
 from kvclient.ucx import nixl_available
-from kvstore.errors import CapacityError
 from kvstore.master import MasterClient, MasterConfig, MasterServer
-from kvstore.node.protocol import raise_if_error
+from kvstore.node.protocol import BUSY, SEND, raise_if_error
 from kvstore.node.server import NodeConfig, StorageNode
 from kvstore.transport import Connection, connect
-from tests.test_node import NS, TIMEOUT, blocks, chunks, get, put
+from tests.test_node import NS, TIMEOUT, blocks, chunks, get, put, write_by_ucx
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 not installed")
 
@@ -237,8 +236,9 @@ async def test_a_quarantined_block_is_refused_everywhere_until_its_quarantine_en
     master: MasterServer,
 ) -> None:
     """A ucx:// writer that never says ``landed`` leaves its GPU-tier slot quarantined for
-    one I/O timeout: meanwhile a put of the same block over either transport is refused
-    (never started again in host memory); afterwards the block takes puts again."""
+    one I/O timeout: meanwhile a put of the same block over either transport is answered
+    BUSY — not stored, nothing sent, never started again in host memory — while another
+    block of the same batch is stored; afterwards the block takes puts again."""
     async with tiered_node(master, "cpu", io_timeout_s=1.0) as node:
         [key] = blocks(1)
         spec = [[key.hex(), "", 0, CHUNK]]
@@ -255,8 +255,20 @@ async def test_a_quarantined_block_is_refused_everywhere_until_its_quarantine_en
                 await asyncio.sleep(0.02)
             assert slot is not None and slot.quarantined
             for op in ("put", "reserve"):
-                with pytest.raises(CapacityError, match="quarantined"):
-                    await put(conn, node, [key], chunks([key]), op, 0)
+                [other] = blocks(1)
+                both = [[key.hex(), "", 0, CHUNK], [other.hex(), "", 0, CHUNK]]
+                await conn.send({"op": op, "ns": NS.canonical_bytes().hex(), "chunks": both})
+                answer = "reserved" if op == "reserve" else "ready"
+                ready = raise_if_error((await conn.recv_header(TIMEOUT)).header, answer)
+                assert ready["accept"] == [BUSY, SEND]
+                rows = chunks([other])
+                if op == "put":
+                    await conn.send({"op": "data"}, [rows[0].numpy()], timeout=TIMEOUT)
+                else:
+                    await write_by_ucx(node, ready["spans"], rows)
+                    await conn.send({"op": "landed"}, timeout=TIMEOUT)
+                ack = raise_if_error((await conn.recv_header(TIMEOUT)).header, "ack")
+                assert (ack["stored"], ack["busy"]) == (1, [0])
             assert tier_of(node, key) == "gpu"
             for _ in range(200):
                 if not slot.quarantined:

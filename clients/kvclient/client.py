@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -25,13 +26,21 @@ from typing import Any, Self, TypeVar
 import torch
 import xxhash
 
-from kvstore.core.codec import ChunkKey, chunk_nbytes, decode_chunk, encode_blocks
+from kvstore.core.codec import (
+    ChunkKey,
+    ChunkSpec,
+    check_header,
+    chunk_nbytes,
+    decode_chunk,
+    encode_blocks,
+)
 from kvstore.core.hashing import Namespace, block_hashes, dtype_name
 from kvstore.core.placement import Candidate, rank_nodes, weight_for_free
 from kvstore.errors import (
     BadShape,
     CapacityError,
     ChunkError,
+    ChunkKeyMismatch,
     Closed,
     InvalidArgument,
     KVStoreError,
@@ -40,7 +49,7 @@ from kvstore.errors import (
     TransportError,
 )
 from kvstore.master.client import MasterClient
-from kvstore.node.protocol import MAX_CHUNKS_PER_REQUEST, MAX_KEY_LEN, raise_if_error
+from kvstore.node.protocol import MAX_CHUNKS_PER_REQUEST, MAX_KEY_LEN, SEND, raise_if_error
 
 from .engine import EngineOps
 from .handles import no_blocks, prefix_len
@@ -60,6 +69,16 @@ Encoded = Callable[[torch.Tensor | None], Awaitable[list[torch.Tensor]]]
 """A started encode: awaited with staging rows (or None), yields the host chunks."""
 
 _NODES_TTL_S = 1.0  # how long a placement snapshot of the node list is reused
+
+_MAX_REPORTS = 16
+"""Bad-chunk reports to nodes in flight at once, per client."""
+
+_PUT_DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("kvclient_put_deadline")
+"""The running put's deadline (loop time), set for its task by ``_tracked_put``."""
+
+_WAIT_SHARE = 0.5
+"""Share of a put's remaining time it may spend waiting on a node for another writer's
+transfer of the same chunk; the rest is left for storing the chunk itself."""
 
 
 @dataclass
@@ -118,6 +137,8 @@ class ClientCore:
         self._nodes_lock = asyncio.Lock()
         self._codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvclient-codec")
         self._inflight: dict[asyncio.Task[Any], list[bytes]] = {}
+        self._reports: set[asyncio.Task[None]] = set()
+        self._spec = ChunkSpec.of(ns)
         self._loop = asyncio.get_running_loop()
         self._closed = False
 
@@ -160,6 +181,9 @@ class ClientCore:
             # here (watchers stop at the first abort, a second one is harmless).
             hashes = list(dict.fromkeys(h for hs in inflight.values() for h in hs))
             await self._abort(hashes, "client closed with puts in flight")
+        for report in list(self._reports):
+            report.cancel()
+        await asyncio.gather(*self._reports, return_exceptions=True)
         await self._pool.close()
         await self._ucx.close()
         await self._master.close()
@@ -357,7 +381,12 @@ class ClientCore:
                 await asyncio.shield(self._abort(hashes, f"{what} failed or was cancelled"))
                 raise
 
-        task = asyncio.ensure_future(put_or_abort())
+        limit = self.timeout_s if timeout is None else timeout
+        token = _PUT_DEADLINE.set(asyncio.get_running_loop().time() + limit)
+        try:
+            task = asyncio.ensure_future(put_or_abort())  # (takes a copy of the context)
+        finally:
+            _PUT_DEADLINE.reset(token)
         self._inflight[task] = hashes
         task.add_done_callback(lambda t: self._inflight.pop(t, None))
         try:
@@ -413,20 +442,23 @@ class ClientCore:
             for i in idx
         ]
         op, answer = ("reserve", "reserved") if node.ucx else ("put", "ready")
+        now = asyncio.get_running_loop().time()
+        wait_s = max(0.0, _PUT_DEADLINE.get(now + self.timeout_s) - now) * _WAIT_SHARE
         async with self._pool.use(node.data_uri, self.timeout_s) as conn:
-            await conn.send({"op": op, "ns": self._ns_hex, "chunks": spec})
+            await conn.send({"op": op, "ns": self._ns_hex, "chunks": spec, "wait_s": wait_s})
             ready = raise_if_error((await conn.recv_header()).header, answer)
             accept = ready.get("accept")
             if not isinstance(accept, list) or len(accept) != len(idx):
                 raise TransportError(f"node {node.node_id} sent a malformed {answer}")
-            picked = [chunks[i] for i, a in zip(idx, accept, strict=True) if a]
+            picked = [chunks[i] for i, a in zip(idx, accept, strict=True) if a == SEND]
             if node.ucx:
                 await self._write_ucx(node, ready.get("spans"), picked)
                 await conn.send({"op": "landed"})
             else:
                 await conn.send({"op": "data"}, [c.numpy() for c in picked])
             ack = raise_if_error((await conn.recv_header()).header, "ack")
-        failed = {idx[k] for k in ack.get("failed", [])}
+        # Busy: another writer's transfer of the chunk did not end in time; not stored.
+        failed = {idx[k] for k in [*ack.get("failed", []), *ack.get("busy", [])]}
         return set(idx) - failed
 
     async def _write_ucx(self, node: _Node, spans: Any, chunks: list[torch.Tensor]) -> None:
@@ -572,7 +604,9 @@ class ClientCore:
             logger.warning("get from %s failed: %s", uri, exc)
             await self._pool.discard(uri)
             return set()
-        return await self._run_codec(self._decode_all, have, bufs, hashes, layer, shard, sink)
+        ok, bad = await self._run_codec(self._decode_all, have, bufs, hashes, layer, shard, sink)
+        self._report_bad(uri, hashes, index, bad)
+        return ok
 
     def _found(self, idx: list[int], head: dict[str, Any], expect: str) -> list[int]:
         found = raise_if_error(head, expect).get("found")
@@ -606,28 +640,60 @@ class ClientCore:
                 if have:
                     await self._ucx.read(peer, spans, list(rows.unbind(0)), self.timeout_s)
                 await conn.send({"op": "release"})
-                return await self._run_codec(
+                ok, bad = await self._run_codec(
                     self._decode_all, have, rows, hashes, layer, shard, sink
                 )
+        self._report_bad(node.data_uri, hashes, self._chunk_index(layer, shard), bad)
+        return ok
 
-    @staticmethod
     def _decode_all(
+        self,
         have: list[int],
         bufs: torch.Tensor,
         hashes: list[bytes],
         layer: int,
         shard: int,
         sink: Callable[[int, torch.Tensor, ChunkKey], None],
-    ) -> set[int]:
-        """Verify and hand each received chunk to ``sink``; a bad chunk is a miss."""
+    ) -> tuple[set[int], list[int]]:
+        """Check each received chunk's header against the namespace, then hand it to
+        ``sink`` (which verifies and decodes it); a bad chunk is a miss for its block, never
+        an error for the call. Returns (block indices loaded, indices of chunks that are
+        bad where they are stored — not those of a reused slot, which carry another key)."""
         ok: set[int] = set()
+        bad: list[int] = []
         for k, i in enumerate(have):
+            key = ChunkKey(hashes[i], layer, shard)
             try:
-                sink(i, bufs[k], ChunkKey(hashes[i], layer, shard))
+                check_header(bufs[k], key, self._spec)
+                sink(i, bufs[k], key)
                 ok.add(i)
+            except ChunkKeyMismatch as exc:
+                logger.info("chunk %d is stale: %s", i, exc)
             except ChunkError as exc:
                 logger.warning("chunk %d rejected: %s", i, exc)
-        return ok
+                bad.append(i)
+        return ok, bad
+
+    def _report_bad(self, uri: str, hashes: list[bytes], index: int, bad: list[int]) -> None:
+        """Tell the node that chunks it served failed verification, in the background (at
+        most :data:`_MAX_REPORTS` reports in flight; more are dropped, and a later read
+        reports again). The node checks them itself and drops those that are bad, so the
+        next writer stores them."""
+        if not bad or len(self._reports) >= _MAX_REPORTS:
+            return
+        chunks = [[hashes[i].hex(), index] for i in bad]
+
+        async def report() -> None:
+            try:
+                async with self._pool.use(uri, self.timeout_s) as conn:
+                    await conn.send({"op": "report", "ns_id": self.ns.id.hex(), "chunks": chunks})
+                    raise_if_error((await conn.recv_header()).header, "reported")
+            except KVStoreError as exc:
+                logger.info("bad-chunk report to %s not delivered: %s", uri, exc)
+
+        task = asyncio.ensure_future(report())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     # ------------------------------------------------------------------ prefix match
 

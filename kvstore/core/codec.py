@@ -84,6 +84,7 @@ from kvstore.errors import (
     ChecksumError,
     ChunkFormatError,
     ChunkKeyMismatch,
+    ChunkSpecMismatch,
     ChunkVersionError,
     InvalidArgument,
 )
@@ -98,8 +99,10 @@ __all__ = [
     "SCHEMES",
     "ChunkHeader",
     "ChunkKey",
+    "ChunkSpec",
     "ChunkVerifier",
     "CopyStats",
+    "check_header",
     "chunk_nbytes",
     "copy_stats",
     "decode_chunk",
@@ -121,6 +124,7 @@ _U32 = 2**32
 
 _DTYPES: dict[int, torch.dtype] = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
 _DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
+_DTYPE_CODES_BY_NAME = {dtype_name(v): k for k, v in _DTYPES.items()}
 
 SCHEMES: dict[str, int] = {
     "raw": 0,
@@ -162,6 +166,24 @@ class ChunkKey(NamedTuple):
     block_hash: bytes
     layer: int
     shard: int
+
+
+class ChunkSpec(NamedTuple):
+    """What every chunk of one namespace looks like: ``[2, tokens, heads, head_dim]`` of
+    ``dtype``, quantized as ``quant`` (``"int8"``: any INT8 scheme; ``"none"``: raw). A node
+    checks each chunk's header against it before acking; a reader before decoding."""
+
+    tokens: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    quant: str
+
+    @classmethod
+    def of(cls, ns: Any) -> ChunkSpec:
+        """The spec of a :class:`~kvstore.core.hashing.Namespace`'s chunks."""
+        dtype = _DTYPES[_DTYPE_CODES_BY_NAME[dtype_name(ns.dtype)]]
+        return cls(ns.block_tokens, ns.num_kv_heads, ns.head_dim, dtype, ns.quant)
 
 
 @dataclass(frozen=True)
@@ -762,25 +784,50 @@ def _read(t: Tensor) -> tuple[ChunkHeader, _Layout, np.ndarray | None]:
     return (*_parse_header(raw, t.numel()), host)
 
 
-def _check_expected(header: ChunkHeader, expect_key: ChunkKey | None) -> None:
-    if expect_key is None:
-        return
-    want = _check_key(expect_key)
-    if header.key != want:
-        raise ChunkKeyMismatch(f"chunk is {_fmt_key(header.key)}, expected {_fmt_key(want)}")
+def _check_expected(
+    header: ChunkHeader, expect_key: ChunkKey | None, expect_spec: ChunkSpec | None = None
+) -> None:
+    if expect_key is not None:
+        want = _check_key(expect_key)
+        if header.key != want:
+            raise ChunkKeyMismatch(f"chunk is {_fmt_key(header.key)}, expected {_fmt_key(want)}")
+    if expect_spec is not None:
+        s = expect_spec
+        shape = (2, s.tokens, s.heads, s.head_dim)
+        if header.shape != shape or header.dtype != s.dtype or header.quant != s.quant:
+            raise ChunkSpecMismatch(
+                f"chunk {_fmt_key(header.key)} is {list(header.shape)} {header.dtype} "
+                f"{header.scheme}; its namespace stores {list(shape)} {s.dtype} {s.quant}"
+            )
 
 
-def verify_chunk(buf: Any, expect_key: ChunkKey | None = None) -> ChunkHeader:
-    """Validate header, key and checksum without dequantizing; return the header.
+def check_header(
+    buf: Any, expect_key: ChunkKey | None = None, expect_spec: ChunkSpec | None = None
+) -> ChunkHeader:
+    """Validate a chunk's header, its key and its spec without reading the payload (64
+    bytes: what a node checks before acking a put); return the header.
+
+    Raises as :func:`read_header`, plus :class:`ChunkKeyMismatch` if ``expect_key`` differs
+    and :class:`ChunkSpecMismatch` if shape, dtype or quantization is not ``expect_spec``.
+    """
+    header = read_header(buf)
+    _check_expected(header, expect_key, expect_spec)
+    return header
+
+
+def verify_chunk(
+    buf: Any, expect_key: ChunkKey | None = None, expect_spec: ChunkSpec | None = None
+) -> ChunkHeader:
+    """Validate header, key, spec and checksum without dequantizing; return the header.
 
     What a storage node runs on a chunk that landed in its memory before committing it.
     Reads the whole buffer once (on its own device for ``mulsum64``). Raises as
-    :func:`read_header`, plus :class:`ChunkKeyMismatch` if ``expect_key`` differs and
-    :class:`ChecksumError` if the contents do not match the checksum.
+    :func:`check_header`, plus :class:`ChecksumError` if the contents do not match the
+    checksum.
     """
     t = _as_bytes_tensor(buf)
     header, layout, host = _read(t)
-    _check_expected(header, expect_key)
+    _check_expected(header, expect_key, expect_spec)
     with torch.no_grad():
         _verify_checksum(t, host, header, layout)
     return header
@@ -799,9 +846,11 @@ class ChunkVerifier:
     back from memory at ~8.5 GB/s.
     """
 
-    __slots__ = ("_done", "_end", "_expect", "_hash", "_host", "_t")
+    __slots__ = ("_done", "_end", "_expect", "_hash", "_host", "_spec", "_t")
 
-    def __init__(self, buf: Any, expect_key: ChunkKey | None = None) -> None:
+    def __init__(
+        self, buf: Any, expect_key: ChunkKey | None = None, expect_spec: ChunkSpec | None = None
+    ) -> None:
         self._t = _as_bytes_tensor(buf)
         if self._t.device.type != "cpu":
             raise InvalidArgument("ChunkVerifier reads host buffers; use verify_chunk")
@@ -810,6 +859,7 @@ class ChunkVerifier:
         self._done = 0
         self._hash = xxhash.xxh3_64()
         self._expect = expect_key
+        self._spec = expect_spec
 
     def advance(self, upto: int) -> None:
         """Bytes ``[0, upto)`` have arrived: hash those not hashed yet."""
@@ -821,7 +871,7 @@ class ChunkVerifier:
     def finish(self) -> ChunkHeader:
         """Validate header, key and checksum; raises as :func:`verify_chunk`."""
         header, layout, host = _read(self._t)
-        _check_expected(header, self._expect)
+        _check_expected(header, self._expect, self._spec)
         streamed = self._done == self._end == layout.checksum_offset
         if not streamed or header.checksum != "xxh3_64" or host is None:
             with torch.no_grad():
@@ -859,6 +909,7 @@ def decode_chunk(
     device: torch.device | str | None = None,
     out: Tensor | None = None,
     expect_key: ChunkKey | None = None,
+    expect_spec: ChunkSpec | None = None,
 ) -> Tensor:
     """Verify and decode a chunk into ``[2, T, H, D]`` of its original dtype.
 
@@ -869,11 +920,12 @@ def decode_chunk(
     paged-cache block) is written in place and returned. Never returns data that failed
     verification. Raises :class:`ChunkFormatError`, :class:`ChunkVersionError`,
     :class:`ChecksumError`, :class:`ChunkKeyMismatch` (``expect_key`` given and different),
-    :class:`BadShape` (``out`` does not fit) or :class:`InvalidArgument`.
+    :class:`ChunkSpecMismatch` (``expect_spec`` given and different), :class:`BadShape`
+    (``out`` does not fit) or :class:`InvalidArgument`.
     """
     t = _as_bytes_tensor(buf)
     header, layout, host = _read(t)
-    _check_expected(header, expect_key)
+    _check_expected(header, expect_key, expect_spec)
     if out is not None:
         _check_out_kv(out, header)
     target = _target(device, out, t)

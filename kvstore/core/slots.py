@@ -380,6 +380,18 @@ class SlotTable:
         slot.landed_mask |= bit
         return True
 
+    def drop_chunk(self, slot: Slot, index: int) -> bool:
+        """Forget that chunk ``index`` landed (it failed a check after it was stored), so
+        the next writer of it stores it again. True if it had landed. Raises like
+        :meth:`mark_landed`."""
+        self._check_usable(slot)
+        if not 0 <= index < slot.num_chunks:
+            raise InvalidArgument(f"chunk index {index} outside [0, {slot.num_chunks})")
+        bit = 1 << index
+        had = bool(slot.landed_mask & bit)
+        slot.landed_mask &= ~bit
+        return had
+
     def landed(self, slot: Slot) -> int:
         """The landed bitmask (bit ``i`` = chunk ``i``); raises like :meth:`chunk_view`."""
         self._check_usable(slot)

@@ -7,15 +7,19 @@ One request is in flight per connection; every exchange starts with a client hea
 
 ::
 
-    put         C: {op: put, ns: <canonical ns hex>, chunks: [[block, parent, index, nbytes]...]}
-                N: {op: ready, accept: [0|1 ...]}   (1: send it; 0: already stored, skip)
+    put         C: {op: put, ns: <canonical ns hex>, chunks: [[block, parent, index, nbytes]...],
+                    wait_s}   (how long this writer may wait for another writer's transfer)
+                N: {op: ready, accept: [0|1|2 ...]}   (SEND 1: send it; STORED 0: landed here
+                   already, skip; BUSY 2: another writer's transfer of it did not end within
+                   wait_s, or its slot is quarantined: not stored, send nothing)
                    | {op: error, code, message}     (REJECT: nothing reserved, send nothing)
                 C: {op: data} + one buffer per accepted chunk, in order
-                N: {op: ack, stored: n, skipped: n, failed: [i ...]}   (after the master commit)
+                N: {op: ack, stored: n, skipped: n, failed: [i ...], busy: [i ...]}
+                   (after the master commit; ``failed``: positions whose chunk failed a check)
     get         C: {op: get, ns_id, chunks: [[block, index]...]}
                 N: {op: data, found: [0|1 ...]} + one buffer per found chunk
-    reserve     C: {op: reserve, ns, chunks: [[block, parent, index, nbytes]...]}   (ucx://)
-                N: {op: reserved, accept: [0|1 ...], spans: [[addr, nbytes, dev, mem]...]}
+    reserve     C: {op: reserve, ns, chunks: [[block, parent, index, nbytes]...], wait_s} (ucx://)
+                N: {op: reserved, accept: [0|1|2 ...], spans: [[addr, nbytes, dev, mem]...]}
                    | {op: error, ...}               (slots pinned; one span per accepted chunk)
                 C: one-sided NIXL WRITE of each accepted chunk into its span, then
                 C: {op: landed}                     N: ack as for put (after the master commit)
@@ -35,6 +39,8 @@ One request is in flight per connection; every exchange starts with a client hea
     remove_object C: {op: remove_object, key}        N: {op: ok, removed: bool}
     evict       C: {op: evict, ns_id, blocks?: [block ...]}   (operator; all of ns_id if
                 N: {op: evicted, evicted: n, kept: n}          no blocks; pinned ones kept)
+    report      C: {op: report, ns_id, chunks: [[block, index]...]}   (a reader's bad chunks)
+                N: {op: reported, dropped: n}   (each re-checked here; a bad one is dropped)
     stats       C: {op: stats}                       N: {op: stats, ...counters}
 
 Error codes map to the exception tree: ``invalid`` → InvalidArgument, ``shape`` → BadShape,
@@ -57,8 +63,11 @@ from kvstore.errors import (
 )
 
 __all__ = [
+    "BUSY",
     "MAX_CHUNKS_PER_REQUEST",
     "MAX_KEY_LEN",
+    "SEND",
+    "STORED",
     "error_for",
     "error_header",
     "hex16",
@@ -69,6 +78,14 @@ __all__ = [
 MAX_CHUNKS_PER_REQUEST = 4096
 """Most chunks one put or get may name (fits the frame limits: 4096 buffers, 1 MiB header);
 clients split larger batches."""
+
+STORED = 0
+"""``accept`` value: the chunk is landed and checked on this node already; not sent."""
+SEND = 1
+"""``accept`` value: send this chunk; this exchange has claimed it."""
+BUSY = 2
+"""``accept`` value: another writer's transfer of this chunk is in flight (or its slot is
+quarantined); it is not stored, and this writer sends nothing for it."""
 
 MAX_KEY_LEN = 1024
 """Longest object key, in UTF-8 bytes."""

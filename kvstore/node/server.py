@@ -39,7 +39,7 @@ import torch
 
 from kvstore import __version__
 from kvstore.core.arena import Arena
-from kvstore.core.codec import ChunkKey, ChunkVerifier, chunk_nbytes, verify_chunk
+from kvstore.core.codec import ChunkKey, ChunkSpec, ChunkVerifier, chunk_nbytes, verify_chunk
 from kvstore.core.hashing import Namespace
 from kvstore.core.slots import Lease, ObjectStore, Slot, SlotKey, SlotTable, TierStats
 from kvstore.errors import (
@@ -58,8 +58,11 @@ from kvstore.master.client import MasterClient
 from kvstore.master.records import BlockAdd, BlockRef, CommitBatch, ObjectAdd, Tier
 from kvstore.metrics import Metrics
 from kvstore.node.protocol import (
+    BUSY,
     MAX_CHUNKS_PER_REQUEST,
     MAX_KEY_LEN,
+    SEND,
+    STORED,
     error_header,
     hex16,
     require,
@@ -178,11 +181,13 @@ class StorageNode:
         )
         self._namespaces: dict[bytes, tuple[Namespace, int]] = {}
         self._ns_by_hex: dict[str, tuple[Namespace, int]] = {}
+        self._specs: dict[bytes, ChunkSpec] = {}
         self._verify_threads = max(1, min(_MAX_VERIFY_THREADS, os.cpu_count() or 1))
         self._verifier = ThreadPoolExecutor(
             self._verify_threads, thread_name_prefix="kvstore-verify"
         )
-        self._inflight: set[tuple[SlotKey, int]] = set()
+        self._inflight: dict[tuple[SlotKey, int], asyncio.Future[None]] = {}
+        """Chunks a put exchange is transferring now → resolved when that exchange ends."""
         self._unquarantine_at: dict[Slot, asyncio.TimerHandle] = {}
         self._unreported: list[tuple[str, SlotKey]] = []
         """Evictions (tier, key) not yet reported to the master."""
@@ -515,6 +520,7 @@ class StorageNode:
             "remove_object": self._on_remove_object,
             "stats": self._on_stats,
             "evict": self._on_evict,
+            "report": self._on_report,
         }
         while not conn.closed:
             try:
@@ -562,6 +568,13 @@ class StorageNode:
         self._ns_by_hex[canonical_hex] = known
         return known
 
+    def _spec(self, ns: Namespace) -> ChunkSpec:
+        """What every chunk of ``ns`` must look like (its header is checked against it)."""
+        spec = self._specs.get(ns.id)
+        if spec is None:
+            spec = self._specs[ns.id] = ChunkSpec.of(ns)
+        return spec
+
     def _chunk_list(self, header: dict[str, Any]) -> list[Any]:
         chunks = require(header, "chunks", list)
         if not chunks or len(chunks) > MAX_CHUNKS_PER_REQUEST:
@@ -585,41 +598,97 @@ class StorageNode:
             wanted.append(
                 ((ns.id, hex16(block)), hex16(parent, "parent") if parent else None, index)
             )
+        if len({(key, index) for key, _, index in wanted}) != len(wanted):
+            raise InvalidArgument("a put names the same chunk twice")
+        wait_s = header.get("wait_s", 0.0)
+        if not isinstance(wait_s, int | float) or isinstance(wait_s, bool) or wait_s < 0:
+            raise ProtocolError("field 'wait_s' must be a number >= 0")
         leases: list[Lease[Slot]] = []
-        claimed: list[tuple[SlotKey, int]] = []
+        claims: dict[tuple[SlotKey, int], asyncio.Future[None]] = {}
         # ucx:// lands in the fastest tier (device memory, written one-sidedly); tcp:// in
         # host memory, where the socket delivers. A block already held stays where it is.
         tier = self.tiers[0] if header["op"] == "reserve" else self.tiers[-1]
         try:
             slots = self._allocate(wanted, chunk_bytes, num_chunks, leases, tier)
-            accept = []
-            for (key, _, index), slot in zip(wanted, slots, strict=True):
-                take = not (slot.landed_mask >> index) & 1 and (key, index) not in self._inflight
-                if take:
-                    self._inflight.add((key, index))
-                    claimed.append((key, index))
-                accept.append(1 if take else 0)
-            picked = [i for i, a in enumerate(accept) if a]
-            views = [self._tier_of(slots[i]).table.chunk_view(slots[i], wanted[i][2])
-                     for i in picked]  # fmt: skip
+            wait = min(float(wait_s), self.config.io_timeout_s)
+            accept = await self._claim(wanted, slots, claims, wait)
+            picked = [i for i, a in enumerate(accept) if a == SEND]
+            sent = [slot for i in picked if (slot := slots[i]) is not None]  # all of them
+            views = [self._tier_of(slot).table.chunk_view(slot, wanted[i][2])
+                     for i, slot in zip(picked, sent, strict=True)]  # fmt: skip
             items = [(i, wanted[i][0][1], wanted[i][2], views[k]) for k, i in enumerate(picked)]
             t0 = time.perf_counter()
             if header["op"] == "reserve":
-                await self._land_by_ucx(conn, accept, views, [slots[i] for i in picked])
+                await self._land_by_ucx(conn, accept, views, sent)
                 failed = await self._verify(conn.peer, ns, items)
                 transport = "ucx"
             else:
                 await conn.send({"op": "ready", "accept": accept}, timeout=self.config.io_timeout_s)
                 failed = await self._receive_chunks(conn, ns, items, chunk_bytes)
                 transport = "tcp"
-            stored = await self._commit_landed(ns, wanted, slots, picked, failed)
+            stored = await self._commit_landed(wanted, dict(zip(picked, sent, strict=True)), failed)
+            self._settle(claims)  # landed and committed: writers waiting on these look again
             self._count("put", transport, len(views) * chunk_bytes, t0)
-            ack = {"op": "ack", "stored": stored, "skipped": len(accept) - len(picked)}
-            await conn.send({**ack, "failed": failed}, timeout=self.config.io_timeout_s)
+            busy = [i for i, a in enumerate(accept) if a == BUSY]
+            ack = {"op": "ack", "stored": stored, "skipped": len(accept) - len(picked) - len(busy)}
+            await conn.send(
+                {**ack, "failed": failed, "busy": busy}, timeout=self.config.io_timeout_s
+            )
         finally:
+            self._settle(claims)
             for lease in leases:
                 lease.release()
-            self._inflight.difference_update(claimed)
+
+    async def _claim(
+        self,
+        wanted: list[tuple[SlotKey, bytes | None, int]],
+        slots: list[Slot | None],
+        claims: dict[tuple[SlotKey, int], asyncio.Future[None]],
+        wait_s: float,
+    ) -> list[int]:
+        """Decide, chunk by chunk, who writes it: :data:`SEND` (this writer; the chunk is
+        claimed in ``claims`` until its exchange ends), :data:`STORED` (landed and checked
+        here already) or :data:`BUSY` (not stored, and this writer may not store it now).
+
+        A chunk another writer is transferring is neither stored nor free: this writer
+        waits up to ``wait_s`` for that exchange to end, then looks again — landed means
+        stored, a failed or aborted transfer leaves the chunk to this writer. Past
+        ``wait_s``, or when the block's slot is quarantined (a ``ucx://`` writer that may
+        still be writing timed out), the chunk is BUSY: reported not stored, never a lie.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        accept = [BUSY] * len(wanted)
+        todo = list(range(len(wanted)))
+        while todo:
+            waits: list[asyncio.Future[None]] = []
+            later = []
+            for i in todo:
+                (key, _, index), slot = wanted[i], slots[i]
+                if slot is None or slot.quarantined or not slot.alive:
+                    continue
+                if slot.landed_mask >> index & 1:
+                    accept[i] = STORED
+                elif (other := self._inflight.get((key, index))) is not None:
+                    waits.append(other)
+                    later.append(i)
+                else:
+                    accept[i] = SEND
+                    claims[key, index] = self._inflight[key, index] = loop.create_future()
+            todo = later
+            left = deadline - loop.time()
+            if not todo or left <= 0:
+                break
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        return accept
+
+    def _settle(self, claims: dict[tuple[SlotKey, int], asyncio.Future[None]]) -> None:
+        """End an exchange's claims and wake the writers waiting on them (idempotent)."""
+        for chunk, fut in claims.items():
+            if self._inflight.get(chunk) is fut:
+                del self._inflight[chunk]
+            if not fut.done():
+                fut.set_result(None)
 
     def _allocate(
         self,
@@ -628,28 +697,33 @@ class StorageNode:
         num_chunks: int,
         leases: list[Lease[Slot]],
         tier: _Tier,
-    ) -> list[Slot]:
+    ) -> list[Slot | None]:
         """Allocate and pin the batch's slots, new ones in ``tier``, blocks already held in
-        the tier that holds them (REJECT = CapacityError before any payload)."""
-        by_key: dict[SlotKey, Slot] = {}
+        the tier that holds them (REJECT = CapacityError before any payload). A block whose
+        slot is quarantined gets None: its chunks cannot be stored now (BUSY)."""
+        by_key: dict[SlotKey, Slot | None] = {}
         host = self.tiers[-1]
         for key, parent, _ in wanted:
-            if key not in by_key:
-                # A quarantined slot counts as held: allocate() refuses it (CapacityError),
-                # so a block is never started again in another tier meanwhile.
-                held = self._holder(key)
-                into = held or tier
-                args = (key, chunk_bytes * num_chunks, chunk_bytes, num_chunks, parent)
-                try:
-                    res = into.table.allocate(*args)
-                except CapacityError:
-                    if held is not None or into is host:
-                        raise
-                    into = host  # no room in the GPU tier (pinned, quarantined): host memory
-                    res = into.table.allocate(*args)
-                by_key[key] = res.slot
-                leases.append(into.table.pin(res.slot))
-                self._unreported.extend((into.name, k) for k in res.evicted)
+            if key in by_key:
+                continue
+            # A quarantined slot counts as held, so a block is never started again in
+            # another tier meanwhile.
+            held = self._holder(key)
+            if held is not None and held.table.get(key) is None:
+                by_key[key] = None
+                continue
+            into = held or tier
+            args = (key, chunk_bytes * num_chunks, chunk_bytes, num_chunks, parent)
+            try:
+                res = into.table.allocate(*args)
+            except CapacityError:
+                if held is not None or into is host:
+                    raise
+                into = host  # no room in the GPU tier (pinned, quarantined): host memory
+                res = into.table.allocate(*args)
+            by_key[key] = res.slot
+            leases.append(into.table.pin(res.slot))
+            self._unreported.extend((into.name, k) for k in res.evicted)
         return [by_key[key] for key, _, _ in wanted]
 
     async def _receive_chunks(
@@ -670,8 +744,9 @@ class StorageNode:
         # memory, checked there and then copied to the device.
         in_host = self.tiers[-1].holds
         hosts = [v if in_host(v) else torch.empty_like(v, device="cpu") for *_, v in items]
+        spec = self._spec(ns)
         checks = [
-            ChunkVerifier(buf, ChunkKey(block, *divmod(index, ns.tp_size)))
+            ChunkVerifier(buf, ChunkKey(block, *divmod(index, ns.tp_size)), spec)
             for (_, block, index, _), buf in zip(items, hosts, strict=True)
         ]
         failed: list[int] = []
@@ -763,13 +838,15 @@ class StorageNode:
         return sorted(i for bad in checked for i in bad)
 
     def _check_chunks(self, peer: str, ns: Namespace, part: list[_Landed]) -> list[int]:
-        """Verify header, key and checksum of landed chunks ``(position, block, index,
-        view)``; the positions that failed. Runs on the loop or a verifier thread."""
+        """Verify header, key, the namespace's spec and checksum of landed chunks
+        ``(position, block, index, view)``; the positions that failed. Runs on the loop or
+        a verifier thread."""
         bad = []
+        spec = self._spec(ns)
         for i, block, index, view in part:
             layer, shard = divmod(index, ns.tp_size)
             try:
-                verify_chunk(view, expect_key=ChunkKey(block, layer, shard))
+                verify_chunk(view, ChunkKey(block, layer, shard), spec)
             except ChunkError as exc:
                 logger.warning("rejected chunk from %s: %s", peer, exc)
                 bad.append(i)
@@ -777,21 +854,19 @@ class StorageNode:
 
     async def _commit_landed(
         self,
-        ns: Namespace,
         wanted: list[tuple[SlotKey, bytes | None, int]],
-        slots: list[Slot],
-        picked: list[int],
+        sent: dict[int, Slot],
         failed: list[int],
     ) -> int:
-        """Mark the verified chunks landed and commit them to the master; chunks stored.
-        Chunks whose slot was quarantined meanwhile are added to ``failed``."""
+        """Mark the checked chunks landed and commit them to the master; chunks stored.
+        ``sent``: request position → slot of each chunk the writer sent. Chunks whose slot
+        was quarantined meanwhile are added to ``failed``."""
         landed: dict[SlotKey, list[int]] = {}
         rejected = set(failed)
-        for i in picked:
+        for i, slot in sent.items():
             key, _, index = wanted[i]
             if i in rejected:
                 continue
-            slot = slots[i]
             if slot.quarantined or not self._tier_of(slot).table.mark_landed(slot, index):
                 # Quarantined by another exchange meanwhile (a writer of the same block
                 # timed out): this chunk is not kept; the writer is told so and may retry.
@@ -801,7 +876,7 @@ class StorageNode:
             landed.setdefault(key, []).append(index)
         failed.sort()
         await self._commit([BlockAdd(k[0], k[1], tuple(v)) for k, v in landed.items()])
-        return len(picked) - len(failed)
+        return len(sent) - len(failed)
 
     def _find(
         self, header: dict[str, Any], leases: list[Lease[Slot]], ttl_s: float | None = None
@@ -973,6 +1048,39 @@ class StorageNode:
             {"op": "evicted", "evicted": len(gone), "kept": len(present) - len(gone)},
             timeout=self.config.io_timeout_s,
         )
+
+    async def _on_report(self, conn: Connection, header: dict[str, Any]) -> None:
+        """A reader says chunks it got from here failed verification. The node checks each
+        itself (a report alone never drops anything) and drops a bad one: the whole slot
+        when no one has it pinned (reported to the master as an eviction), else just that
+        chunk, so its next writer stores it again."""
+        ns_id = hex16(header.get("ns_id"), "ns_id")
+        known = self._namespaces.get(ns_id)
+        dropped = 0
+        for item in self._chunk_list(header):
+            if not isinstance(item, list) or len(item) != 2 or not isinstance(item[1], int):
+                raise ProtocolError("a reported chunk is [block, index]")
+            key = (ns_id, hex16(item[0]))
+            held = self._lookup(key)
+            if known is None or held is None:
+                continue
+            (ns, _), (tier, slot) = known, held
+            index = item[1]
+            if not 0 <= index < slot.num_chunks or not slot.landed_mask >> index & 1:
+                continue
+            bad = self._check_chunks(
+                conn.peer, ns, [(0, key[1], index, tier.table.chunk_view(slot, index))]
+            )
+            if not bad:
+                continue
+            dropped += 1
+            if tier.table.evict(key):
+                self._unreported.append((tier.name, key))
+            else:
+                tier.table.drop_chunk(slot, index)
+        if dropped:
+            await self._commit([])
+        await conn.send({"op": "reported", "dropped": dropped}, timeout=self.config.io_timeout_s)
 
     async def _on_stats(self, conn: Connection, header: dict[str, Any]) -> None:
         stats = [(t.name, t.table.stats()) for t in self.tiers]

@@ -1,0 +1,269 @@
+"""Writers of the same chunks at once, against a real master and node in this process: a
+put is reported stored only when its chunks are landed and checked on the node, a crafted
+chunk never shadows the honest one, and a chunk found bad after it was stored is dropped so
+the next writer stores it again.
+
+Each test reproduces a defect: a second writer was told "stored" for a chunk whose transfer
+by a stalled writer never landed; a chunk encoded from another dtype was accepted (and the
+honest writer skipped), after which every read of the prefix raised BadShape."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import kvclient
+from kvstore.core.codec import ChunkKey, chunk_nbytes, encode_blocks
+from kvstore.master import MasterClient, MasterConfig, MasterServer
+from kvstore.node.protocol import BUSY, SEND, raise_if_error
+from kvstore.node.server import NodeConfig, StorageNode
+from kvstore.transport import Connection, connect
+from tests.cluster import TRANSPORTS
+
+H, D, B = 4, 64, 16
+NS = kvclient.Namespace(model="writers-test", revision="1", num_layers=2, num_kv_heads=H,
+                        head_dim=D, dtype=torch.float16, block_tokens=B, quant="int8")  # fmt: skip
+TIMEOUT = 10.0
+IO_TIMEOUT_S = 1.0
+"""The node's per-step deadline: how long a stalled writer may hold a chunk."""
+
+
+@dataclass
+class Pool:
+    master: MasterServer
+    node: StorageNode
+
+    async def client(self, timeout_s: float = TIMEOUT) -> kvclient.KVClient:
+        return await kvclient.KVClient.connect(self.master.address, NS, timeout_s=timeout_s)
+
+
+@pytest.fixture(params=TRANSPORTS)
+async def pool(request: pytest.FixtureRequest) -> AsyncIterator[Pool]:
+    master = MasterServer(MasterConfig(grpc_port=0))
+    await master.start()
+    config = NodeConfig(master=master.address, data_port=0, host_mem=16 * 2**20,
+                        transport=request.param, io_timeout_s=IO_TIMEOUT_S)  # fmt: skip
+    node = StorageNode(config, master=MasterClient.in_process(master.service))
+    await node.start()
+    try:
+        yield Pool(master, node)
+    finally:
+        await node.stop(grace=1.0)
+        await master.stop(grace=0.5)
+    assert node.pinned_slots == 0
+    for tier in node.tiers:
+        tier.table.validate()
+
+
+def prompt(blocks: int) -> list[int]:
+    """Token ids no other test uses."""
+    base = uuid.uuid4().int % 100_000
+    return [base + i for i in range(blocks * B)]
+
+
+def kv(tokens: list[int], layer: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(len(tokens) * 31 + layer)
+    return torch.randn(2, len(tokens), H, D, generator=g).to(dtype)
+
+
+def reference(tokens: list[int], layer: int) -> torch.Tensor:
+    """What a reader must get back for an honest put of ``kv(tokens, layer)``."""
+    keys = [ChunkKey(h, layer, 0) for h in kvclient.block_hashes(NS, tokens)]
+    chunks = encode_blocks(kv(tokens, layer), B, keys, NS.quant)
+    return torch.cat([kvclient.decode_chunk(c) for c in chunks], dim=1)
+
+
+async def claim(node: StorageNode, tokens: list[int], layer: int) -> Connection:
+    """A writer that starts a put of ``layer`` over tcp:// — the node answers SEND for every
+    chunk — and then sends nothing: its chunks are in flight until the node gives up."""
+    hashes = kvclient.block_hashes(NS, tokens)
+    nbytes = chunk_nbytes(B, H, D, NS.dtype, NS.quant)
+    spec = [
+        [h.hex(), hashes[i - 1].hex() if i else "", layer, nbytes] for i, h in enumerate(hashes)
+    ]
+    conn = await connect(node.data_uri, timeout=TIMEOUT)
+    await conn.send({"op": "put", "ns": NS.canonical_bytes().hex(), "chunks": spec})
+    ready = raise_if_error((await conn.recv_header(TIMEOUT)).header, "ready")
+    assert ready["accept"] == [SEND] * len(hashes)
+    return conn
+
+
+async def test_a_put_is_not_stored_while_another_writers_transfer_of_it_is_in_flight(
+    pool: Pool,
+) -> None:
+    """Writer A claims the chunks and stalls. Writer B's put neither reports them stored
+    (the defect: "already there") nor waits past its own deadline: with a deadline shorter
+    than A's I/O timeout it reports nothing stored, and the index has nothing."""
+    tokens = prompt(3)
+    stalled = await claim(pool.node, tokens, 0)
+    try:
+        async with await pool.client(timeout_s=0.6) as kv_b:
+            t0 = time.monotonic()
+            assert await kv_b.put_layer(tokens, 0, kv(tokens, 0)) == 0
+            assert time.monotonic() - t0 < IO_TIMEOUT_S
+            assert await kv_b.match_prefix(tokens) == 0
+            assert (await kv_b.get_layer(tokens, 0)).shape[1] == 0
+    finally:
+        await stalled.close()
+
+
+async def test_a_second_writer_stores_the_chunks_a_stalled_writer_never_sent(pool: Pool) -> None:
+    """Writer A claims the chunks and stalls; writer B (deadline past A's I/O timeout) waits
+    for the node to give up on A, then stores the chunks itself: its reader gets them."""
+    tokens = prompt(3)
+    stalled = await claim(pool.node, tokens, 0)
+    try:
+        async with await pool.client() as kv_b:
+            t0 = time.monotonic()
+            assert await kv_b.put_layer(tokens, 0, kv(tokens, 0)) == len(tokens)
+            assert time.monotonic() - t0 < TIMEOUT / 2
+            got = await kv_b.get_layer(tokens, 0)
+            assert torch.equal(got, reference(tokens, 0))
+    finally:
+        await stalled.close()
+
+
+async def test_a_writer_killed_mid_transfer_leaves_its_chunks_to_the_next(pool: Pool) -> None:
+    """Writer A claims the chunks and its connection dies (as a ``kill -9`` does): writer B,
+    already waiting, stores them at once instead of waiting out A's I/O timeout."""
+    tokens = prompt(2)
+    dying = await claim(pool.node, tokens, 1)
+    async with await pool.client() as kv_b:
+        put_b = asyncio.ensure_future(kv_b.put_layer(tokens, 1, kv(tokens, 1)))
+        await asyncio.sleep(0.2)
+        assert not put_b.done(), "B must wait for A's transfer, not skip the chunks"
+        t0 = time.monotonic()
+        await dying.close()
+        assert await put_b == len(tokens)
+        assert time.monotonic() - t0 < IO_TIMEOUT_S
+        assert torch.equal(await kv_b.get_layer(tokens, 1), reference(tokens, 1))
+
+
+async def test_concurrent_writers_of_one_prefix_all_report_it_stored(pool: Pool) -> None:
+    """Eight writers put the same layer at once: every one reports every block stored (by
+    itself or by the writer it waited for), and the bytes read are one honest copy."""
+    tokens = prompt(4)
+    clients = [await pool.client() for _ in range(8)]
+    try:
+        stored = await asyncio.gather(*(c.put_layer(tokens, 0, kv(tokens, 0)) for c in clients))
+        assert stored == [len(tokens)] * 8
+        assert torch.equal(await clients[0].get_layer(tokens, 0), reference(tokens, 0))
+    finally:
+        for c in clients:
+            await c.close()
+
+
+async def test_a_chunk_of_another_dtype_is_refused_and_the_honest_writer_stores_it(
+    pool: Pool,
+) -> None:
+    """A well-formed chunk with the right key but encoded from bfloat16, put first into this
+    float16 namespace: the node refuses it (its header does not fit the namespace), so the
+    honest writer's put stores the chunk and every read returns the honest bytes."""
+    tokens = prompt(2)
+    hashes = kvclient.block_hashes(NS, tokens)
+    keys = [ChunkKey(h, 0, 0) for h in hashes]
+    crafted = encode_blocks(kv(tokens, 0, torch.bfloat16), B, keys, NS.quant)
+    assert crafted[0].numel() == chunk_nbytes(B, H, D, NS.dtype, NS.quant)
+    spec = [[h.hex(), hashes[i - 1].hex() if i else "", 0, c.numel()]
+            for i, (h, c) in enumerate(zip(hashes, crafted, strict=True))]  # fmt: skip
+    conn = await connect(pool.node.data_uri, timeout=TIMEOUT)
+    try:
+        await conn.send({"op": "put", "ns": NS.canonical_bytes().hex(), "chunks": spec})
+        raise_if_error((await conn.recv_header(TIMEOUT)).header, "ready")
+        await conn.send({"op": "data"}, [c.numpy() for c in crafted])
+        ack = raise_if_error((await conn.recv_header(TIMEOUT)).header, "ack")
+        assert (ack["stored"], ack["failed"]) == (0, [0, 1])
+    finally:
+        await conn.close()
+    async with await pool.client() as honest:
+        assert await honest.match_prefix(tokens) == 0
+        assert await honest.put_layer(tokens, 0, kv(tokens, 0)) == len(tokens)
+        assert torch.equal(await honest.get_layer(tokens, 0), reference(tokens, 0))
+
+
+async def test_a_chunk_damaged_at_rest_is_a_miss_and_is_stored_again(pool: Pool) -> None:
+    """A stored chunk whose bytes flip in the node's memory: a read returns the blocks
+    before it (a miss for that block, not an error for the call), the reader's report makes
+    the node drop it, and the next put stores it again."""
+    tokens = prompt(3)
+    async with await pool.client() as kv_c:
+        assert await kv_c.put_layer(tokens, 0, kv(tokens, 0)) == len(tokens)
+        key = (NS.id, kvclient.block_hashes(NS, tokens)[1])
+        tier, slot = next((t, s) for t in pool.node.tiers if (s := t.table.get(key)))
+        tier.table.chunk_view(slot, 0)[-100] ^= 0xFF
+        got = await kv_c.get_layer(tokens, 0)
+        assert torch.equal(got, reference(tokens, 0)[:, :B])
+        for _ in range(100):  # the report travels in the background
+            if not any(t.table.get(key) for t in pool.node.tiers):
+                break
+            await asyncio.sleep(0.02)
+        assert not any(t.table.get(key) for t in pool.node.tiers), "the bad slot is dropped"
+        assert await kv_c.put_layer(tokens, 0, kv(tokens, 0)) == len(tokens)
+        assert torch.equal(await kv_c.get_layer(tokens, 0), reference(tokens, 0))
+
+
+async def test_a_report_of_a_good_chunk_drops_nothing(pool: Pool) -> None:
+    """The node checks a reported chunk itself: a report about a chunk that is fine (or one
+    it does not hold) changes nothing."""
+    tokens = prompt(2)
+    async with await pool.client() as kv_c:
+        assert await kv_c.put_layer(tokens, 0, kv(tokens, 0)) == len(tokens)
+    hashes = kvclient.block_hashes(NS, tokens)
+    conn = await connect(pool.node.data_uri, timeout=TIMEOUT)
+    try:
+        chunks = [[hashes[0].hex(), 0], [hashes[1].hex(), 1], [bytes(16).hex(), 0]]
+        await conn.send({"op": "report", "ns_id": NS.id.hex(), "chunks": chunks})
+        assert raise_if_error((await conn.recv_header(TIMEOUT)).header, "reported")["dropped"] == 0
+    finally:
+        await conn.close()
+    async with await pool.client() as kv_c:
+        assert torch.equal(await kv_c.get_layer(tokens, 0), reference(tokens, 0))
+
+
+async def test_a_busy_chunk_is_answered_busy_and_the_rest_of_the_batch_is_stored(
+    pool: Pool,
+) -> None:
+    """A put naming a chunk in flight elsewhere and a free one, with no time to wait: the
+    first is BUSY (not stored, nothing sent for it), the second is stored."""
+    tokens = prompt(2)
+    hashes = kvclient.block_hashes(NS, tokens)
+    stalled = await claim(pool.node, tokens[:B], 0)
+    nbytes = chunk_nbytes(B, H, D, NS.dtype, NS.quant)
+    keys = [ChunkKey(h, 0, 0) for h in hashes]
+    rows = encode_blocks(kv(tokens, 0), B, keys, NS.quant)
+    conn = await connect(pool.node.data_uri, timeout=TIMEOUT)
+    try:
+        spec = [[hashes[0].hex(), "", 0, nbytes], [hashes[1].hex(), hashes[0].hex(), 0, nbytes]]
+        await conn.send({"op": "put", "ns": NS.canonical_bytes().hex(), "chunks": spec,
+                         "wait_s": 0})  # fmt: skip
+        ready = raise_if_error((await conn.recv_header(TIMEOUT)).header, "ready")
+        assert ready["accept"] == [BUSY, SEND]
+        await conn.send({"op": "data"}, [rows[1].numpy()])
+        ack = raise_if_error((await conn.recv_header(TIMEOUT)).header, "ack")
+        assert (ack["stored"], ack["skipped"], ack["busy"]) == (1, 0, [0])
+    finally:
+        await conn.close()
+        await stalled.close()
+
+
+async def test_a_stored_chunk_of_another_dtype_is_a_miss_for_its_block_only(pool: Pool) -> None:
+    """A well-formed chunk with the right key and checksum but another dtype sits in a slot
+    (written there behind the node's checks): a read returns the blocks before it instead
+    of raising BadShape for the whole call (the defect), and the block is dropped."""
+    tokens = prompt(3)
+    hashes = kvclient.block_hashes(NS, tokens)
+    async with await pool.client() as kv_c:
+        assert await kv_c.put_layer(tokens, 0, kv(tokens, 0)) == len(tokens)
+        crafted = encode_blocks(kv(tokens, 0, torch.bfloat16), B,
+                                [ChunkKey(h, 0, 0) for h in hashes], NS.quant)  # fmt: skip
+        key = (NS.id, hashes[2])
+        tier, slot = next((t, s) for t in pool.node.tiers if (s := t.table.get(key)))
+        tier.table.chunk_view(slot, 0).copy_(crafted[2])
+        got = await kv_c.get_layer(tokens, 0)
+        assert torch.equal(got, reference(tokens, 0)[:, : 2 * B])
