@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
             default="tcp",
             help="ucx: also serve one-sided NIXL/UCX reads and writes (needs nixl-cu12)",
         )
+        p.add_argument(
+            "--io-timeout-s",
+            type=_positive,
+            default=NodeConfig.io_timeout_s,
+            help="deadline of each step of a data-plane exchange; also how long a stalled "
+            "writer can hold a chunk others wait for (default %(default)s)",
+        )
 
     serve = sub.add_parser("serve", help="master + one node in one process")
     common(serve, 9400)
@@ -169,6 +176,7 @@ async def _run(args: argparse.Namespace) -> int:
                     host_mem=args.host_mem,
                     gpu_mem=args.gpu_mem,
                     transport=args.transport,
+                    io_timeout_s=args.io_timeout_s,
                 ),
                 metrics,
                 # serve: the node commits straight to its in-process master, not over gRPC.

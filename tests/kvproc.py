@@ -2,12 +2,17 @@
 
     python tests/kvproc.py writer MASTER --tokens N --layers L [--seed S] [--pause-s P]
     python tests/kvproc.py reader MASTER --tokens N --layers L [--seed S] [--timeout T]
+    python tests/kvproc.py stall|partial|crafted MASTER --tokens N --layers L --layer I
 
-Both derive the same prompt and KV from the seed. Each prints one JSON line per event
+All derive the same prompt and KV from the seed. Each prints one JSON line per event
 with a wall-clock timestamp: the writer ``{"put": layer, "t": ..., "stored": n}`` before
 and after each layer, the reader ``{"got": layer, "t": ..., "err": median attention
-error}``. Exit 0 on success; a KVStoreError prints ``{"error": type, "message": ...}`` and
-exits 3.
+error, "digest": xxh3 of the tensor's bytes}``. Hostile or broken writers of layer
+``--layer`` speak the node's protocol by hand: ``stall`` starts a put and then sends
+nothing (``{"claimed": n}``, then sleeps), ``partial`` sends half of the first chunk and
+waits to be killed (``{"partial": n}``), ``crafted`` puts chunks with the right keys
+encoded from float16 KV into the bfloat16 namespace (``{"crafted": ack}``). Exit 0 on
+success; a KVStoreError prints ``{"error": type, "message": ...}`` and exits 3.
 """
 
 from __future__ import annotations
@@ -19,9 +24,15 @@ import sys
 import time
 
 import torch
+import xxhash
 
 import kvclient
+from kvstore.core.codec import ChunkKey, chunk_nbytes, encode_blocks
 from kvstore.core.kvgen import attention_error, realistic_kv
+from kvstore.master.client import MasterClient
+from kvstore.node.protocol import raise_if_error
+from kvstore.transport import Connection, connect
+from kvstore.transport.framing import FIXED_SIZE, encode_prefix, parse_fixed, parse_rest
 
 HEADS, HEAD_DIM = 8, 128
 
@@ -77,21 +88,101 @@ async def reader(args: argparse.Namespace) -> None:
             full = (args.tokens // 256) * 256
             ref = layer_kv(args.tokens, layer, args.seed)[:, :full]
             rel, _ = attention_error(ref.float(), t.float(), queries)
-            emit(got=layer, tokens=t.shape[1], err=float(rel.median()))
+            emit(got=layer, tokens=t.shape[1], err=float(rel.median()), digest=digest(t))
+
+
+def digest(t: torch.Tensor) -> str:
+    """xxh3 of a tensor's bytes (to compare what a reader got with what it should get)."""
+    return xxhash.xxh3_64_hexdigest(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def encoded(args: argparse.Namespace, dtype: torch.dtype) -> tuple[list[bytes], list[torch.Tensor]]:
+    """The block hashes of the prompt and chunks of ``--layer`` encoded from ``dtype``."""
+    ns = namespace(args.layers)
+    tokens = prompt(args.tokens, args.seed)
+    hashes = kvclient.block_hashes(ns, tokens)
+    full = len(hashes) * ns.block_tokens
+    t = layer_kv(args.tokens, args.layer, args.seed)[:, :full].to(dtype)
+    keys = [ChunkKey(h, args.layer, 0) for h in hashes]
+    return hashes, encode_blocks(t, ns.block_tokens, keys, ns.quant)
+
+
+async def data_uri(args: argparse.Namespace) -> str:
+    """The data URI of the pool's one live node."""
+    master = MasterClient(args.master)
+    try:
+        [node] = [n for n in await master.nodes() if n.alive]
+    finally:
+        await master.close()
+    return node.data_uri
+
+
+def put_header(args: argparse.Namespace, hashes: list[bytes]) -> dict[str, object]:
+    """The header of a put of ``--layer``'s chunks of ``hashes``."""
+    ns = namespace(args.layers)
+    nbytes = chunk_nbytes(ns.block_tokens, ns.num_kv_heads, ns.head_dim, ns.dtype, ns.quant)
+    spec = [[h.hex(), hashes[i - 1].hex() if i else "", args.layer, nbytes]
+            for i, h in enumerate(hashes)]  # fmt: skip
+    return {"op": "put", "ns": ns.canonical_bytes().hex(), "chunks": spec}
+
+
+async def start_put(args: argparse.Namespace, hashes: list[bytes]) -> Connection:
+    """Start a put of ``--layer`` on the node: it answers READY."""
+    conn = await connect(await data_uri(args), timeout=10)
+    await conn.send(put_header(args, hashes))
+    raise_if_error((await conn.recv_header(10)).header, "ready")
+    return conn
+
+
+async def stall(args: argparse.Namespace) -> None:
+    hashes, _ = encoded(args, torch.bfloat16)
+    conn = await start_put(args, hashes)
+    emit(claimed=len(hashes))
+    await asyncio.sleep(args.timeout)
+    await conn.close()
+
+
+async def partial(args: argparse.Namespace) -> None:
+    """Frames written by hand on a plain socket: the data frame announces every chunk, and
+    only half of the first one follows."""
+    hashes, chunks = encoded(args, torch.bfloat16)
+    host, port = (await data_uri(args)).removeprefix("tcp://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(encode_prefix(put_header(args, hashes), []))
+    fixed = await reader.readexactly(FIXED_SIZE)
+    ready = parse_rest(fixed, await reader.readexactly(parse_fixed(fixed)))
+    raise_if_error(ready.header, "ready")
+    writer.write(encode_prefix({"op": "data"}, [c.numel() for c in chunks]))
+    writer.write(chunks[0].numpy()[: chunks[0].numel() // 2].tobytes())
+    await writer.drain()
+    emit(partial=len(hashes))
+    await asyncio.sleep(args.timeout)
+
+
+async def crafted(args: argparse.Namespace) -> None:
+    hashes, chunks = encoded(args, torch.float16)
+    conn = await start_put(args, hashes)
+    await conn.send({"op": "data"}, [c.numpy() for c in chunks])
+    ack = raise_if_error((await conn.recv_header(10)).header, "ack")
+    emit(crafted=ack)
+    await conn.close()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["writer", "reader"])
+    parser.add_argument("role", choices=["writer", "reader", "stall", "partial", "crafted"])
     parser.add_argument("master")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--pause-s", type=float, default=0.0)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--layer", type=int, default=0)
     args = parser.parse_args()
+    roles = {"writer": writer, "reader": reader, "stall": stall, "partial": partial,
+             "crafted": crafted}  # fmt: skip
     try:
-        asyncio.run(writer(args) if args.role == "writer" else reader(args))
+        asyncio.run(roles[args.role](args))
     except kvclient.KVStoreError as exc:
         print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
         return 3

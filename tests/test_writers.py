@@ -10,10 +10,16 @@ honest writer skipped), after which every read of the prefix raised BadShape."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import selectors
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +30,10 @@ from kvstore.master import MasterClient, MasterConfig, MasterServer
 from kvstore.node.protocol import BUSY, SEND, raise_if_error
 from kvstore.node.server import NodeConfig, StorageNode
 from kvstore.transport import Connection, connect
-from tests.cluster import TRANSPORTS
+from tests import kvproc
+from tests.cluster import TRANSPORTS, start_server
+
+HERE = Path(__file__).parent
 
 H, D, B = 4, 64, 16
 NS = kvclient.Namespace(model="writers-test", revision="1", num_layers=2, num_kv_heads=H,
@@ -267,3 +276,81 @@ async def test_a_stored_chunk_of_another_dtype_is_a_miss_for_its_block_only(pool
         tier.table.chunk_view(slot, 0).copy_(crafted[2])
         got = await kv_c.get_layer(tokens, 0)
         assert torch.equal(got, reference(tokens, 0)[:, : 2 * B])
+
+
+# --------------------------------------------------------------------- separate processes
+
+
+def _proc(role: str, master: str, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "kvproc.py"), role, master, *extra],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(HERE.parent)),
+    )
+
+
+def _first_event(proc: subprocess.Popen[str], timeout: float = 60) -> dict:
+    """The first JSON line ``proc`` prints (it keeps running)."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        assert sel.select(timeout), f"{proc.args} printed nothing within {timeout} s"
+    return json.loads(proc.stdout.readline())
+
+
+def _events(proc: subprocess.Popen[str], timeout: float = 120) -> list[dict]:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def test_honest_readers_get_honest_bytes_from_stalled_killed_crafted_and_honest_writers() -> None:
+    """One prefix, five writers in their own processes: a crafted one (float16 chunks with
+    the right keys into the bfloat16 namespace) first, then one that stalls after starting
+    its put of layer 0, one that is ``kill -9``ed halfway through its data for layer 1, and
+    two honest ones. Both honest writers report every layer stored, and both readers get
+    exactly the honest bytes of every layer within their deadlines."""
+    layers, tokens = 2, 512
+    args = ["--tokens", str(tokens), "--layers", str(layers), "--timeout", "30"]
+    server = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port",
+                          "0", "--io-timeout-s", "2")  # fmt: skip
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        crafted = _events(_proc("crafted", server.grpc, *args, "--layer", "0"))
+        assert crafted[0]["crafted"]["stored"] == 0, crafted
+        readers = [_proc("reader", server.grpc, *args) for _ in range(2)]
+        procs += readers
+        assert all(_first_event(r)["ready"] for r in readers)
+        stalled = _proc("stall", server.grpc, *args, "--layer", "0")
+        killed = _proc("partial", server.grpc, *args, "--layer", "1")
+        procs += [stalled, killed]
+        assert _first_event(stalled)["claimed"] == 2
+        assert _first_event(killed)["partial"] == 2
+        writers = [_proc("writer", server.grpc, *args[:4]) for _ in range(2)]
+        procs += writers
+        time.sleep(0.3)
+        killed.kill()
+        for w in writers:
+            done = [e for e in _events(w) if e.get("phase") == "done"]
+            assert [(e["put"], e["stored"]) for e in done] == [(i, tokens) for i in range(layers)]
+        want = {layer: _honest_digest(tokens, layer, layers) for layer in range(layers)}
+        for r in readers:
+            got = {e["got"]: e["digest"] for e in _events(r) if "got" in e}
+            assert got == want
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=10)
+        assert server.stop()[0] == 0
+
+
+def _honest_digest(tokens: int, layer: int, layers: int) -> str:
+    """What a reader must get for an honest writer's ``layer`` (see tests/kvproc.py)."""
+    ns = kvproc.namespace(layers)
+    hashes = kvclient.block_hashes(ns, kvproc.prompt(tokens, 1))
+    keys = [ChunkKey(h, layer, 0) for h in hashes]
+    t = kvproc.layer_kv(tokens, layer, 1)[:, : len(hashes) * ns.block_tokens]
+    chunks = encode_blocks(t, ns.block_tokens, keys, ns.quant)
+    return kvproc.digest(torch.cat([kvclient.decode_chunk(c) for c in chunks], dim=1))
