@@ -13,7 +13,8 @@ import contextlib
 import os
 import socket
 import struct
-from collections.abc import AsyncIterator
+import tracemalloc
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -722,6 +723,236 @@ async def test_peer_and_byte_counters(case: Case) -> None:
         await server.recv(timeout=5)
         assert server.bytes_received == client.bytes_sent
         assert client.bytes_sent == len(encode_prefix({"op": "x"}, [1000])) + 1000
+
+
+# -- guards: idle, slow and surplus peers -----------------------------------------------------
+
+
+def capacity_refusal(exc: Exception) -> dict[str, Any]:
+    """A refusal frame as the node builds it."""
+    return {"op": "error", "code": "capacity", "message": str(exc)}
+
+
+async def eventually(check: Callable[[], bool]) -> bool:
+    """Poll ``check`` for up to 5 s."""
+    for _ in range(500):
+        if check():
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def ping(conn: Connection, n: int = 0) -> None:
+    await conn.send({"op": "ping", "n": n})
+    assert (await conn.recv(timeout=5))[0] == {"op": "ping", "n": n}
+
+
+async def test_idle_timeout_closes_a_silent_connection(case: Case) -> None:
+    ended: list[type[BaseException]] = []
+
+    async def recording_echo(conn: Connection) -> None:
+        try:
+            await echo(conn)
+        except BaseException as exc:
+            ended.append(type(exc))
+            raise
+
+    async with serving(case, recording_echo, idle_timeout=0.2) as listener:
+        async with await connect(listener.address, timeout=5) as client:
+            await ping(client)
+            with pytest.raises(PeerDisconnected):
+                await client.recv_header(timeout=5)
+        assert await eventually(lambda: ended == [Closed] and listener.connections == 0)
+
+
+async def test_idle_timeout_spares_a_connection_in_use(case: Case) -> None:
+    """Twenty exchanges 50 ms apart: far more silence in all than the 0.6 s idle timeout,
+    but never that much at once."""
+    async with serving(case, idle_timeout=0.6) as listener:
+        client = await connect(listener.address, timeout=5)
+        async with client:
+            for n in range(20):
+                await ping(client, n)
+                await asyncio.sleep(0.05)
+            assert not client.closed and listener.connections == 1
+
+
+async def test_a_wait_with_its_own_timeout_is_not_an_idle_wait(case: Case) -> None:
+    async with pair(case, idle_timeout=0.05) as (client, server):
+        with pytest.raises(KVTimeout):
+            await server.recv_header(timeout=0.3)
+        assert not server.closed
+        await client.send({"op": "late"})
+        assert (await server.recv_header(timeout=5)).header == {"op": "late"}
+
+
+async def test_header_deadline_drops_a_trickle(raw_case: Case) -> None:
+    frame = encode_prefix({"op": "slow", "pad": "x" * 40}, [])
+    async with (
+        accepted(raw_case, header_timeout=0.3) as (listener, conns),
+        raw_socket(listener.address) as (r, w),
+    ):
+        w.write(frame[:1])
+        await w.drain()
+        server = await asyncio.wait_for(conns.get(), 5)
+        receiving = asyncio.create_task(server.recv_header())
+        for i in range(1, len(frame)):  # a byte per 50 ms: the frame would take 2.6 s
+            if receiving.done():
+                break
+            with contextlib.suppress(ConnectionError):
+                w.write(frame[i : i + 1])
+                await w.drain()
+            await asyncio.sleep(0.05)
+        with pytest.raises(KVTimeout, match=r"header took longer than 0\.3 s"):
+            await receiving
+        assert server.closed and i < len(frame) - 1
+        assert await read_until_eof(r) == b""
+
+
+async def test_header_deadline_runs_from_the_first_byte_across_waits(raw_case: Case) -> None:
+    frame = encode_prefix({"op": "split"}, [])
+    async with (
+        accepted(raw_case, header_timeout=0.4) as (listener, conns),
+        raw_socket(listener.address) as (_, w),
+    ):
+        w.write(frame[:3])
+        await w.drain()
+        server = await asyncio.wait_for(conns.get(), 5)
+        for _ in range(2):
+            with pytest.raises(KVTimeout):
+                await server.recv_header(timeout=0.05)
+            assert not server.closed  # the caller's own deadline: still usable
+        with pytest.raises(KVTimeout, match="header took longer"):
+            await server.recv_header(timeout=30)
+        assert server.closed
+
+
+async def test_prefix_memory_follows_the_bytes_received(raw_case: Case) -> None:
+    """Eight prefixes announce a 4 MiB header and send 1 KB of it: receiving them allocates
+    nothing near the 32 MiB announced; the one then sent whole still arrives intact."""
+    big = FrameLimits(max_header_bytes=16 * MiB)
+    header = {"pad": "x" * (4 * MiB)}
+    frame = encode_prefix(header, [], big)
+    async with (
+        accepted(raw_case, limits=big) as (listener, conns),
+        contextlib.AsyncExitStack() as stack,
+    ):
+        socks = [await stack.enter_async_context(raw_socket(listener.address)) for _ in range(8)]
+        for _, w in socks:
+            w.write(frame[: FIXED_SIZE + 1000])
+            await w.drain()
+        servers = [await asyncio.wait_for(conns.get(), 5) for _ in socks]
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for server in servers:
+                with pytest.raises(KVTimeout):
+                    await server.recv_header(timeout=0.05)
+            grown = tracemalloc.get_traced_memory()[1] - before
+        finally:
+            tracemalloc.stop()
+        assert grown < 2 * MiB, f"{grown} bytes allocated for 8 KB received"
+        receiving = asyncio.create_task(servers[0].recv_header(timeout=5))
+        _, w = socks[0]
+        w.write(frame[FIXED_SIZE + 1000 :])
+        await w.drain()
+        assert (await receiving).header == header
+
+
+async def test_refusal_frame_at_the_connection_bound(case: Case) -> None:
+    async with serving(case, max_connections=2, refusal=capacity_refusal) as listener:
+        first = await connect(listener.address, timeout=5)
+        second = await connect(listener.address, timeout=5)
+        for conn in (first, second):
+            await ping(conn)
+        third = await connect(listener.address, timeout=5)
+        refusal = (await third.recv_header(timeout=5)).header
+        assert refusal["code"] == "capacity"
+        assert "limit of 2 connections" in refusal["message"]
+        with pytest.raises(PeerDisconnected):
+            await third.recv_header(timeout=5)
+        assert listener.rejected == 1 and listener.connections == 2
+        for conn in (first, second):
+            await ping(conn, 1)  # the ones served are untouched
+        for conn in (first, second, third):
+            await conn.close()
+
+
+async def test_a_refused_client_reads_its_refusal_after_sending_a_big_request(
+    case: Case,
+) -> None:
+    """The refused side reads and drops what the client sends while the refusal waits to
+    be read, so a client still writing its request never meets a reset instead."""
+    async with serving(case, max_connections=1, refusal=capacity_refusal) as listener:
+        first = await connect(listener.address, timeout=5)
+        async with first:
+            await ping(first)
+            second = await connect(listener.address, timeout=5)
+            async with second:
+                await second.send({"op": "put", "pad": "x" * 600_000}, [bytes(MiB)], timeout=5)
+                assert (await second.recv_header(timeout=5)).header["code"] == "capacity"
+
+
+async def test_a_connection_that_never_sent_a_byte_is_displaced_at_the_bound(
+    case: Case,
+) -> None:
+    async with serving(
+        case, max_connections=2, header_timeout=0.2, refusal=capacity_refusal
+    ) as listener:
+        used = await connect(listener.address, timeout=5)
+        await ping(used)
+        silent = await connect(listener.address, timeout=5)
+        await asyncio.sleep(0.3)  # older than the header timeout, and still silent
+        newcomer = await connect(listener.address, timeout=5)
+        await ping(newcomer)
+        with pytest.raises(PeerDisconnected):
+            await silent.recv_header(timeout=5)
+        await ping(used, 1)
+        assert listener.displaced == 1 and listener.rejected == 0
+        for conn in (used, silent, newcomer):
+            await conn.close()
+
+
+async def test_a_burst_at_the_bound_displaces_each_silent_connection_once(case: Case) -> None:
+    """Three newcomers at once, two silent connections to make room: each is displaced once
+    (a displaced one stays listed until its handler ends) and the third newcomer refused."""
+    async with serving(
+        case, max_connections=2, header_timeout=0.2, refusal=capacity_refusal
+    ) as listener:
+        silent = [await connect(listener.address, timeout=5) for _ in range(2)]
+        await asyncio.sleep(0.3)
+        newcomers = [await connect(listener.address, timeout=5) for _ in range(3)]
+        assert await eventually(lambda: listener.displaced + listener.rejected == 3)
+        assert (listener.displaced, listener.rejected) == (2, 1)
+        assert await eventually(lambda: listener.connections == 2)
+        for conn in silent:
+            with pytest.raises(PeerDisconnected):
+                await conn.recv_header(timeout=5)
+        for conn in (*silent, *newcomers):
+            await conn.close()
+
+
+async def test_reusable_tells_a_kept_connection_from_a_spent_one(case: Case) -> None:
+    async with pair(case) as (client, server):
+        assert client.reusable() and server.reusable()
+        await client.send({"op": "data"}, [b"abc"])
+        await server.recv_header(timeout=5)
+        assert not server.reusable()  # a payload is pending
+        await server.recv_payload(timeout=5)
+        assert server.reusable()
+        await server.send({"op": "unasked"})
+        assert await eventually(lambda: not client.reusable())
+    async with pair(case) as (client, server):
+        await server.close()
+        assert await eventually(lambda: not client.reusable())
+        with pytest.raises(PeerDisconnected):
+            await client.recv_header(timeout=5)
+
+
+async def test_listener_guards_validate(case: Case) -> None:
+    for bad in ({"idle_timeout": 0}, {"header_timeout": -1.0}, {"idle_timeout": "5"}):
+        with pytest.raises(InvalidArgument):
+            listen(case.any_address, echo, **bad)
 
 
 # -- framing (pure) ----------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from kvstore.transport.base import (
     Connection,
     Handler,
     Listener,
+    Refusal,
     as_byte_view,
 )
 from kvstore.transport.framing import DEFAULT_LIMITS, Frame, FrameLimits
@@ -43,6 +44,7 @@ __all__ = [
     "FrameLimits",
     "Handler",
     "Listener",
+    "Refusal",
     "as_byte_view",
     "connect",
     "get_backend",
@@ -115,15 +117,30 @@ def listen(
     *,
     limits: FrameLimits = DEFAULT_LIMITS,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    idle_timeout: float | None = None,
+    header_timeout: float | None = None,
+    refusal: Refusal | None = None,
     **options: Any,
 ) -> Listener:
     """Build an unstarted listener on ``uri`` running ``handler(conn)`` per connection.
 
-    Never blocks; call ``await listener.start()`` (or ``async with``) to bind. Raises
+    ``idle_timeout``, ``header_timeout`` (seconds, None: off) and ``refusal`` guard it
+    against peers that hold connections without using them (see
+    :class:`~kvstore.transport.base.Listener`). Never blocks; call ``await
+    listener.start()`` (or ``async with``) to bind. Raises
     :class:`~kvstore.errors.UnknownScheme` or :class:`~kvstore.errors.InvalidArgument`.
     """
     backend = get_backend(scheme_of(uri))
-    return backend.listener(uri, handler, limits=limits, max_connections=max_connections, **options)
+    return backend.listener(
+        uri,
+        handler,
+        limits=limits,
+        max_connections=max_connections,
+        idle_timeout=idle_timeout,
+        header_timeout=header_timeout,
+        refusal=refusal,
+        **options,
+    )
 
 
 def _known() -> str:

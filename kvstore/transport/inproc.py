@@ -37,6 +37,7 @@ from kvstore.transport.base import (
     Connection,
     Handler,
     Listener,
+    Refusal,
 )
 from kvstore.transport.framing import DEFAULT_LIMITS, Frame, FrameLimits, parse_prefix
 
@@ -75,6 +76,15 @@ class _Pipe:
 
     def queued_bytes(self) -> int:
         return self._bytes
+
+    def quiet(self) -> bool:
+        """Nothing queued and the writer still open."""
+        return not self._items and not self._writer_gone and not self._reader_gone
+
+    async def readable(self) -> None:
+        """Return once a frame is queued or the writer closed (a ``get`` then answers)."""
+        while not self._items and not self._writer_gone:
+            await self._wait("reader")
 
     async def put(self, item: _Item, nbytes: int) -> None:
         while not self._reader_gone and self._full(nbytes):
@@ -149,6 +159,9 @@ class InprocConnection(Connection):
         buffers = [bytes(v) for v in views]  # the one copy that frees the caller's memory
         await self._outbox.put((prefix, buffers), len(prefix) + sum(map(len, buffers)))
 
+    async def _await_frame(self) -> None:
+        await self._inbox.readable()
+
     async def _read_prefix(self) -> tuple[Frame, int]:
         prefix, buffers = await self._inbox.get()
         frame, length = parse_prefix(prefix, self.limits)
@@ -171,6 +184,9 @@ class InprocConnection(Connection):
     def _buffered(self) -> int:
         return self._inbox.queued_bytes()
 
+    def _quiet(self) -> bool:
+        return self._inbox.quiet()
+
     def _abort(self, exc: KVStoreError) -> None:
         self._payload = []
         self._outbox.close_writer(exc)
@@ -187,8 +203,18 @@ class InprocListener(Listener):
         *,
         limits: FrameLimits = DEFAULT_LIMITS,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        idle_timeout: float | None = None,
+        header_timeout: float | None = None,
+        refusal: Refusal | None = None,
     ) -> None:
-        super().__init__(handler, limits=limits, max_connections=max_connections)
+        super().__init__(
+            handler,
+            limits=limits,
+            max_connections=max_connections,
+            idle_timeout=idle_timeout,
+            header_timeout=header_timeout,
+            refusal=refusal,
+        )
         self._name = _name_of(uri)
         self._bound = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -264,12 +290,23 @@ class InprocBackend(Backend):
         *,
         limits: FrameLimits,
         max_connections: int,
+        idle_timeout: float | None = None,
+        header_timeout: float | None = None,
+        refusal: Refusal | None = None,
         **options: Any,
     ) -> InprocListener:
         """An unstarted :class:`InprocListener`; see :class:`Backend`."""
         if options:
             raise InvalidArgument(f"unknown inproc:// listen options: {sorted(options)}")
-        return InprocListener(uri, handler, limits=limits, max_connections=max_connections)
+        return InprocListener(
+            uri,
+            handler,
+            limits=limits,
+            max_connections=max_connections,
+            idle_timeout=idle_timeout,
+            header_timeout=header_timeout,
+            refusal=refusal,
+        )
 
 
 def _options(options: dict[str, Any]) -> tuple[int, int]:

@@ -17,6 +17,15 @@ Every socket gets TCP_NODELAY (control frames are small and latency-bound). Sock
 are left to Linux's autotuning by default: pinning SO_SNDBUF/SO_RCVBUF to 4 MiB (the
 ``socket_buffer_bytes`` option) measured no faster on loopback for 512 KiB and 4 MiB puts,
 often slower — an explicit SO_RCVBUF turns receive autotuning off.
+
+Memory per connection: the 64 KiB staging buffer, grown for a prefix only as its bytes
+arrive (doubling, so at most twice the bytes received) and given back after it, never to
+the header length a prefix announces: 100 connections that each announce a ~500 KB header
+and send 12 bytes cost a node 6 MiB (their staging), not the 55 MiB an up-front allocation
+did (docs/decisions.md). A listener fits ``max_connections`` under the process's file
+descriptor limit: it raises the soft ``RLIMIT_NOFILE`` toward the hard one when the bound
+needs it, and lowers the bound (with a warning) when even that is too small, so that the
+bound, not ``EMFILE``, is what refuses a client.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import resource
 import socket
 import urllib.parse
 from collections.abc import Callable
@@ -38,11 +48,13 @@ from kvstore.errors import (
 )
 from kvstore.transport.base import (
     DEFAULT_MAX_CONNECTIONS,
+    MAX_REFUSING,
     PROGRESS_BYTES,
     Backend,
     Connection,
     Handler,
     Listener,
+    Refusal,
     logger,
     with_timeout,
 )
@@ -55,14 +67,31 @@ from kvstore.transport.framing import (
     parse_rest,
 )
 
-__all__ = ["BACKEND", "DEFAULT_SOCKET_BUFFER_BYTES", "TcpBackend", "TcpConnection", "TcpListener"]
+__all__ = [
+    "BACKEND",
+    "DEFAULT_SOCKET_BUFFER_BYTES",
+    "FD_HEADROOM",
+    "TcpBackend",
+    "TcpConnection",
+    "TcpListener",
+    "fit_fd_limit",
+]
 
 DEFAULT_SOCKET_BUFFER_BYTES: int | None = None
 """SO_SNDBUF/SO_RCVBUF to request; ``None`` keeps Linux's autotuning (see the module notes)."""
 
+FD_HEADROOM = 256
+"""File descriptors a listening process keeps free beyond those open when the listener
+starts, its ``max_connections`` and its :data:`~kvstore.transport.base.MAX_REFUSING`
+refusals: the gRPC channels, the metrics server and its scrapes, UCX endpoints, log files.
+Measured: ``kvstore serve`` has 19 open once ready, 1043 with its 1024 connections."""
+
 _STAGE_BYTES = 64 * 1024
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
 _BACKLOG = 512
+"""Kernel accept queue, independent of ``max_connections``: the accept loop drains it at
+once and refuses (or makes room for) what exceeds the bound; a queue as short as a small
+bound would drop a burst's SYNs instead, and those clients retry a second later."""
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
@@ -104,6 +133,12 @@ class TcpConnection(Connection):
 
     # -- receiving ----------------------------------------------------------------------------
 
+    async def _await_frame(self) -> None:
+        if self._end > self._start:
+            return
+        self._start = self._end = 0  # staging is empty: receive at its front
+        self._end = await self._recv(self._recv_to_stage, payload=False)
+
     async def _read_prefix(self) -> tuple[Frame, int]:
         fixed = await self._staged(FIXED_SIZE)
         total = FIXED_SIZE + parse_fixed(fixed, self.limits)
@@ -137,15 +172,29 @@ class TcpConnection(Connection):
         except OSError:  # nothing to read (BlockingIOError) or a broken socket
             return 0
 
+    def _quiet(self) -> bool:
+        if self._sock is None or self._end > self._start:
+            return False
+        try:
+            self._sock.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return True  # nothing to read and no EOF: the peer is still there
+        except OSError:
+            return False  # reset or otherwise broken
+        return False  # EOF (b"") or bytes nobody asked for
+
     async def _staged(self, n: int) -> memoryview:
-        """Ensure ``n`` unread bytes in staging; return a view of them (not consumed)."""
-        if self._end - self._start < n:
-            if n > len(self._stage):
-                self._restage(n)
-            elif self._start + n > len(self._stage):
-                self._restage(len(self._stage))
-            while self._end - self._start < n:
-                self._end += await self._recv(self._recv_to_stage, payload=False)
+        """Ensure ``n`` unread bytes in staging; return a view of them (not consumed).
+
+        Staging grows only when it is full of unread bytes, and then at most doubles: what
+        a prefix costs follows the bytes that arrived, never the ``n`` it announced.
+        """
+        while self._end - self._start < n:
+            if self._end == len(self._stage):
+                unread = self._end - self._start
+                grow = unread == len(self._stage)
+                self._restage(min(n, 2 * len(self._stage)) if grow else len(self._stage))
+            self._end += await self._recv(self._recv_to_stage, payload=False)
         return self._stage_mv[self._start : self._start + n]
 
     async def _fill(self, view: memoryview, progress: Callable[[int], None] | None = None) -> None:
@@ -292,9 +341,19 @@ class TcpListener(Listener):
         *,
         limits: FrameLimits = DEFAULT_LIMITS,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        idle_timeout: float | None = None,
+        header_timeout: float | None = None,
+        refusal: Refusal | None = None,
         socket_buffer_bytes: int | None = DEFAULT_SOCKET_BUFFER_BYTES,
     ) -> None:
-        super().__init__(handler, limits=limits, max_connections=max_connections)
+        super().__init__(
+            handler,
+            limits=limits,
+            max_connections=max_connections,
+            idle_timeout=idle_timeout,
+            header_timeout=header_timeout,
+            refusal=refusal,
+        )
         self._host, self._port = parse_tcp_uri(uri, listening=True)
         self._uri = uri
         self._buffer_bytes = socket_buffer_bytes
@@ -311,6 +370,17 @@ class TcpListener(Listener):
 
     async def _bind(self) -> None:
         loop = asyncio.get_running_loop()
+        fits = fit_fd_limit(self.max_connections)
+        if fits < self.max_connections:
+            logger.warning(
+                "%s: serving at most %d connections, not %d: the file descriptor limit "
+                "(ulimit -n) is %d",
+                self._uri,
+                fits,
+                self.max_connections,
+                resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            )
+            self.max_connections = fits
         try:
             infos = await loop.getaddrinfo(
                 self._host, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -323,7 +393,7 @@ class TcpListener(Listener):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             _tune(sock, self._buffer_bytes)
             sock.bind(addr)
-            sock.listen(min(_BACKLOG, self.max_connections))
+            sock.listen(_BACKLOG)  # not the bound: a burst is refused with a frame, not dropped
             sock.setblocking(False)
         except OSError as exc:
             sock.close()
@@ -383,6 +453,35 @@ def _format_address(addr: Any) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+def fit_fd_limit(connections: int) -> int:
+    """How many of ``connections`` this process can serve within its file descriptor limit.
+
+    Needs ``connections`` + :data:`~kvstore.transport.base.MAX_REFUSING` +
+    :data:`FD_HEADROOM` descriptors above those open now; raises the soft ``RLIMIT_NOFILE``
+    toward the hard limit when that is short (a process-wide change, logged), and returns
+    ``connections`` or, when even the hard limit is short, what fits (at least 1). Never
+    blocks, never raises.
+    """
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        open_now = 64  # no /proc: assume a typical small process
+    need = open_now + MAX_REFUSING + FD_HEADROOM + connections
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return connections
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            logger.warning("cannot raise the file descriptor limit to %d: %s", target, exc)
+        else:
+            logger.info("raised the file descriptor limit from %d to %d", soft, target)
+            soft = target
+    return max(1, min(connections, soft - (need - connections)))
+
+
 def _tune(sock: socket.socket, buffer_bytes: int | None) -> None:
     """Small control frames must not wait for Nagle; optionally pin the socket buffers."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -415,6 +514,9 @@ class TcpBackend(Backend):
         *,
         limits: FrameLimits,
         max_connections: int,
+        idle_timeout: float | None = None,
+        header_timeout: float | None = None,
+        refusal: Refusal | None = None,
         **options: Any,
     ) -> TcpListener:
         """An unstarted :class:`TcpListener`; see :class:`Backend`."""
@@ -423,6 +525,9 @@ class TcpBackend(Backend):
             handler,
             limits=limits,
             max_connections=max_connections,
+            idle_timeout=idle_timeout,
+            header_timeout=header_timeout,
+            refusal=refusal,
             socket_buffer_bytes=_options(options),
         )
 
