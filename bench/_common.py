@@ -10,6 +10,8 @@
   :func:`percentile`.
 - Processes: :class:`Serve` (a ``kvstore serve`` on port 0), :class:`SpawnedServer`
   (a baseline server in a spawned process) and :func:`spawn_worker` (a one-process pool).
+- Data plane: :class:`KeptConnection` (a ``NodeClient``'s connections: one kept connection,
+  so that a benchmark lane's exchanges all run on the connection it dialled).
 - Baseline: raw asyncio sockets (:func:`serve_raw_sockets`, :func:`raw_socket_put`,
   :func:`raw_socket_get`): a 9-byte header, the bytes straight into preallocated memory, an
   ack per put — what a transport over plain TCP sockets could reach at best.
@@ -37,12 +39,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from rich.console import Console
 from rich.progress import (
@@ -57,6 +59,7 @@ from rich.progress import (
 __all__ = [
     "BarPanel",
     "BenchError",
+    "KeptConnection",
     "ProcStat",
     "Serve",
     "SpawnedServer",
@@ -83,6 +86,9 @@ __all__ = [
     "time_calls_async",
     "window_cpu",
 ]
+
+if TYPE_CHECKING:
+    from kvstore.transport.base import Connection
 
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -438,6 +444,25 @@ async def in_flight(
         for k in range(depth):
             group.create_task(lane(k))
     return out
+
+
+class KeptConnection:
+    """``kvstore.dataplane.Connections`` of one benchmark lane: every exchange of the
+    ``NodeClient`` runs on ``conn``, dialled beforehand and kept (no pool, no dial, no
+    liveness check inside the timing). An exchange that raises closes it, as a pool would:
+    its byte stream may be unframed; the lane then fails its next exchange."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    @contextlib.asynccontextmanager
+    async def use(self, uri: str, timeout: float) -> AsyncIterator[Connection]:
+        """``conn``, whatever ``uri`` and ``timeout`` (it is dialled already)."""
+        try:
+            yield self.conn
+        except BaseException:
+            await self.conn.close()
+            raise
 
 
 @dataclass

@@ -42,6 +42,7 @@ import grpc
 import torch
 from _common import (
     BarPanel,
+    KeptConnection,
     Serve,
     SpawnedServer,
     Table,
@@ -59,8 +60,8 @@ from kvstore.core.arena import parse_size
 from kvstore.core.codec import ChunkKey, chunk_nbytes, decode_chunk, encode_blocks
 from kvstore.core.hashing import Namespace, block_hashes
 from kvstore.core.kvgen import realistic_kv
-from kvstore.node.protocol import raise_if_error
-from kvstore.transport import Connection, as_byte_view, connect
+from kvstore.dataplane import ChunkRef, NodeClient, PutChunk
+from kvstore.transport import as_byte_view, connect
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -172,10 +173,12 @@ async def _client(master: str, ns: Namespace) -> KVClient:
     return clients[ns.id]
 
 
-async def _data_conn(uri: str) -> Connection:
+async def _node(uri: str) -> NodeClient:
+    """The node's data port over this worker's one kept connection (dialled once)."""
     if "data" not in _STATE:
         _STATE["data"] = await connect(uri, timeout=IO_TIMEOUT_S)
-    return _STATE["data"]  # type: ignore[no-any-return]
+        _STATE["node"] = NodeClient(uri, KeptConnection(_STATE["data"]), timeout_s=IO_TIMEOUT_S)
+    return _STATE["node"]  # type: ignore[no-any-return]
 
 
 async def _raw_conn(addr: tuple[str, int]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -190,6 +193,7 @@ def job_close() -> None:
     async def close() -> None:
         for kv in _STATE.pop("clients", {}).values():
             await kv.close()
+        _STATE.pop("node", None)
         if "data" in _STATE:
             await _STATE.pop("data").close()
         if "raw" in _STATE:
@@ -202,32 +206,29 @@ def job_close() -> None:
 
 
 async def protocol_put(
-    conn: Connection, ns: Namespace, hashes: list[bytes], layer: int, chunks: list[torch.Tensor]
+    node: NodeClient, ns: Namespace, hashes: list[bytes], layer: int, chunks: list[torch.Tensor]
 ) -> None:
     """Put one layer's pre-encoded chunks with the node's data-plane exchange (``put`` →
-    ``ready`` → ``data`` → ``ack``, the ack coming after the node's master commit)."""
+    ``ready`` → ``data`` → ``ack``, the ack coming after the node's master commit); every
+    chunk must be sent and stored (fresh tokens: none is on the node yet)."""
     spec = [
-        [h.hex(), hashes[i - 1].hex() if i else "", layer * ns.tp_size, chunks[i].numel()]
+        PutChunk(h, hashes[i - 1] if i else None, layer * ns.tp_size, chunks[i].numel())
         for i, h in enumerate(hashes)
     ]
-    await conn.send({"op": "put", "ns": ns.canonical_bytes().hex(), "chunks": spec})
-    ready = raise_if_error((await conn.recv_header(IO_TIMEOUT_S)).header, "ready")
-    accept = ready.get("accept")
-    expect(accept == [1] * len(hashes), f"node skipped chunks of layer {layer}: {accept}")
-    await conn.send({"op": "data"}, [c.numpy() for c in chunks], timeout=IO_TIMEOUT_S)
-    ack = raise_if_error((await conn.recv_header(IO_TIMEOUT_S)).header, "ack")
-    expect(ack.get("stored") == len(hashes), f"node stored {ack} of layer {layer}")
+    ack = await node.put(ns.canonical_bytes(), spec, [c.numpy() for c in chunks])
+    expect(ack.stored == len(hashes), f"node stored {ack} of {len(hashes)} chunks, layer {layer}")
 
 
 async def protocol_get(
-    conn: Connection, ns: Namespace, hashes: list[bytes], layer: int, rows: torch.Tensor
+    node: NodeClient, ns: Namespace, hashes: list[bytes], layer: int, rows: torch.Tensor
 ) -> None:
     """Get one layer's chunks with the node's ``get`` exchange straight into ``rows``."""
-    spec = [[h.hex(), layer * ns.tp_size] for h in hashes]
-    await conn.send({"op": "get", "ns_id": ns.id.hex(), "chunks": spec}, timeout=IO_TIMEOUT_S)
-    head = raise_if_error((await conn.recv_header(IO_TIMEOUT_S)).header, "data")
-    expect(head.get("found") == [1] * len(hashes), f"node misses chunks of layer {layer}")
-    await conn.recv_payload_into([rows[i].numpy() for i in range(len(hashes))], IO_TIMEOUT_S)
+
+    def into(found: list[int]) -> list[Any]:
+        expect(len(found) == len(hashes), f"node misses chunks of layer {layer}")
+        return [rows[i].numpy() for i in found]
+
+    await node.get(ns.id, [ChunkRef(h, layer * ns.tp_size) for h in hashes], into)
 
 
 async def raw_put(
@@ -279,10 +280,10 @@ async def _fill(setup: Setup, seed: int) -> Stats:
         encode_blocks(kv, BLOCK, [ChunkKey(h, i, 0) for h in hashes], ns.quant, out=rows[i])
         for i in range(setup.layers)
     ]
-    conn = await _data_conn(setup.data_uri)
+    node = await _node(setup.data_uri)
     with meter(setup.server_pid) as rec:
         for i, layer_chunks in enumerate(chunks):
-            await protocol_put(conn, ns, hashes, i, layer_chunks)
+            await protocol_put(node, ns, hashes, i, layer_chunks)
     return rec
 
 
@@ -290,9 +291,7 @@ def job_node_stats(setup: Setup) -> dict[str, Any]:
     """The node's ``stats`` answer (slots, used and capacity bytes)."""
 
     async def ask() -> dict[str, Any]:
-        conn = await _data_conn(setup.data_uri)
-        await conn.send({"op": "stats"}, timeout=IO_TIMEOUT_S)
-        return raise_if_error((await conn.recv_header(IO_TIMEOUT_S)).header, "stats")
+        return await (await _node(setup.data_uri)).stats()
 
     return _run(ask())  # type: ignore[no-any-return]
 
@@ -319,10 +318,10 @@ async def _write(setup: Setup, seed: int) -> dict[str, Stats]:
             encode_blocks(t, BLOCK, [ChunkKey(h, i, 0) for h in hashes], ns.quant, out=rows[i])
             for i, t in enumerate(layers)
         ]
-    conn = await _data_conn(setup.data_uri)
+    node = await _node(setup.data_uri)
     with meter(setup.server_pid) as res["put_transport"]:
         for i, layer_chunks in enumerate(chunks):
-            await protocol_put(conn, ns, hashes, i, layer_chunks)
+            await protocol_put(node, ns, hashes, i, layer_chunks)
     reader, writer = await _raw_conn(setup.raw_addr)
     with meter(setup.raw_pid) as res["raw_put"]:
         for layer_chunks in chunks:
@@ -351,10 +350,10 @@ async def _read(setup: Setup, seed: int) -> dict[str, Stats]:
     res["quality"] = {"rel_error": float((out[:, :n].float() - ref).norm() / ref.norm())}
     hashes = block_hashes(ns, prompt(setup.tokens, seed + TRANSPORT_SEED_OFFSET))
     rows = _rows(setup, len(hashes))
-    conn = await _data_conn(setup.data_uri)
+    node = await _node(setup.data_uri)
     with meter(setup.server_pid) as res["get_transport"]:
         for i in range(setup.layers):
-            await protocol_get(conn, ns, hashes, i, rows[i])
+            await protocol_get(node, ns, hashes, i, rows[i])
     with meter(setup.server_pid) as res["decode"]:
         for i in range(setup.layers):
             for b, h in enumerate(hashes):

@@ -35,12 +35,13 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection as Pipe
-from typing import Any
+from typing import Any, TypeVar
 
 import nixl_raw
 import torch
 import xxhash
 from _common import (
+    KeptConnection,
     Serve,
     SpawnedServer,
     WindowCpu,
@@ -73,8 +74,10 @@ from kvclient import KVClient
 from kvstore.core.arena import parse_size
 from kvstore.core.codec import ChunkKey, chunk_nbytes, encode_blocks, verify_chunk
 from kvstore.core.hashing import Namespace
+from kvstore.dataplane import SEND, ChunkRef, NodeClient, PutChunk
+from kvstore.dataplane.messages import Ack, Message, Put, Ready
+from kvstore.dataplane.messages import expect as answer_as
 from kvstore.master.client import MasterClient
-from kvstore.node.protocol import raise_if_error
 from kvstore.transport import Connection, as_byte_view, connect
 from kvstore.transport.nixl import NixlAgent, Span
 
@@ -228,9 +231,10 @@ def _run(coro: Awaitable[Any]) -> Any:
 
 
 def job_init(setup: Setup, role: str) -> None:
-    """Open one connection to the node and one to the raw socket server per exchange in
-    flight (the largest depth), start a NIXL agent with a registered :data:`REGION` and,
-    for the writer, a raw NIXL binding agent on the same memory."""
+    """Open one connection to the node (with a :class:`NodeClient` on it: a lane) and one to
+    the raw socket server per exchange in flight (the largest depth), start a NIXL agent
+    with a registered :data:`REGION` and, for the writer, a raw NIXL binding agent on the
+    same memory."""
     os.environ.update(nixl_raw.LOOPBACK)
     _run(_init(setup, role))
     if role == "writer":
@@ -251,9 +255,10 @@ async def _init(setup: Setup, role: str) -> None:
     lanes = range(max(setup.depths))
     raws = [raw_socket_connect(setup.raw_addr, IO_TIMEOUT_S) for _ in lanes]
     conns = [await connect(setup.data_uri, timeout=IO_TIMEOUT_S) for _ in lanes]
+    nodes = [NodeClient(setup.data_uri, KeptConnection(c), timeout_s=IO_TIMEOUT_S) for c in conns]
     _STATE.update(region=region, scratch=torch.zeros(MAX_EXCHANGE, dtype=torch.uint8),
                   agent=agent, peer=await agent.add_peer(setup.node_metadata), raws=raws,
-                  conns=conns)  # fmt: skip
+                  conns=conns, nodes=nodes)  # fmt: skip
 
 
 def job_close() -> None:
@@ -262,6 +267,7 @@ def job_close() -> None:
     async def close() -> None:
         for kv in _STATE.pop("clients", {}).values():
             await kv.close()
+        _STATE.pop("nodes", None)
         for conn in _STATE.pop("conns", []):
             await conn.close()
         if "agent" in _STATE:
@@ -349,66 +355,102 @@ def _measure(setup: Setup, point: Point, depth: int, segment: Segment,
 
 
 # ---- kvstore's exchanges, one in flight per connection (a lane)
+#
+# Lane k owns ``_STATE["conns"][k]`` and the NodeClient on it, ``_STATE["nodes"][k]``. Headers
+# are built and parsed only by kvstore.dataplane.messages; where a NodeClient method hides a
+# phase boundary (put: ready → data), the exchange is driven here step by step.
 
 
-async def _answer(conn: Connection, op: str) -> dict[str, Any]:
-    return raise_if_error((await conn.recv_header(IO_TIMEOUT_S)).header, op)
+A = TypeVar("A", bound=Message)
 
 
-async def _ask(conn: Connection, header: dict[str, Any], op: str, n: int) -> dict[str, Any]:
-    """Send a request naming ``n`` chunks; the node's answer ``op``, which must take all."""
-    await conn.send(header, timeout=IO_TIMEOUT_S)
-    answer = await _answer(conn, op)
-    flags = answer.get("accept", answer.get("found"))
-    expect(flags == [1] * n, f"node did not take every chunk: {flags}")
-    return answer
+async def _answer(conn: Connection, cls: type[A], *ops: str) -> A:
+    """The node's next answer, parsed as ``cls`` (raising what an error answer says)."""
+    return answer_as((await conn.recv_header(IO_TIMEOUT_S)).header, cls, *ops)
 
 
-async def put_tcp(conn: Connection, ns: str, keys: list[bytes], rows: Rows) -> Phases:
-    """``put → ready → data → ack`` (the ack follows the node's checks and master commit)."""
+async def _ask(conn: Connection, request: Message, cls: type[A], *ops: str) -> A:
+    """Send ``request`` (no payload); the node's answer, parsed as ``cls``."""
+    await conn.send(request.header(), timeout=IO_TIMEOUT_S)
+    return await _answer(conn, cls, *ops)
+
+
+def _put_chunks(keys: list[bytes], rows: Rows) -> tuple[PutChunk, ...]:
+    return tuple(PutChunk(k, None, 0, rows.shape[1]) for k in keys)
+
+
+def _refs(keys: list[bytes]) -> list[ChunkRef]:
+    return [ChunkRef(k, 0) for k in keys]
+
+
+def _sends_all(ready: Ready, n: int) -> None:
+    expect(ready.accept == (SEND,) * n, f"node did not take every chunk: {list(ready.accept)}")
+
+
+def _stored_all(ack: Ack, n: int) -> None:
+    expect(ack.stored == n, f"node refused chunks: {ack}")
+
+
+def _found_all(found: list[int], n: int) -> None:
+    expect(len(found) == n, f"node misses chunks: found {found} of {n}")
+
+
+async def put_tcp(lane: int, ns: bytes, keys: list[bytes], rows: Rows) -> Phases:
+    """``put + chunks → ack`` in one round trip (the ack follows the node's checks and
+    master commit): the frame is sent (move), then the ack awaited (after)."""
+    conn = _STATE["conns"][lane]
     t0 = time.perf_counter()
-    spec = [[k.hex(), "", 0, rows.shape[1]] for k in keys]
-    await _ask(conn, {"op": "put", "ns": ns, "chunks": spec}, "ready", len(keys))
+    request = Put(ns, _put_chunks(keys, rows))
+    await conn.send(request.header(), [r.numpy() for r in rows], timeout=IO_TIMEOUT_S)
     t1 = time.perf_counter()
-    await conn.send({"op": "data"}, [r.numpy() for r in rows], timeout=IO_TIMEOUT_S)
-    expect((await _answer(conn, "ack")).get("stored") == len(keys), "node refused chunks")
-    return {"control": t1 - t0, "move": time.perf_counter() - t1}
+    _stored_all(await _answer(conn, Ack), len(keys))
+    return {"move": t1 - t0, "after": time.perf_counter() - t1}
 
 
-async def put_ucx(conn: Connection, ns: str, keys: list[bytes], rows: Rows) -> Phases:
-    """``reserve → reserved {spans} → NIXL WRITE → landed → ack``."""
-    t0 = time.perf_counter()
-    spec = [[k.hex(), "", 0, rows.shape[1]] for k in keys]
-    head = await _ask(conn, {"op": "reserve", "ns": ns, "chunks": spec}, "reserved", len(keys))
-    spans = [Span.from_wire(s) for s in head["spans"]]
-    t1 = time.perf_counter()
-    await _STATE["agent"].write(_STATE["peer"], spans, list(rows.unbind(0)), timeout=IO_TIMEOUT_S)
-    t2 = time.perf_counter()
-    await conn.send({"op": "landed"}, timeout=IO_TIMEOUT_S)
-    expect((await _answer(conn, "ack")).get("stored") == len(keys), "node refused chunks")
+async def put_ucx(lane: int, ns: bytes, keys: list[bytes], rows: Rows) -> Phases:
+    """``reserve → reserved {spans} → NIXL WRITE → landed → ack`` (``NodeClient.reserve``;
+    its ``write`` callback marks the phase boundaries)."""
+    t = [time.perf_counter()]
+
+    async def write(ready: Ready) -> None:
+        _sends_all(ready, len(keys))
+        spans = [Span.from_wire(s) for s in ready.spans or ()]
+        t.append(time.perf_counter())
+        await _STATE["agent"].write(_STATE["peer"], spans, list(rows.unbind(0)),
+                                    timeout=IO_TIMEOUT_S)  # fmt: skip
+        t.append(time.perf_counter())
+
+    _stored_all(await _STATE["nodes"][lane].reserve(ns, _put_chunks(keys, rows), write), len(keys))
+    t0, t1, t2 = t
     return {"control": t1 - t0, "move": t2 - t1, "after": time.perf_counter() - t2}
 
 
-async def get_tcp(conn: Connection, ns_id: str, keys: list[bytes], rows: Rows) -> Phases:
-    """``get → data`` straight into ``rows``."""
-    t0 = time.perf_counter()
-    spec = [[k.hex(), 0] for k in keys]
-    await _ask(conn, {"op": "get", "ns_id": ns_id, "chunks": spec}, "data", len(keys))
-    t1 = time.perf_counter()
-    await conn.recv_payload_into([r.numpy() for r in rows], IO_TIMEOUT_S)
+async def get_tcp(lane: int, ns_id: bytes, keys: list[bytes], rows: Rows) -> Phases:
+    """``get → data`` straight into ``rows`` (``NodeClient.get``; its ``into`` callback runs
+    between the answer's header and its payload)."""
+    t = [time.perf_counter()]
+
+    def into(found: list[int]) -> list[Any]:
+        _found_all(found, len(keys))
+        t.append(time.perf_counter())
+        return [r.numpy() for r in rows]
+
+    await _STATE["nodes"][lane].get(ns_id, _refs(keys), into)
+    t0, t1 = t
     return {"control": t1 - t0, "move": time.perf_counter() - t1}
 
 
-async def get_ucx(conn: Connection, ns_id: str, keys: list[bytes], rows: Rows) -> Phases:
-    """``lease → leased {spans} → NIXL READ → release`` (the node answers no release)."""
+async def get_ucx(lane: int, ns_id: bytes, keys: list[bytes], rows: Rows) -> Phases:
+    """``lease → leased {spans} → NIXL READ → release`` (``NodeClient.lease``; the node
+    answers no release)."""
     t0 = time.perf_counter()
-    spec = [[k.hex(), 0] for k in keys]
-    lease = {"op": "lease", "ns_id": ns_id, "chunks": spec, "lease_s": IO_TIMEOUT_S}
-    spans = [Span.from_wire(s) for s in (await _ask(conn, lease, "leased", len(keys)))["spans"]]
-    t1 = time.perf_counter()
-    await _STATE["agent"].read(_STATE["peer"], spans, list(rows.unbind(0)), timeout=IO_TIMEOUT_S)
-    t2 = time.perf_counter()
-    await conn.send({"op": "release"}, timeout=IO_TIMEOUT_S)
+    async with _STATE["nodes"][lane].lease(ns_id, _refs(keys), IO_TIMEOUT_S) as (found, leased):
+        _found_all(found, len(keys))
+        spans = [Span.from_wire(s) for s in leased.spans]
+        t1 = time.perf_counter()
+        await _STATE["agent"].read(_STATE["peer"], spans, list(rows.unbind(0)),
+                                   timeout=IO_TIMEOUT_S)  # fmt: skip
+        t2 = time.perf_counter()
     return {"control": t1 - t0, "move": t2 - t1, "after": time.perf_counter() - t2}
 
 
@@ -423,9 +465,9 @@ def job_fill(setup: Setup) -> float:
     """Writer: put 1.1 x the pool over ``tcp://`` (4 MiB chunks, 16 per exchange) so every
     page of the node's arena is touched before anything is measured; seconds taken."""
     point, start = Point("4 MiB", SIZES["4 MiB"], 16), time.perf_counter()
-    ns = point.namespace().canonical_bytes().hex()
+    ns = point.namespace().canonical_bytes()
     for i in range(-(-setup.pool_bytes * 11 // 10 // point.exchange_bytes)):
-        _run(put_tcp(_STATE["conns"][0], ns, _encode(point, "fill", i), _rows(point, i)))
+        _run(put_tcp(0, ns, _encode(point, "fill", i), _rows(point, i)))
     return time.perf_counter() - start
 
 
@@ -437,7 +479,7 @@ def _put_tag(transport: str, point: Point, depth: int) -> str:
 def job_put(setup: Setup, point: Point, transport: str, depth: int) -> Measured:
     """Writer: put exchanges of fresh pre-encoded chunks, ``depth`` in flight, encoded
     (untimed) one round over the region at a time."""
-    ns, tag = point.namespace().canonical_bytes().hex(), _put_tag(transport, point, depth)
+    ns, tag = point.namespace().canonical_bytes(), _put_tag(transport, point, depth)
     total, keys = setup.exchanges(point, depth), {}
 
     def prepare(i: int) -> None:
@@ -446,8 +488,7 @@ def job_put(setup: Setup, point: Point, transport: str, depth: int) -> Measured:
                          if j < total})  # fmt: skip
 
     async def put(i: int, lane: int) -> Phases:
-        conn = _STATE["conns"][lane]
-        return await KV[(transport, "put")](conn, ns, keys.pop(i), _rows(point, i))
+        return await KV[(transport, "put")](lane, ns, keys.pop(i), _rows(point, i))
 
     return _measure(setup, point, depth, in_lanes(put, depth), prepare)
 
@@ -456,7 +497,7 @@ def job_get(setup: Setup, point: Point, transport: str, depth: int) -> Measured:
     """Reader: gets, ``depth`` in flight, cycling over the last ``ucx://`` put exchanges of
     the same point and depth that fit half the pool, into rotating rows; the last chunk is
     then verified (untimed)."""
-    ns_id, tag = point.namespace().id.hex(), _put_tag("ucx", point, depth)
+    ns_id, tag = point.namespace().id, _put_tag("ucx", point, depth)
     total = setup.exchanges(point, depth)
     ring = max(1, min(total, setup.pool_bytes // 2 // point.exchange_bytes))
 
@@ -464,8 +505,7 @@ def job_get(setup: Setup, point: Point, transport: str, depth: int) -> Measured:
         return block_keys(tag, total - ring + i % ring, point.batch)
 
     async def get(i: int, lane: int) -> Phases:
-        conn = _STATE["conns"][lane]
-        return await KV[(transport, "get")](conn, ns_id, keys(i), _rows(point, i))
+        return await KV[(transport, "get")](lane, ns_id, keys(i), _rows(point, i))
 
     res = _measure(setup, point, depth, in_lanes(get, depth))
     verify_chunk(_rows(point, total - 1)[-1], expect_key=ChunkKey(keys(total - 1)[-1], 0, 0))
@@ -567,14 +607,13 @@ def job_probes(setup: Setup) -> dict[str, dict[str, float]]:
 
 
 async def _probes(setup: Setup) -> dict[str, dict[str, float]]:
-    nixl, agent, conn = _STATE["nixl"], _STATE["agent"], _STATE["conns"][0]
+    nixl, agent, node = _STATE["nixl"], _STATE["agent"], _STATE["nodes"][0]
     peer = await agent.add_peer(setup.raw_nixl_metadata)
     tiny, remote = _STATE["region"][:64], setup.raw_nixl_addr
     ldl, rdl = (nixl.nixlXferDList(nixl.DRAM_SEG, [(a, 64, 0)]) for a in (tiny.data_ptr(), remote))
 
     async def stats() -> None:
-        await conn.send({"op": "stats"}, timeout=IO_TIMEOUT_S)
-        await _answer(conn, "stats")
+        await node.stats()
 
     async def raw_nixl() -> None:
         _raw_nixl_once(nixl.NIXL_WRITE, ldl, rdl)

@@ -64,6 +64,16 @@ def _port(text: str) -> int:
     return port
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from exc
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _positive(text: str) -> float:
     try:
         value = float(text)
@@ -112,6 +122,27 @@ def build_parser() -> argparse.ArgumentParser:
             default=NodeConfig.io_timeout_s,
             help="deadline of each step of a data-plane exchange; also how long a stalled "
             "writer can hold a chunk others wait for (default %(default)s)",
+        )
+        p.add_argument(
+            "--max-connections",
+            type=_count,
+            default=NodeConfig.max_connections,
+            help="data-port connections served at once; more are refused with a capacity "
+            "error (default %(default)s, lowered to fit the file descriptor limit)",
+        )
+        p.add_argument(
+            "--idle-timeout-s",
+            type=_positive,
+            default=NodeConfig.idle_timeout_s,
+            help="close a data connection that carried no request for this long "
+            "(default %(default)s)",
+        )
+        p.add_argument(
+            "--header-timeout-s",
+            type=_positive,
+            default=NodeConfig.header_timeout_s,
+            help="a frame header must arrive whole within this long of its first byte "
+            "(default %(default)s)",
         )
 
     serve = sub.add_parser("serve", help="master + one node in one process")
@@ -177,6 +208,9 @@ async def _run(args: argparse.Namespace) -> int:
                     gpu_mem=args.gpu_mem,
                     transport=args.transport,
                     io_timeout_s=args.io_timeout_s,
+                    max_connections=args.max_connections,
+                    idle_timeout_s=args.idle_timeout_s,
+                    header_timeout_s=args.header_timeout_s,
                 ),
                 metrics,
                 # serve: the node commits straight to its in-process master, not over gRPC.

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvclient.ucx import nixl_available
-from kvstore.transport import connect
+from kvstore.dataplane import NodeClient
 
 __all__ = ["TRANSPORTS", "Server", "node_stats", "start_server"]
 
@@ -100,9 +100,4 @@ def start_server(*args: str, timeout: float = 60.0) -> Server:
 
 async def node_stats(data_uri: str) -> dict[str, Any]:
     """A node's own counters (slots, pinned slots, leases ...) from its data port."""
-    conn = await connect(data_uri, timeout=5)
-    try:
-        await conn.send({"op": "stats"})
-        return (await conn.recv_header(timeout=5)).header
-    finally:
-        await conn.close()
+    return await NodeClient(data_uri, timeout_s=5).stats()

@@ -8,9 +8,9 @@ All derive the same prompt and KV from the seed. Each prints one JSON line per e
 with a wall-clock timestamp: the writer ``{"put": layer, "t": ..., "stored": n}`` before
 and after each layer, the reader ``{"got": layer, "t": ..., "err": median attention
 error, "digest": xxh3 of the tensor's bytes}``. Hostile or broken writers of layer
-``--layer`` speak the node's protocol by hand: ``stall`` starts a put and then sends
-nothing (``{"claimed": n}``, then sleeps), ``partial`` sends half of the first chunk and
-waits to be killed (``{"partial": n}``), ``crafted`` puts chunks with the right keys
+``--layer`` write put frames by hand: ``stall`` sends a put's prefix and then nothing
+(``{"claimed": n}``, then sleeps), ``partial`` sends half of the first chunk and waits to
+be killed (``{"partial": n}``), ``crafted`` puts chunks with the right keys
 encoded from float16 KV into the bfloat16 namespace (``{"crafted": ack}``). Exit 0 on
 success; a KVStoreError prints ``{"error": type, "message": ...}`` and exits 3.
 """
@@ -29,10 +29,10 @@ import xxhash
 import kvclient
 from kvstore.core.codec import ChunkKey, chunk_nbytes, encode_blocks
 from kvstore.core.kvgen import attention_error, realistic_kv
+from kvstore.dataplane import NodeClient, PutChunk
+from kvstore.dataplane.messages import Put
 from kvstore.master.client import MasterClient
-from kvstore.node.protocol import raise_if_error
-from kvstore.transport import Connection, connect
-from kvstore.transport.framing import FIXED_SIZE, encode_prefix, parse_fixed, parse_rest
+from kvstore.transport.framing import encode_prefix
 
 HEADS, HEAD_DIM = 8, 128
 
@@ -117,42 +117,38 @@ async def data_uri(args: argparse.Namespace) -> str:
     return node.data_uri
 
 
-def put_header(args: argparse.Namespace, hashes: list[bytes]) -> dict[str, object]:
-    """The header of a put of ``--layer``'s chunks of ``hashes``."""
+def put_request(args: argparse.Namespace, hashes: list[bytes]) -> Put:
+    """A put of ``--layer``'s chunks of ``hashes``."""
     ns = namespace(args.layers)
     nbytes = chunk_nbytes(ns.block_tokens, ns.num_kv_heads, ns.head_dim, ns.dtype, ns.quant)
-    spec = [[h.hex(), hashes[i - 1].hex() if i else "", args.layer, nbytes]
-            for i, h in enumerate(hashes)]  # fmt: skip
-    return {"op": "put", "ns": ns.canonical_bytes().hex(), "chunks": spec}
+    spec = tuple(PutChunk(h, hashes[i - 1] if i else None, args.layer, nbytes)
+                 for i, h in enumerate(hashes))  # fmt: skip
+    return Put(ns.canonical_bytes(), spec)
 
 
-async def start_put(args: argparse.Namespace, hashes: list[bytes]) -> Connection:
-    """Start a put of ``--layer`` on the node: it answers READY."""
-    conn = await connect(await data_uri(args), timeout=10)
-    await conn.send(put_header(args, hashes))
-    raise_if_error((await conn.recv_header(10)).header, "ready")
-    return conn
+async def open_raw(args: argparse.Namespace) -> asyncio.StreamWriter:
+    """A plain socket to the node's data port (for frames written by hand)."""
+    host, port = (await data_uri(args)).removeprefix("tcp://").rsplit(":", 1)
+    _, writer = await asyncio.open_connection(host, int(port))
+    return writer
 
 
 async def stall(args: argparse.Namespace) -> None:
-    hashes, _ = encoded(args, torch.bfloat16)
-    conn = await start_put(args, hashes)
+    """The put frame's prefix announces every chunk, and nothing follows."""
+    hashes, chunks = encoded(args, torch.bfloat16)
+    writer = await open_raw(args)
+    writer.write(encode_prefix(put_request(args, hashes).header(), [c.numel() for c in chunks]))
+    await writer.drain()
+    await asyncio.sleep(0.5)  # (the node reads the prefix and claims the chunks)
     emit(claimed=len(hashes))
     await asyncio.sleep(args.timeout)
-    await conn.close()
 
 
 async def partial(args: argparse.Namespace) -> None:
-    """Frames written by hand on a plain socket: the data frame announces every chunk, and
-    only half of the first one follows."""
+    """The put frame announces every chunk, and only half of the first one follows."""
     hashes, chunks = encoded(args, torch.bfloat16)
-    host, port = (await data_uri(args)).removeprefix("tcp://").rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(encode_prefix(put_header(args, hashes), []))
-    fixed = await reader.readexactly(FIXED_SIZE)
-    ready = parse_rest(fixed, await reader.readexactly(parse_fixed(fixed)))
-    raise_if_error(ready.header, "ready")
-    writer.write(encode_prefix({"op": "data"}, [c.numel() for c in chunks]))
+    writer = await open_raw(args)
+    writer.write(encode_prefix(put_request(args, hashes).header(), [c.numel() for c in chunks]))
     writer.write(chunks[0].numpy()[: chunks[0].numel() // 2].tobytes())
     await writer.drain()
     emit(partial=len(hashes))
@@ -161,11 +157,10 @@ async def partial(args: argparse.Namespace) -> None:
 
 async def crafted(args: argparse.Namespace) -> None:
     hashes, chunks = encoded(args, torch.float16)
-    conn = await start_put(args, hashes)
-    await conn.send({"op": "data"}, [c.numpy() for c in chunks])
-    ack = raise_if_error((await conn.recv_header(10)).header, "ack")
-    emit(crafted=ack)
-    await conn.close()
+    ack = await NodeClient(await data_uri(args)).put(
+        namespace(args.layers).canonical_bytes(), put_request(args, hashes).chunks, chunks
+    )
+    emit(crafted={"stored": ack.stored, "failed": list(ack.failed)})
 
 
 def main() -> int:

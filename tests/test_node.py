@@ -15,10 +15,20 @@ import xxhash
 
 from kvstore.core.codec import ChunkKey, encode_blocks
 from kvstore.core.hashing import Namespace
+from kvstore.dataplane.messages import (
+    Ack,
+    ChunkRef,
+    Found,
+    Get,
+    Landed,
+    Put,
+    PutChunk,
+    Ready,
+    expect,
+)
 from kvstore.errors import TransportError
 from kvstore.master import BlockAdd, MasterClient, MasterConfig, MasterServer, ObjectAdd
-from kvstore.node import server
-from kvstore.node.protocol import raise_if_error
+from kvstore.node import checks
 from kvstore.node.server import NodeConfig, StorageNode
 from kvstore.transport import Connection, connect
 from tests.cluster import TRANSPORTS
@@ -76,22 +86,21 @@ async def put(
     rows: torch.Tensor,
     op: str | None = None,
     layer: int = 0,
-) -> dict:
+) -> Ack:
     """One put exchange of ``layer``'s chunks; ``op`` "put" (tcp://) or "reserve" (ucx://),
     by default the one of ``node``'s transport; the node's ack."""
-    spec = [[k.hex(), "", layer, rows.shape[1]] for k in keys]
-    op = op or ("reserve" if node.config.transport == "ucx" else "put")
-    await conn.send({"op": op, "ns": NS.canonical_bytes().hex(), "chunks": spec}, timeout=TIMEOUT)
-    answer = raise_if_error(
-        (await conn.recv_header(TIMEOUT)).header, "reserved" if op == "reserve" else "ready"
-    )
-    assert answer["accept"] == [1] * len(keys)
-    if op == "put":
-        await conn.send({"op": "data"}, [r.numpy() for r in rows], timeout=TIMEOUT)
-    else:
-        await write_by_ucx(node, answer["spans"], rows)
-        await conn.send({"op": "landed"}, timeout=TIMEOUT)
-    return raise_if_error((await conn.recv_header(TIMEOUT)).header, "ack")
+    spec = tuple(PutChunk(k, None, layer, rows.shape[1]) for k in keys)
+    ucx = (op or ("reserve" if node.config.transport == "ucx" else "put")) == "reserve"
+    request = Put(NS.canonical_bytes(), spec, ucx=ucx).header()
+    if not ucx:  # one frame: the request and every chunk
+        await conn.send(request, [r.numpy() for r in rows], timeout=TIMEOUT)
+        return expect((await conn.recv_header(TIMEOUT)).header, Ack)
+    await conn.send(request, timeout=TIMEOUT)
+    ready = expect((await conn.recv_header(TIMEOUT)).header, Ready, "reserved")
+    assert ready.sending() == list(range(len(keys)))
+    await write_by_ucx(node, list(ready.spans or ()), rows)
+    await conn.send(Landed().header(), timeout=TIMEOUT)
+    return expect((await conn.recv_header(TIMEOUT)).header, Ack)
 
 
 async def write_by_ucx(node: StorageNode, spans: list[Any], rows: torch.Tensor) -> None:
@@ -108,10 +117,10 @@ async def get(
     conn: Connection, keys: list[bytes], index: int = 0
 ) -> tuple[list[int], list[torch.Tensor]]:
     """One tcp:// get of chunk ``index`` of ``keys``: found flags, the chunks found."""
-    spec = [[k.hex(), index] for k in keys]
-    await conn.send({"op": "get", "ns_id": NS.id.hex(), "chunks": spec}, timeout=TIMEOUT)
+    spec = tuple(ChunkRef(k, index) for k in keys)
+    await conn.send(Get(NS.id, spec).header(), timeout=TIMEOUT)
     frame = await conn.recv_header(TIMEOUT)
-    found = raise_if_error(frame.header, "data")["found"]
+    found = list(expect(frame.header, Found).found)
     bufs = [torch.empty(n, dtype=torch.uint8) for n in frame.sizes]
     await conn.recv_payload_into([b.numpy() for b in bufs], TIMEOUT)
     return found, bufs
@@ -122,7 +131,7 @@ async def test_bad_chunks_in_a_split_batch_are_refused_one_by_one(
 ) -> None:
     """20 chunks (2.5 MiB): over ucx:// split over the verifier threads (past the inline
     size set here); each bad one is refused on its own."""
-    monkeypatch.setattr(server, "_INLINE_VERIFY_BYTES", 256 * 2**10)
+    monkeypatch.setattr(checks, "INLINE_VERIFY_BYTES", 256 * 2**10)
     keys = blocks(20)
     rows = chunks(keys)
     good = rows.clone()
@@ -133,7 +142,7 @@ async def test_bad_chunks_in_a_split_batch_are_refused_one_by_one(
     conn = await connect(rig.node.data_uri, timeout=TIMEOUT)
     try:
         ack = await put(conn, rig.node, keys, rows)
-        assert (ack["stored"], ack["skipped"], ack["failed"]) == (17, 0, [3, 5, 17])
+        assert (ack.stored, ack.skipped, ack.failed) == (17, 0, (3, 5, 17))
         assert await rig.holders(keys) == expected
         found, bufs = await get(conn, keys)
         assert found == expected
@@ -143,10 +152,10 @@ async def test_bad_chunks_in_a_split_batch_are_refused_one_by_one(
         bad = good[[3]].clone()
         bad[0, 100] ^= 1
         ack = await put(conn, rig.node, [keys[3]], bad)
-        assert (ack["stored"], ack["failed"]) == (0, [0])
+        assert (ack.stored, ack.failed) == (0, (0,))
         # The refused chunks can be put again, correctly this time.
         ack = await put(conn, rig.node, [keys[3], keys[5], keys[17]], good[[3, 5, 17]])
-        assert (ack["stored"], ack["failed"]) == (3, [])
+        assert (ack.stored, ack.failed) == (3, ())
         assert await rig.holders(keys) == [1] * 20
     finally:
         await conn.close()
@@ -163,7 +172,7 @@ async def test_concurrent_puts_share_commits(rig: Rig) -> None:
         async def writer(k: int) -> None:
             for keys in batches[k::4]:
                 ack = await put(conns[k], rig.node, keys, chunks(keys))
-                assert (ack["stored"], ack["failed"]) == (len(keys), [])
+                assert (ack.stored, ack.failed) == (len(keys), ())
 
         await asyncio.gather(*(writer(k) for k in range(4)))
         assert rig.master.service.counters.commits - before <= 12
@@ -176,7 +185,7 @@ async def test_concurrent_puts_share_commits(rig: Rig) -> None:
 async def test_group_commit_one_rpc_for_callers_queued_together(rig: Rig) -> None:
     node, keys = rig.node, blocks(8)
     before = rig.master.service.counters.commits
-    await asyncio.gather(*(node._commit([BlockAdd(NS.id, k, (0,))]) for k in keys))
+    await asyncio.gather(*(node.link.commit([BlockAdd(NS.id, k, (0,))]) for k in keys))
     assert rig.master.service.counters.commits - before == 1
     assert await rig.holders(keys) == [1] * 8
 
@@ -185,14 +194,14 @@ async def test_group_commit_keeps_object_changes_in_order(rig: Rig) -> None:
     node, lookup = rig.node, MasterClient.in_process(rig.master.service)
     before = rig.master.service.counters.commits
     await asyncio.gather(
-        node._commit([], object_adds=[ObjectAdd("k", 3)]),
-        node._commit([], object_removes=["k"]),
-        node._commit([], object_adds=[ObjectAdd("k", 5)]),
-        node._commit([], object_adds=[ObjectAdd("other", 1)]),
+        node.link.commit([], object_adds=[ObjectAdd("k", 3)]),
+        node.link.commit([], object_removes=["k"]),
+        node.link.commit([], object_adds=[ObjectAdd("k", 5)]),
+        node.link.commit([], object_adds=[ObjectAdd("other", 1)]),
     )
     assert rig.master.service.counters.commits - before == 3, "one RPC per change of 'k'"
     assert [h.nbytes for h in await lookup.lookup_object("k")] == [5]
-    await asyncio.gather(node._commit([], object_removes=["k"]), node._commit([]))
+    await asyncio.gather(node.link.commit([], object_removes=["k"]), node.link.commit([]))
     assert await lookup.lookup_object("k") == []
     assert len(await lookup.lookup_object("other")) == 1
 
@@ -202,6 +211,6 @@ async def test_group_commit_failure_reaches_every_caller(rig: Rig) -> None:
     # Someone else registers under this node's id: its epoch is dead for the master.
     await MasterClient.in_process(rig.master.service).register(node.node_id, "tcp://x:1")
     results = await asyncio.gather(
-        *(node._commit([BlockAdd(NS.id, k, (0,))]) for k in blocks(3)), return_exceptions=True
+        *(node.link.commit([BlockAdd(NS.id, k, (0,))]) for k in blocks(3)), return_exceptions=True
     )
     assert all(isinstance(r, TransportError) for r in results), results

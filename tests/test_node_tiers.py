@@ -25,8 +25,20 @@ import pytest
 import torch
 
 from kvclient.ucx import nixl_available
+from kvstore.dataplane import BUSY, SEND, ChunkRef, PutChunk
+from kvstore.dataplane.messages import (
+    Ack,
+    Landed,
+    Lease,
+    Leased,
+    NodeStats,
+    Put,
+    Ready,
+    Release,
+    Stats,
+    expect,
+)  # fmt: skip
 from kvstore.master import MasterClient, MasterConfig, MasterServer
-from kvstore.node.protocol import BUSY, SEND, raise_if_error
 from kvstore.node.server import NodeConfig, StorageNode
 from kvstore.transport import Connection, connect
 from tests.test_node import NS, TIMEOUT, blocks, chunks, get, put, write_by_ucx
@@ -93,15 +105,14 @@ async def read_some(
     if not by_ucx:
         found, bufs = await get(conn, keys, layer)
     else:
-        spec = [[k.hex(), layer] for k in keys]
-        lease = {"op": "lease", "ns_id": NS.id.hex(), "chunks": spec, "lease_s": TIMEOUT}
-        await conn.send(lease, timeout=TIMEOUT)
-        answer = raise_if_error((await conn.recv_header(TIMEOUT)).header, "leased")
-        found = answer["found"]
+        spec = tuple(ChunkRef(k, layer) for k in keys)
+        await conn.send(Lease(NS.id, spec, TIMEOUT).header(), timeout=TIMEOUT)
+        answer = expect((await conn.recv_header(TIMEOUT)).header, Leased)
+        found = list(answer.found)
         rows = torch.zeros(sum(found), CHUNK, dtype=torch.uint8)
         if len(rows):
-            await nixl(node, "read", answer["spans"], rows)
-        await conn.send({"op": "release"}, timeout=TIMEOUT)
+            await nixl(node, "read", [list(s) for s in answer.spans], rows)
+        await conn.send(Release().header(), timeout=TIMEOUT)
         bufs = list(rows.unbind(0))
     hits = [k for k, f in zip(keys, found, strict=True) if f]
     return dict(zip(hits, bufs, strict=True))
@@ -123,8 +134,8 @@ def tier_of(node: StorageNode, key: bytes) -> str | None:
 
 
 async def stats(conn: Connection) -> dict[str, Any]:
-    await conn.send({"op": "stats"}, timeout=TIMEOUT)
-    return (await conn.recv_header(TIMEOUT)).header
+    await conn.send(Stats().header(), timeout=TIMEOUT)
+    return expect((await conn.recv_header(TIMEOUT)).header, NodeStats).counters
 
 
 async def test_ucx_puts_land_in_the_gpu_tier_tcp_puts_in_host_memory(
@@ -135,8 +146,8 @@ async def test_ucx_puts_land_in_the_gpu_tier_tcp_puts_in_host_memory(
     rows_one, rows_two = chunks(one), chunks(two)
     conn = await connect(node.data_uri, timeout=TIMEOUT)
     try:
-        assert (await put(conn, node, one, rows_one, "reserve", 0))["stored"] == 3
-        assert (await put(conn, node, two, rows_two, "put", 0))["stored"] == 3
+        assert (await put(conn, node, one, rows_one, "reserve", 0)).stored == 3
+        assert (await put(conn, node, two, rows_two, "put", 0)).stored == 3
         assert [tier_of(node, k) for k in one + two] == ["gpu"] * 3 + ["host"] * 3
         # Every chunk reads back byte for byte from either tier over either transport.
         found, bufs = await get(conn, one + two)
@@ -168,13 +179,13 @@ async def test_a_block_stays_in_its_tier_whatever_carries_its_next_layer(
         bad = layer1.clone()
         bad[1, -1] ^= 0xFF  # the second block's checksum no longer matches
         ack = await put(conn, node, keys, bad, "put", 1)
-        assert (ack["stored"], ack["failed"]) == (1, [1])
+        assert (ack.stored, ack.failed) == (1, (1,))
         assert [tier_of(node, k) for k in keys] == ["gpu", "gpu"]
         slot = node.tiers[0].table.get((NS.id, keys[1]))
         assert slot is not None and slot.landed_mask == 0b01
         assert not torch.equal(node.tiers[0].table.chunk_view(slot, 1).cpu(), bad[1])
         ack = await put(conn, node, keys[1:], layer1[1:], "put", 1)
-        assert ack["stored"] == 1
+        assert ack.stored == 1
         assert torch.equal(await read_by_ucx(conn, node, keys, 1), layer1)
     finally:
         await conn.close()
@@ -195,7 +206,7 @@ async def test_gpu_victims_move_to_host_memory_and_leave_the_node_only_from_ther
         # Oldest gone, then the GPU tier's victims in host memory, the newest in the GPU.
         assert [rank[w] for w in where] == sorted(rank[w] for w in where), where
         assert {None, "host", "gpu"} <= set(where), where
-        await node._commit([])  # the next commit carries the evictions
+        await node.link.commit([])  # the next commit carries the evictions
         lookup = await MasterClient.in_process(master.service).lookup(NS.id, keys, 2)
         assert [bool(hs) for hs in lookup] == [w is not None for w in where]
         held = [i for i, w in enumerate(where) if w is not None]
@@ -222,7 +233,7 @@ async def test_a_ucx_batch_larger_than_the_gpu_tier_goes_on_in_host_memory(
     rows = chunks(keys)
     conn = await connect(node.data_uri, timeout=TIMEOUT)
     try:
-        assert (await put(conn, node, keys, rows, "reserve", 0))["stored"] == len(keys)
+        assert (await put(conn, node, keys, rows, "reserve", 0)).stored == len(keys)
         where = [tier_of(node, k) for k in keys]
         n = where.count("gpu")
         assert 0 < n < len(keys) and where == ["gpu"] * n + ["host"] * (len(keys) - n), where
@@ -241,10 +252,10 @@ async def test_a_quarantined_block_is_refused_everywhere_until_its_quarantine_en
     block of the same batch is stored; afterwards the block takes puts again."""
     async with tiered_node(master, "cpu", io_timeout_s=1.0) as node:
         [key] = blocks(1)
-        spec = [[key.hex(), "", 0, CHUNK]]
+        spec = (PutChunk(key, None, 0, CHUNK),)
         quiet = await connect(node.data_uri, timeout=TIMEOUT)
-        await quiet.send({"op": "reserve", "ns": NS.canonical_bytes().hex(), "chunks": spec})
-        raise_if_error((await quiet.recv_header(TIMEOUT)).header, "reserved")
+        await quiet.send(Put(NS.canonical_bytes(), spec, ucx=True).header())
+        expect((await quiet.recv_header(TIMEOUT)).header, Ready, "reserved")
         conn = await connect(node.data_uri, timeout=TIMEOUT)
         try:
             slot = None
@@ -256,19 +267,20 @@ async def test_a_quarantined_block_is_refused_everywhere_until_its_quarantine_en
             assert slot is not None and slot.quarantined
             for op in ("put", "reserve"):
                 [other] = blocks(1)
-                both = [[key.hex(), "", 0, CHUNK], [other.hex(), "", 0, CHUNK]]
-                await conn.send({"op": op, "ns": NS.canonical_bytes().hex(), "chunks": both})
-                answer = "reserved" if op == "reserve" else "ready"
-                ready = raise_if_error((await conn.recv_header(TIMEOUT)).header, answer)
-                assert ready["accept"] == [BUSY, SEND]
-                rows = chunks([other])
-                if op == "put":
-                    await conn.send({"op": "data"}, [rows[0].numpy()], timeout=TIMEOUT)
+                both = (PutChunk(key, None, 0, CHUNK), PutChunk(other, None, 0, CHUNK))
+                ucx = op == "reserve"
+                request = Put(NS.canonical_bytes(), both, ucx=ucx).header()
+                rows = torch.cat([chunks([key]), chunks([other])])
+                if not ucx:  # one frame; the busy chunk's bytes are read and dropped
+                    await conn.send(request, [r.numpy() for r in rows], timeout=TIMEOUT)
                 else:
-                    await write_by_ucx(node, ready["spans"], rows)
-                    await conn.send({"op": "landed"}, timeout=TIMEOUT)
-                ack = raise_if_error((await conn.recv_header(TIMEOUT)).header, "ack")
-                assert (ack["stored"], ack["busy"]) == (1, [0])
+                    await conn.send(request)
+                    ready = expect((await conn.recv_header(TIMEOUT)).header, Ready, "reserved")
+                    assert ready.accept == (BUSY, SEND)
+                    await write_by_ucx(node, list(ready.spans or ()), rows[1:])
+                    await conn.send(Landed().header(), timeout=TIMEOUT)
+                ack = expect((await conn.recv_header(TIMEOUT)).header, Ack)
+                assert (ack.stored, ack.busy) == (1, (0,))
             assert tier_of(node, key) == "gpu"
             for _ in range(200):
                 if not slot.quarantined:
@@ -276,7 +288,7 @@ async def test_a_quarantined_block_is_refused_everywhere_until_its_quarantine_en
                 await asyncio.sleep(0.02)
             assert not slot.quarantined and node.tiers[0].table.get((NS.id, key)) is slot
             rows = chunks([key])
-            assert (await put(conn, node, [key], rows, "put", 0))["stored"] == 1
+            assert (await put(conn, node, [key], rows, "put", 0)).stored == 1
             found, bufs = await get(conn, [key])
             assert found == [1] and torch.equal(bufs[0], rows[0])
         finally:
@@ -295,9 +307,9 @@ async def test_a_slot_stays_quarantined_until_its_latest_deadline(master: Master
             slot = node.tiers[0].table.find((NS.id, key))
             assert slot is not None
             start = time.monotonic()
-            node._quarantine([slot])  # the first writer's timeout
+            node.quarantine([slot])  # the first writer's timeout
             await asyncio.sleep(0.5)
-            node._quarantine([slot])  # the second writer's, half a timeout later
+            node.quarantine([slot])  # the second writer's, half a timeout later
             while slot.quarantined and time.monotonic() - start < 5:
                 await asyncio.sleep(0.02)
             assert not slot.quarantined and time.monotonic() - start >= 1.5 - 0.05
@@ -310,18 +322,18 @@ async def test_chunks_of_a_slot_quarantined_mid_exchange_are_reported_failed(
 ) -> None:
     keys = blocks(2)
     rows = chunks(keys)
-    spec = [[k.hex(), "", 0, CHUNK] for k in keys]
+    spec = tuple(PutChunk(k, None, 0, CHUNK) for k in keys)
     conn = await connect(node.data_uri, timeout=TIMEOUT)
     try:
-        await conn.send({"op": "reserve", "ns": NS.canonical_bytes().hex(), "chunks": spec})
-        answer = raise_if_error((await conn.recv_header(TIMEOUT)).header, "reserved")
-        await nixl(node, "write", answer["spans"], rows)
+        await conn.send(Put(NS.canonical_bytes(), spec, ucx=True).header())
+        answer = expect((await conn.recv_header(TIMEOUT)).header, Ready, "reserved")
+        await nixl(node, "write", [list(s) for s in answer.spans or ()], rows)
         slot = node.tiers[0].table.find((NS.id, keys[0]))
         assert slot is not None
-        node._quarantine([slot])  # another writer of that block timed out meanwhile
-        await conn.send({"op": "landed"})
-        ack = raise_if_error((await conn.recv_header(TIMEOUT)).header, "ack")
-        assert (ack["stored"], ack["failed"]) == (1, [0])
+        node.quarantine([slot])  # another writer of that block timed out meanwhile
+        await conn.send(Landed().header())
+        ack = expect((await conn.recv_header(TIMEOUT)).header, Ack)
+        assert (ack.stored, ack.failed) == (1, (0,))
         lookup = await MasterClient.in_process(master.service).lookup(NS.id, keys, 2)
         assert [bool(hs) for hs in lookup] == [False, True]
     finally:
@@ -350,7 +362,7 @@ async def test_a_demotion_that_fails_drops_the_block_cleanly(
             await put(conn, node, keys[i : i + 4], chunks(keys[i : i + 4]), "reserve", 0)
         where = [tier_of(node, k) for k in keys]
         assert where[0] is None and "host" in where, "the first victim was dropped, not half-moved"
-        await node._commit([])
+        await node.link.commit([])
         lookup = await MasterClient.in_process(master.service).lookup(NS.id, keys, 2)
         assert [bool(hs) for hs in lookup] == [w is not None for w in where]
         gpu.table.validate()
@@ -381,7 +393,7 @@ async def test_mixed_traffic_under_eviction_pressure_never_returns_wrong_bytes(
                     expected.update({(k, layer): r for k, r in zip(keys, rows, strict=True)})
                     op = rng.choice(["put", "reserve"])
                     ack = await put(conn, node, keys, rows, op, layer)
-                    assert (ack["stored"], ack["failed"]) == (4, [])
+                    assert (ack.stored, ack.failed) == (4, ())
                 written.extend(keys)
         finally:
             await conn.close()
@@ -411,7 +423,7 @@ async def test_mixed_traffic_under_eviction_pressure_never_returns_wrong_bytes(
 
     await asyncio.gather(writers(), *(reader() for _ in range(2)))
     assert reads["hits"] and reads["misses"], reads  # both happened: the pressure was real
-    await node._commit([])
+    await node.link.commit([])
     lookup = await MasterClient.in_process(master.service).lookup(NS.id, written, 2)
     for key, holders in zip(written, lookup, strict=True):
         held = [t.table.find((NS.id, key)) for t in node.tiers]

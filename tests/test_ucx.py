@@ -21,6 +21,8 @@ from kvclient.errors import ChunkError, KVStoreError
 from kvclient.ucx import nixl_available
 from kvstore.core.codec import ChunkKey, chunk_nbytes, decode_chunk
 from kvstore.core.kvgen import realistic_kv
+from kvstore.dataplane import ChunkRef
+from kvstore.dataplane.messages import Lease, Leased, Release, expect
 from kvstore.transport import connect
 from tests.cluster import Server, node_stats, start_server
 
@@ -166,20 +168,19 @@ async def test_reader_with_expired_lease_never_gets_another_blocks_bytes(master:
             node_info = (await kv._live_nodes(refresh=True))[0]
             peer = await ucx.peer(node_info.nixl_metadata, node_info.host)
             conn = await connect(node.data, timeout=5)
-            await conn.send({"op": "lease", "ns_id": ns.id.hex(), "chunks": [[block.hex(), 0]],
-                             "lease_s": 0.3})  # fmt: skip
-            leased = (await conn.recv_header(timeout=5)).header
-            assert leased["op"] == "leased" and leased["found"] == [1]
+            await conn.send(Lease(ns.id, (ChunkRef(block, 0),), 0.3).header())
+            leased = expect((await conn.recv_header(timeout=5)).header, Leased)
+            assert leased.found == (1,)
             await asyncio.sleep(0.6)  # the lease expires; the node drops the connection
             with pytest.raises(KVStoreError):
-                await conn.send({"op": "release"}, timeout=2)
+                await conn.send(Release().header(), timeout=2)
                 await conn.recv_header(timeout=2)
             await conn.close()
             for i in range(40):  # fill the 16 MiB pool: LRU eviction reuses the memory
                 other = _tokens(1000 + i, 256)
                 await kv.put_layer(other, 0, realistic_kv(256, H, D, torch.bfloat16, seed=i))
             async with ucx.staging(1, size) as rows:
-                await ucx.read(peer, leased["spans"], [rows[0]], 5.0)
+                await ucx.read(peer, [list(s) for s in leased.spans], [rows[0]], 5.0)
                 try:
                     got = decode_chunk(rows[0], expect_key=ChunkKey(block, 0, 0))
                 except ChunkError as exc:

@@ -10,6 +10,7 @@ honest writer skipped), after which every read of the prefix raised BadShape."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import selectors
@@ -26,10 +27,11 @@ import torch
 
 import kvclient
 from kvstore.core.codec import ChunkKey, chunk_nbytes, encode_blocks
+from kvstore.dataplane import ChunkRef, NodeClient, PutChunk
+from kvstore.dataplane.messages import Put
 from kvstore.master import MasterClient, MasterConfig, MasterServer
-from kvstore.node.protocol import BUSY, SEND, raise_if_error
 from kvstore.node.server import NodeConfig, StorageNode
-from kvstore.transport import Connection, connect
+from kvstore.transport.framing import encode_prefix
 from tests import kvproc
 from tests.cluster import TRANSPORTS, start_server
 
@@ -88,19 +90,37 @@ def reference(tokens: list[int], layer: int) -> torch.Tensor:
     return torch.cat([kvclient.decode_chunk(c) for c in chunks], dim=1)
 
 
-async def claim(node: StorageNode, tokens: list[int], layer: int) -> Connection:
-    """A writer that starts a put of ``layer`` over tcp:// — the node answers SEND for every
-    chunk — and then sends nothing: its chunks are in flight until the node gives up."""
+@dataclass
+class Stalled:
+    """A writer's socket that sent a put frame's prefix and none of its chunks."""
+
+    writer: asyncio.StreamWriter
+
+    async def close(self) -> None:
+        """Close it (as a process that dies does)."""
+        self.writer.close()
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
+
+
+async def claim(node: StorageNode, tokens: list[int], layer: int) -> Stalled:
+    """A writer that starts a put of ``layer`` over tcp:// — its frame's prefix announces
+    every chunk — and then sends nothing: the node has claimed the chunks for it (its stats
+    say so) and they are in flight until the node gives up."""
     hashes = kvclient.block_hashes(NS, tokens)
     nbytes = chunk_nbytes(B, H, D, NS.dtype, NS.quant)
-    spec = [
-        [h.hex(), hashes[i - 1].hex() if i else "", layer, nbytes] for i, h in enumerate(hashes)
-    ]
-    conn = await connect(node.data_uri, timeout=TIMEOUT)
-    await conn.send({"op": "put", "ns": NS.canonical_bytes().hex(), "chunks": spec})
-    ready = raise_if_error((await conn.recv_header(TIMEOUT)).header, "ready")
-    assert ready["accept"] == [SEND] * len(hashes)
-    return conn
+    spec = tuple(PutChunk(h, hashes[i - 1] if i else None, layer, nbytes)
+                 for i, h in enumerate(hashes))  # fmt: skip
+    before = (await NodeClient(node.data_uri).stats())["inflight"]
+    host, port = node.data_uri.removeprefix("tcp://").rsplit(":", 1)
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(encode_prefix(Put(NS.canonical_bytes(), spec).header(), [nbytes] * len(spec)))
+    await writer.drain()
+    for _ in range(200):
+        if (await NodeClient(node.data_uri).stats())["inflight"] >= before + len(spec):
+            return Stalled(writer)
+        await asyncio.sleep(0.01)
+    raise AssertionError("the node never claimed the stalled writer's chunks")
 
 
 async def test_a_put_is_not_stored_while_another_writers_transfer_of_it_is_in_flight(
@@ -179,17 +199,10 @@ async def test_a_chunk_of_another_dtype_is_refused_and_the_honest_writer_stores_
     keys = [ChunkKey(h, 0, 0) for h in hashes]
     crafted = encode_blocks(kv(tokens, 0, torch.bfloat16), B, keys, NS.quant)
     assert crafted[0].numel() == chunk_nbytes(B, H, D, NS.dtype, NS.quant)
-    spec = [[h.hex(), hashes[i - 1].hex() if i else "", 0, c.numel()]
+    spec = [PutChunk(h, hashes[i - 1] if i else None, 0, c.numel())
             for i, (h, c) in enumerate(zip(hashes, crafted, strict=True))]  # fmt: skip
-    conn = await connect(pool.node.data_uri, timeout=TIMEOUT)
-    try:
-        await conn.send({"op": "put", "ns": NS.canonical_bytes().hex(), "chunks": spec})
-        raise_if_error((await conn.recv_header(TIMEOUT)).header, "ready")
-        await conn.send({"op": "data"}, [c.numpy() for c in crafted])
-        ack = raise_if_error((await conn.recv_header(TIMEOUT)).header, "ack")
-        assert (ack["stored"], ack["failed"]) == (0, [0, 1])
-    finally:
-        await conn.close()
+    ack = await NodeClient(pool.node.data_uri).put(NS.canonical_bytes(), spec, crafted)
+    assert (ack.stored, ack.failed) == (0, (0, 1))
     async with await pool.client() as honest:
         assert await honest.match_prefix(tokens) == 0
         assert await honest.put_layer(tokens, 0, kv(tokens, 0)) == len(tokens)
@@ -224,13 +237,8 @@ async def test_a_report_of_a_good_chunk_drops_nothing(pool: Pool) -> None:
     async with await pool.client() as kv_c:
         assert await kv_c.put_layer(tokens, 0, kv(tokens, 0)) == len(tokens)
     hashes = kvclient.block_hashes(NS, tokens)
-    conn = await connect(pool.node.data_uri, timeout=TIMEOUT)
-    try:
-        chunks = [[hashes[0].hex(), 0], [hashes[1].hex(), 1], [bytes(16).hex(), 0]]
-        await conn.send({"op": "report", "ns_id": NS.id.hex(), "chunks": chunks})
-        assert raise_if_error((await conn.recv_header(TIMEOUT)).header, "reported")["dropped"] == 0
-    finally:
-        await conn.close()
+    chunks = [ChunkRef(hashes[0], 0), ChunkRef(hashes[1], 1), ChunkRef(bytes(16), 0)]
+    assert await NodeClient(pool.node.data_uri).report(NS.id, chunks) == 0
     async with await pool.client() as kv_c:
         assert torch.equal(await kv_c.get_layer(tokens, 0), reference(tokens, 0))
 
@@ -239,25 +247,18 @@ async def test_a_busy_chunk_is_answered_busy_and_the_rest_of_the_batch_is_stored
     pool: Pool,
 ) -> None:
     """A put naming a chunk in flight elsewhere and a free one, with no time to wait: the
-    first is BUSY (not stored, nothing sent for it), the second is stored."""
+    first is BUSY (not stored; its bytes are read aside and dropped), the second stored."""
     tokens = prompt(2)
     hashes = kvclient.block_hashes(NS, tokens)
     stalled = await claim(pool.node, tokens[:B], 0)
     nbytes = chunk_nbytes(B, H, D, NS.dtype, NS.quant)
     keys = [ChunkKey(h, 0, 0) for h in hashes]
     rows = encode_blocks(kv(tokens, 0), B, keys, NS.quant)
-    conn = await connect(pool.node.data_uri, timeout=TIMEOUT)
     try:
-        spec = [[hashes[0].hex(), "", 0, nbytes], [hashes[1].hex(), hashes[0].hex(), 0, nbytes]]
-        await conn.send({"op": "put", "ns": NS.canonical_bytes().hex(), "chunks": spec,
-                         "wait_s": 0})  # fmt: skip
-        ready = raise_if_error((await conn.recv_header(TIMEOUT)).header, "ready")
-        assert ready["accept"] == [BUSY, SEND]
-        await conn.send({"op": "data"}, [rows[1].numpy()])
-        ack = raise_if_error((await conn.recv_header(TIMEOUT)).header, "ack")
-        assert (ack["stored"], ack["skipped"], ack["busy"]) == (1, 0, [0])
+        spec = (PutChunk(hashes[0], None, 0, nbytes), PutChunk(hashes[1], hashes[0], 0, nbytes))
+        ack = await NodeClient(pool.node.data_uri).put(NS.canonical_bytes(), spec, rows, wait_s=0)
+        assert (ack.stored, ack.skipped, ack.busy) == (1, 0, (0,))
     finally:
-        await conn.close()
         await stalled.close()
 
 

@@ -36,6 +36,8 @@ from kvstore.core.codec import (
 )
 from kvstore.core.hashing import Namespace, block_hashes, dtype_name
 from kvstore.core.placement import Candidate, rank_nodes, weight_for_free
+from kvstore.dataplane import ChunkRef, NodeClient, PutChunk
+from kvstore.dataplane.messages import MAX_CHUNKS_PER_REQUEST, MAX_KEY_LEN, Ready
 from kvstore.errors import (
     BadShape,
     CapacityError,
@@ -49,7 +51,6 @@ from kvstore.errors import (
     TransportError,
 )
 from kvstore.master.client import MasterClient
-from kvstore.node.protocol import MAX_CHUNKS_PER_REQUEST, MAX_KEY_LEN, SEND, raise_if_error
 
 from .engine import EngineOps
 from .handles import no_blocks, prefix_len
@@ -69,6 +70,9 @@ Encoded = Callable[[torch.Tensor | None], Awaitable[list[torch.Tensor]]]
 """A started encode: awaited with staging rows (or None), yields the host chunks."""
 
 _NODES_TTL_S = 1.0  # how long a placement snapshot of the node list is reused
+
+_MAX_NODE_CLIENTS = 4096
+"""Node clients kept (one per data URI; dropped all at once past this)."""
 
 _MAX_REPORTS = 16
 """Bad-chunk reports to nodes in flight at once, per client."""
@@ -128,7 +132,7 @@ class ClientCore:
         self._chunk_bytes = chunk_nbytes(
             ns.block_tokens, ns.num_kv_heads, ns.head_dim, ns.dtype, ns.quant
         )
-        self._ns_hex = ns.canonical_bytes().hex()
+        self._ns_raw = ns.canonical_bytes()
         self._nodes: list[_Node] = []
         self._by_uri: dict[str, _Node] = {}
         self._allow_ucx = ucx
@@ -138,6 +142,7 @@ class ClientCore:
         self._codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvclient-codec")
         self._inflight: dict[asyncio.Task[Any], list[bytes]] = {}
         self._reports: set[asyncio.Task[None]] = set()
+        self._node_clients: dict[str, NodeClient] = {}
         self._spec = ChunkSpec.of(ns)
         self._loop = asyncio.get_running_loop()
         self._closed = False
@@ -227,6 +232,15 @@ class ClientCore:
         return await asyncio.get_running_loop().run_in_executor(self._codec, fn, *args)
 
     # ------------------------------------------------------------------ placement
+
+    def _node(self, uri: str) -> NodeClient:
+        """The data port of the node at ``uri``, over this client's connection pool."""
+        node = self._node_clients.get(uri)
+        if node is None:
+            if len(self._node_clients) > _MAX_NODE_CLIENTS:
+                self._node_clients.clear()
+            node = self._node_clients[uri] = NodeClient(uri, self._pool, timeout_s=self.timeout_s)
+        return node
 
     async def _live_nodes(self, refresh: bool = False) -> list[_Node]:
         async with self._nodes_lock:
@@ -437,33 +451,24 @@ class ClientCore:
     ) -> set[int]:
         """One put exchange: ``put`` → READY → data → ack over ``tcp://``, or ``reserve``
         → spans → one-sided WRITE → ``landed`` → ack over ``ucx://``."""
-        spec = [
-            [hashes[i].hex(), hashes[i - 1].hex() if i else "", index, self._chunk_bytes]
-            for i in idx
-        ]
-        op, answer = ("reserve", "reserved") if node.ucx else ("put", "ready")
+        spec = [PutChunk(hashes[i], hashes[i - 1] if i else None, index, self._chunk_bytes)
+                for i in idx]  # fmt: skip
         now = asyncio.get_running_loop().time()
         wait_s = max(0.0, _PUT_DEADLINE.get(now + self.timeout_s) - now) * _WAIT_SHARE
-        async with self._pool.use(node.data_uri, self.timeout_s) as conn:
-            await conn.send({"op": op, "ns": self._ns_hex, "chunks": spec, "wait_s": wait_s})
-            ready = raise_if_error((await conn.recv_header()).header, answer)
-            accept = ready.get("accept")
-            if not isinstance(accept, list) or len(accept) != len(idx):
-                raise TransportError(f"node {node.node_id} sent a malformed {answer}")
-            picked = [chunks[i] for i, a in zip(idx, accept, strict=True) if a == SEND]
-            if node.ucx:
-                await self._write_ucx(node, ready.get("spans"), picked)
-                await conn.send({"op": "landed"})
-            else:
-                await conn.send({"op": "data"}, [c.numpy() for c in picked])
-            ack = raise_if_error((await conn.recv_header()).header, "ack")
-        # Busy: another writer's transfer of the chunk did not end in time; not stored.
-        failed = {idx[k] for k in [*ack.get("failed", []), *ack.get("busy", [])]}
-        return set(idx) - failed
+        peer = self._node(node.data_uri)
+        if node.ucx:
+
+            async def write(ready: Ready) -> None:
+                picked = [chunks[idx[k]] for k in ready.sending()]
+                await self._write_ucx(node, list(ready.spans or ()), picked)
+
+            ack = await peer.reserve(self._ns_raw, spec, write, wait_s)
+        else:
+            ack = await peer.put(self._ns_raw, spec, [chunks[i].numpy() for i in idx], wait_s)
+        # Failed a check, or busy (another writer's transfer did not end in time): not stored.
+        return set(idx) - {idx[k] for k in ack.not_stored()}
 
     async def _write_ucx(self, node: _Node, spans: Any, chunks: list[torch.Tensor]) -> None:
-        if not isinstance(spans, list) or len(spans) != len(chunks):
-            raise TransportError(f"node {node.node_id} sent malformed spans")
         if not chunks:
             return
         peer = await self._ucx.peer(node.nixl_metadata, node.host)
@@ -587,7 +592,7 @@ class ClientCore:
     ) -> set[int]:
         """Fetch chunks ``idx`` from one node and pass them to ``sink``; return the indices
         that arrived intact. A node that fails is a miss for its blocks."""
-        spec = [[hashes[i].hex(), index] for i in idx]
+        spec = [ChunkRef(hashes[i], index) for i in idx]
         node = self._by_uri.get(uri)
         if node is None:
             await self._live_nodes(refresh=True)
@@ -595,11 +600,14 @@ class ClientCore:
         try:
             if node is not None and node.ucx:
                 return await self._get_ucx(node, idx, spec, hashes, layer, shard, sink)
-            async with self._pool.use(uri, self.timeout_s) as conn:
-                await conn.send({"op": "get", "ns_id": self.ns.id.hex(), "chunks": spec})
-                have = self._found(idx, (await conn.recv_header()).header, "data")
-                bufs = torch.empty(len(have), self._chunk_bytes, dtype=torch.uint8)
-                await conn.recv_payload_into([bufs[k].numpy() for k in range(len(have))])
+            bufs = torch.empty(0, dtype=torch.uint8)
+
+            def into(found: list[int]) -> list[Any]:
+                nonlocal bufs
+                bufs = torch.empty(len(found), self._chunk_bytes, dtype=torch.uint8)
+                return [row.numpy() for row in bufs]
+
+            have = [idx[k] for k in await self._node(uri).get(self.ns.id, spec, into)]
         except TransportError as exc:
             logger.warning("get from %s failed: %s", uri, exc)
             await self._pool.discard(uri)
@@ -608,17 +616,11 @@ class ClientCore:
         self._report_bad(uri, hashes, index, bad)
         return ok
 
-    def _found(self, idx: list[int], head: dict[str, Any], expect: str) -> list[int]:
-        found = raise_if_error(head, expect).get("found")
-        if not isinstance(found, list) or len(found) != len(idx):
-            raise TransportError(f"node sent a malformed {expect} answer")
-        return [i for i, f in zip(idx, found, strict=True) if f]
-
     async def _get_ucx(
         self,
         node: _Node,
         idx: list[int],
-        spec: list[list[Any]],
+        spec: list[ChunkRef],
         hashes: list[bytes],
         layer: int,
         shard: int,
@@ -626,20 +628,14 @@ class ClientCore:
     ) -> set[int]:
         """``lease`` → spans → one-sided READ into staging → ``release`` → decode."""
         peer = await self._ucx.peer(node.nixl_metadata, node.host)
-        async with self._pool.use(node.data_uri, self.timeout_s) as conn:
-            await conn.send(
-                {"op": "lease", "ns_id": self.ns.id.hex(), "chunks": spec,
-                 "lease_s": self.timeout_s}
-            )  # fmt: skip
-            head = (await conn.recv_header()).header
-            have = self._found(idx, head, "leased")
-            spans = head.get("spans")
-            if not isinstance(spans, list) or len(spans) != len(have):
-                raise TransportError(f"node {node.node_id} sent malformed spans")
+        lease = self._node(node.data_uri).lease(self.ns.id, spec, self.timeout_s)
+        async with lease as (found, leased):
+            have = [idx[k] for k in found]
             async with self._ucx.staging(len(have), self._chunk_bytes) as rows:
                 if have:
+                    spans = [list(s) for s in leased.spans]
                     await self._ucx.read(peer, spans, list(rows.unbind(0)), self.timeout_s)
-                await conn.send({"op": "release"})
+                # (released on leaving the lease; decoded after: the bytes are in ``rows``)
                 ok, bad = await self._run_codec(
                     self._decode_all, have, rows, hashes, layer, shard, sink
                 )
@@ -681,13 +677,11 @@ class ClientCore:
         next writer stores them."""
         if not bad or len(self._reports) >= _MAX_REPORTS:
             return
-        chunks = [[hashes[i].hex(), index] for i in bad]
+        chunks = [ChunkRef(hashes[i], index) for i in bad]
 
         async def report() -> None:
             try:
-                async with self._pool.use(uri, self.timeout_s) as conn:
-                    await conn.send({"op": "report", "ns_id": self.ns.id.hex(), "chunks": chunks})
-                    raise_if_error((await conn.recv_header()).header, "reported")
+                await self._node(uri).report(self.ns.id, chunks)
             except KVStoreError as exc:
                 logger.info("bad-chunk report to %s not delivered: %s", uri, exc)
 
@@ -733,16 +727,7 @@ class ClientCore:
 
     async def _hold(self, uri: str, hashes: list[bytes], hold_s: float) -> None:
         try:
-            async with self._pool.use(uri, self.timeout_s) as conn:
-                await conn.send(
-                    {
-                        "op": "hold",
-                        "ns_id": self.ns.id.hex(),
-                        "blocks": [h.hex() for h in hashes],
-                        "ttl_s": hold_s,
-                    }
-                )
-                raise_if_error((await conn.recv_header()).header, "held")
+            await self._node(uri).hold(self.ns.id, hashes, hold_s)
         except TransportError as exc:
             logger.warning("hold on %s failed: %s", uri, exc)
 
@@ -832,11 +817,7 @@ class ClientCore:
         async def run() -> None:
             nodes = await self._live_nodes()
             for node in self._place(hkey, nodes):
-                async with self._pool.use(node.data_uri, self.timeout_s) as conn:
-                    await conn.send({"op": "put_object", "key": key, "nbytes": view.nbytes})
-                    ready = raise_if_error((await conn.recv_header()).header, "ready")
-                    await conn.send({"op": "data"}, [view] if ready.get("accept", [1])[0] else [])
-                    raise_if_error((await conn.recv_header()).header, "ack")
+                await self._node(node.data_uri).put_object(key, view)
 
         await self._deadline(run(), timeout, "put_object")
 
@@ -847,13 +828,9 @@ class ClientCore:
         async def run() -> bytes | None:
             for holder in await self._master.lookup_object(key):
                 try:
-                    async with self._pool.use(holder.data_uri, self.timeout_s) as conn:
-                        await conn.send({"op": "get_object", "key": key})
-                        frame = await conn.recv_header()
-                        head = raise_if_error(frame.header, "data")
-                        bufs = await conn.recv_payload()
-                    if head.get("found") == [1] and len(bufs) == 1:
-                        return bytes(bufs[0])
+                    value = await self._node(holder.data_uri).get_object(key)
+                    if value is not None:
+                        return value
                 except TransportError as exc:
                     logger.warning("get_object from %s failed: %s", holder.data_uri, exc)
             return None
@@ -873,10 +850,7 @@ class ClientCore:
         async def run() -> bool:
             removed = False
             for holder in await self._master.lookup_object(key):
-                async with self._pool.use(holder.data_uri, self.timeout_s) as conn:
-                    await conn.send({"op": "remove_object", "key": key})
-                    head = raise_if_error((await conn.recv_header()).header, "ok")
-                    removed = removed or bool(head.get("removed"))
+                removed = await self._node(holder.data_uri).remove_object(key) or removed
             return removed
 
         return bool(await self._deadline(run(), timeout, "remove"))

@@ -3,7 +3,7 @@
 Bulk bytes to and from nodes that serve ``ucx`` move by one-sided NIXL WRITE (put) and READ
 (get) between the client's registered staging memory and the node's registered arena; the
 small control messages (reserve / landed, lease / release) stay on the node's ``tcp://``
-connection (see :mod:`kvstore.node.protocol`).
+connection (see :mod:`kvstore.dataplane.messages`).
 
 Staging: one contiguous arena registered once (registration pins memory on RDMA NICs and
 is too slow per call), carved into extents per transfer and bounded

@@ -217,25 +217,15 @@ async def evict(
     data port; the node commits its evictions to the master before it answers. A node that
     cannot be reached is reported, not fatal.
     """
-    from kvstore.transport import connect
+    from kvstore.dataplane import NodeClient
 
-    header: dict[str, Any] = {"op": "evict", "ns_id": ns_id.hex()}
-    if blocks is not None:
-        header["blocks"] = [b.hex() for b in blocks]
     done = []
     for node in await client.nodes():
         if not node.alive:
             continue
         try:
-            conn = await connect(node.data_uri, timeout=timeout_s)
-            try:
-                await conn.send(header, timeout=timeout_s)
-                answer = (await conn.recv_header(timeout=timeout_s)).header
-            finally:
-                await conn.close()
-            if answer.get("op") != "evicted":
-                raise KVStoreError(f"{answer.get('message', answer.get('op'))}")
-            done.append(NodeEviction(node.node_id, int(answer["evicted"]), int(answer["kept"])))
+            answer = await NodeClient(node.data_uri, timeout_s=timeout_s).evict(ns_id, blocks)
+            done.append(NodeEviction(node.node_id, answer.evicted, answer.kept))
         except KVStoreError as exc:
             done.append(NodeEviction(node.node_id, 0, 0, str(exc)))
     return EvictResult(ns_id, None if blocks is None else len(blocks), tuple(done))

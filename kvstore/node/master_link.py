@@ -1,0 +1,226 @@
+"""The node's link to the master: registration, group commits and heartbeats.
+
+The node is the only writer of its index entries. Every change — chunks landed, slots
+evicted, objects stored or removed — reaches the master as a ``Commit`` carrying the node's
+epoch and the next sequence number, so commits and evictions are applied in order.
+
+Group commit: one Commit RPC is in flight at a time and the next carries every caller queued
+meanwhile, so concurrent exchanges share RPCs instead of queueing for one each. Heartbeats
+run on their own thread with their own gRPC channel, so a busy event loop never costs the
+node its lease. A commit answered "stale epoch" (lease lost, master restarted) makes the
+node register again, which re-reports everything it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+
+from kvstore import __version__
+from kvstore.core.slots import ObjectStore
+from kvstore.errors import StaleEpoch, TransportError
+from kvstore.master import wire
+from kvstore.master.client import MasterClient
+from kvstore.master.records import BlockAdd, BlockRef, CommitBatch, ObjectAdd, Tier
+from kvstore.metrics import Metrics
+from kvstore.node.tiers import Tiers, landed_bits
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+__all__ = ["MasterLink", "NodeIdentity"]
+
+logger = logging.getLogger("kvstore.node")
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    """What a node tells the master about itself when it registers."""
+
+    node_id: str
+    data_uri: str
+    transport: str
+    nixl_metadata: bytes
+    host: str
+
+
+@dataclass
+class _Queued:
+    """One caller's share of the next Commit RPC, and the future it waits on."""
+
+    adds: list[BlockAdd]
+    object_adds: list[ObjectAdd]
+    object_removes: list[str]
+    done: asyncio.Future[None]
+
+    def object_keys(self) -> set[str]:
+        return {a.key for a in self.object_adds} | set(self.object_removes)
+
+
+class MasterLink:
+    """Registers the node, commits its changes, heartbeats. Owned by the node's event loop;
+    the heartbeat thread only reads the latest usage and asks the loop to re-register."""
+
+    def __init__(
+        self,
+        master: MasterClient,
+        address: str,
+        tiers: Tiers,
+        objects: ObjectStore,
+        metrics: Metrics,
+    ) -> None:
+        self.master = master
+        self.address = address
+        """The master's gRPC ``host:port`` (the heartbeat thread dials it)."""
+        self.tiers = tiers
+        self.objects = objects
+        self.metrics = metrics
+        self.epoch = 0
+        self.lease_s = 10.0
+        self.reregister = asyncio.Event()
+        """Set when the master asks for (or a commit needs) a new registration."""
+        self.usage: list[Tier] = []
+        """The tiers' latest usage, sent with each heartbeat."""
+        self._seq = 0
+        self._me: NodeIdentity | None = None
+        self._lock = asyncio.Lock()
+        self._queued: list[_Queued] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+
+    async def register(self, me: NodeIdentity) -> None:
+        """Register (again) and re-report every landed slot and object held. Raises what
+        the master client raises when the master does not answer."""
+        self._me = me
+        async with self._lock:
+            reply = await self.master.register(
+                me.node_id,
+                me.data_uri,
+                transport=me.transport,
+                nixl_metadata=me.nixl_metadata,
+                tiers=self.tiers.usage(),
+                version=__version__,
+                host=me.host,
+            )
+            self.epoch, self.lease_s, self._seq = reply.epoch, reply.lease_s, 0
+            # Entries of the old epoch are dead already; evictions need no report.
+            self.tiers.take_evictions()
+            logger.info("registered %s epoch=%d lease=%.1fs", me.node_id, self.epoch, self.lease_s)
+            adds = [
+                BlockAdd(s.key[0], s.key[1], tuple(landed_bits(s.landed_mask)))
+                for t in self.tiers
+                for s in t.table.slots()
+                if s.landed_mask and not s.quarantined
+            ]
+            objs = [ObjectAdd(k, n) for k, n in self.objects.items()]
+            if adds or objs:
+                await self._send(adds, [], objs, [])
+
+    async def commit(
+        self,
+        adds: list[BlockAdd],
+        object_adds: Iterable[ObjectAdd] = (),
+        object_removes: Iterable[str] = (),
+    ) -> None:
+        """Commit ``adds`` (and every eviction not yet reported); returns once the master
+        applied them, raises what the Commit RPC raised (:class:`TransportError` while the
+        node re-registers). A batch never names one object key twice (object changes keep
+        their order)."""
+        done = asyncio.get_running_loop().create_future()
+        # A caller cancelled meanwhile leaves its outcome unread: mark it read.
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._queued.append(_Queued(adds, list(object_adds), list(object_removes), done))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush(), name="kvstore-commit")
+        await asyncio.shield(done)
+
+    async def _flush(self) -> None:
+        """Send queued commits, one RPC at a time, until none is queued."""
+        while self._queued:
+            batch, keys = [], set[str]()
+            while self._queued and not (self._queued[0].object_keys() & keys):
+                batch.append(self._queued.pop(0))
+                keys |= batch[-1].object_keys()
+            try:
+                async with self._lock:
+                    gone = self.tiers.take_evictions()
+                    for tier in {name for name, _ in gone}:
+                        self.metrics.evictions.labels(tier=tier).inc(
+                            sum(name == tier for name, _ in gone)
+                        )
+                    refs = [BlockRef(k[0], k[1]) for _, k in gone]
+                    adds = [a for q in batch for a in q.adds]
+                    obj_adds = [a for q in batch for a in q.object_adds]
+                    obj_removes = [k for q in batch for k in q.object_removes]
+                    if adds or refs or obj_adds or obj_removes:
+                        await self._send(adds, refs, obj_adds, obj_removes)
+            except Exception as exc:
+                for q in batch:
+                    q.done.set_exception(exc)
+            except BaseException:  # cancelled (the node stops): nobody waits in vain
+                for q in [*batch, *self._queued]:
+                    q.done.cancel()
+                self._queued.clear()
+                raise
+            else:  # (a caller cancelled meanwhile is shielded from its future)
+                for q in batch:
+                    q.done.set_result(None)
+
+    async def _send(
+        self,
+        adds: list[BlockAdd],
+        evicts: list[BlockRef],
+        object_adds: list[ObjectAdd],
+        object_removes: list[str],
+    ) -> None:
+        node_id = self._me.node_id if self._me else ""
+        self._seq += 1
+        batch = CommitBatch(node_id, self.epoch, self._seq, tuple(adds), tuple(evicts),
+                            tuple(object_adds), tuple(object_removes))  # fmt: skip
+        try:
+            await self.master.commit(batch)
+        except StaleEpoch as exc:
+            # The master declared this epoch dead (lease lost, master restarted): register
+            # again; registration re-reports every slot and object held, these included.
+            self.reregister.set()
+            raise TransportError(f"node {node_id} is re-registering; retry") from exc
+
+    def start_heartbeats(self, node_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        """Heartbeat every lease/3 on a thread of its own until :meth:`close`."""
+        self._hb_thread = threading.Thread(
+            target=self._heartbeats, args=(node_id, loop.call_soon_threadsafe),
+            name=f"kvstore-heartbeat-{node_id}", daemon=True,
+        )  # fmt: skip
+        self._hb_thread.start()
+
+    def _heartbeats(self, node_id: str, call_soon: Callable[..., object]) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = pb_grpc.MasterStub(channel)
+            while not self._hb_stop.wait(self.lease_s / 3):
+                try:
+                    reply = stub.Heartbeat(
+                        pb.HeartbeatRequest(
+                            node_id=node_id, epoch=self.epoch, tiers=wire.tiers_to_pb(self.usage)
+                        ),
+                        timeout=max(1.0, self.lease_s / 3),
+                    )
+                except grpc.RpcError as exc:
+                    logger.warning("heartbeat failed: %s", exc.code())
+                    continue
+                if reply.reregister:
+                    call_soon(self.reregister.set)
+
+    async def close(self) -> None:
+        """Cancel the commit in flight, stop heartbeats, close the master client."""
+        if self._flusher is not None:
+            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            await asyncio.to_thread(self._hb_thread.join, 5.0)
+        await self.master.close()

@@ -1,0 +1,185 @@
+"""A node's memory tiers: host memory always, with ``--gpu-mem`` a GPU tier before it.
+
+Each :class:`MemoryTier` is one arena, its pure :class:`~kvstore.core.slots.SlotTable` and its
+NIXL registration (``ucx://`` nodes). A block lives in one tier at most. The GPU tier's LRU
+victims move to host memory (one device → host copy of their landed chunks) instead of
+leaving the node; :class:`Tiers` journals every eviction of every tier until the master link
+reports it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.core.arena import Arena
+from kvstore.core.slots import Slot, SlotKey, SlotTable
+from kvstore.errors import InvalidArgument, KVStoreError, ProtocolError
+from kvstore.master.records import Tier
+from kvstore.metrics import Metrics
+from kvstore.transport.nixl import Registration
+
+__all__ = ["MemoryTier", "Tiers", "gpu_device", "host_copy", "landed_bits"]
+
+logger = logging.getLogger("kvstore.node")
+
+
+@dataclass
+class MemoryTier:
+    """One memory tier of the node: its arena, its slots and its NIXL registration."""
+
+    name: str
+    arena: Arena
+    table: SlotTable
+    reg: Registration | None = None
+
+    def owns(self, slot: Slot) -> bool:
+        """Whether ``slot`` lives in this tier (quarantined or not)."""
+        return self.table.holds(slot)
+
+    def holds(self, view: torch.Tensor) -> bool:
+        """Whether ``view`` lies inside this tier's arena."""
+        base, t = view.data_ptr(), self.arena.tensor
+        return view.device == t.device and t.data_ptr() <= base < t.data_ptr() + t.numel()
+
+
+class Tiers:
+    """The node's tiers, fastest first (``[gpu, host]`` with a GPU tier, else ``[host]``).
+
+    ``host_mem`` bytes of host memory; ``gpu_mem`` bytes on ``gpu`` (0: no GPU tier).
+    Raises :class:`InvalidArgument` for a device torch cannot use.
+    """
+
+    def __init__(
+        self, host_mem: int, gpu_mem: int = 0, gpu: str = "cuda", metrics: Metrics | None = None
+    ) -> None:
+        self.metrics = metrics or Metrics()
+        arena = Arena(host_mem, device="cpu")
+        self.host = MemoryTier("host", arena, SlotTable(arena))
+        self.all = [self.host]
+        if gpu_mem:
+            device_arena = Arena(gpu_mem, device=gpu_device(gpu))
+            table = SlotTable(device_arena, demote=self._demote)
+            self.all.insert(0, MemoryTier("gpu", device_arena, table))
+        self._unreported: list[tuple[str, SlotKey]] = []
+        """Evictions (tier, key) not yet reported to the master, beyond the tables' own."""
+
+    def __iter__(self) -> Iterator[MemoryTier]:
+        return iter(self.all)
+
+    def __getitem__(self, i: int) -> MemoryTier:
+        return self.all[i]
+
+    def __len__(self) -> int:
+        return len(self.all)
+
+    @property
+    def fastest(self) -> MemoryTier:
+        """Where ``ucx://`` puts start blocks: the GPU tier if there is one."""
+        return self.all[0]
+
+    def in_gpu(self, view: torch.Tensor) -> bool:
+        """Whether ``view`` lies in the GPU tier (on a CUDA device, or on the CPU in tests:
+        either way it takes the device path)."""
+        return self.all[0] is not self.host and self.all[0].holds(view)
+
+    def lookup(self, key: SlotKey) -> tuple[MemoryTier, Slot] | None:
+        """The tier holding ``key``'s readable slot and the slot (None when absent or
+        quarantined; a key lives in one tier at most)."""
+        for tier in self.all:
+            slot = tier.table.get(key)
+            if slot is not None:
+                return tier, slot
+        return None
+
+    def holder(self, key: SlotKey) -> MemoryTier | None:
+        """The tier holding ``key``'s slot, quarantined or not."""
+        return next((t for t in self.all if t.table.find(key) is not None), None)
+
+    def owner(self, slot: Slot) -> MemoryTier | None:
+        """The tier ``slot`` lives in (quarantined or not); None once it is gone."""
+        return next((tier for tier in self.all if tier.owns(slot)), None)
+
+    def tier_of(self, slot: Slot) -> MemoryTier:
+        """The tier ``slot`` lives in; :class:`ProtocolError` once it is gone."""
+        if (tier := self.owner(slot)) is not None:
+            return tier
+        raise ProtocolError(f"slot {slot.key[1].hex()} is no longer held here")
+
+    def span(self, view: torch.Tensor) -> list[int]:
+        """The NIXL span (wire form) of ``view``; :class:`InvalidArgument` when its tier is
+        not registered (the node does not serve ``ucx://``)."""
+        for tier in self.all:
+            if tier.reg is not None and tier.holds(view):
+                offset = view.data_ptr() - tier.arena.tensor.data_ptr()
+                return tier.reg.span(offset, view.numel()).to_wire()  # type: ignore[no-any-return]
+        raise InvalidArgument("this node does not serve ucx://")
+
+    def evicted(self, tier: MemoryTier, keys: list[SlotKey]) -> None:
+        """Journal evictions the caller made in ``tier`` (reported with the next commit)."""
+        self._unreported.extend((tier.name, k) for k in keys)
+
+    def take_evictions(self) -> list[tuple[str, SlotKey]]:
+        """Every eviction (tier name, key) not yet taken; each is taken exactly once."""
+        gone = [(t.name, k) for t in self.all for k in t.table.take_evictions()]
+        gone, self._unreported = [*self._unreported, *gone], []
+        return gone
+
+    def usage(self) -> list[Tier]:
+        """Capacity and use per tier, as the master records them."""
+        stats = [(t.name, t.table.stats()) for t in self.all]
+        return [Tier(name, st.capacity_bytes, st.used_bytes) for name, st in stats]
+
+    def _demote(self, victim: Slot) -> bool:
+        """The GPU tier's LRU victim moves to host memory instead of leaving the node (one
+        device → host copy of its landed chunks); False, dropping it, when host memory has
+        no room or the copy fails. The master's entries stay as they are: the block is still
+        on this node. Never raises (a :class:`SlotTable` demote hook)."""
+        gpu, host = self.all[0], self.host
+        if not victim.landed_mask:
+            return False
+        if host.table.find(victim.key) is not None:  # a key lives in one tier: a bug
+            logger.error("slot %s is in both tiers; dropping the GPU copy", victim.key[1].hex())
+            return False
+        try:
+            res = host.table.allocate(
+                victim.key, victim.slot_bytes, victim.chunk_bytes, victim.num_chunks, victim.parent
+            )
+        except KVStoreError:
+            return False
+        self.evicted(host, res.evicted)
+        try:
+            host.table.slot_view(res.slot).copy_(gpu.table.slot_view(victim))
+            for index in landed_bits(victim.landed_mask):
+                host.table.mark_landed(res.slot, index)
+        except Exception:
+            logger.exception("moving slot %s to host memory failed", victim.key[1].hex())
+            host.table.evict(victim.key)
+            return False
+        # (a dropped victim is journaled and counted with the other evictions it reports)
+        self.metrics.evictions.labels(tier=gpu.name).inc()
+        return True
+
+
+def host_copy(view: torch.Tensor) -> torch.Tensor:
+    """A host copy of a device view (what ``tcp://`` sends for the GPU tier)."""
+    return torch.empty_like(view, device="cpu").copy_(view)
+
+
+def gpu_device(name: str) -> torch.device:
+    """The GPU tier's device; InvalidArgument when torch cannot use it."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidArgument(f"bad GPU tier device {name!r}: {exc}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument("--gpu-mem needs a CUDA device, and torch sees none")
+    return device
+
+
+def landed_bits(mask: int) -> list[int]:
+    """The chunk indices set in a landed bitmask."""
+    return [i for i in range(mask.bit_length()) if mask >> i & 1]
