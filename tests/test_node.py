@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ import xxhash
 
 from kvstore.core.codec import ChunkKey, encode_blocks
 from kvstore.core.hashing import Namespace
+from kvstore.dataplane import NodeClient
 from kvstore.dataplane.messages import (
     Ack,
     ChunkRef,
@@ -51,12 +53,13 @@ class Rig:
         return [sum(bin(h.mask).count("1") for h in hs) for hs in found]
 
 
-@pytest.fixture(params=TRANSPORTS)
-async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
+@asynccontextmanager
+async def running(transport: str, **options: Any) -> AsyncIterator[Rig]:
+    """A master and a node in this process; on exit, no slot may stay pinned."""
     master = MasterServer(MasterConfig(grpc_port=0))
     await master.start()
     config = NodeConfig(master=master.address, data_port=0, host_mem=32 * 2**20,
-                        transport=request.param)  # fmt: skip
+                        transport=transport, **options)  # fmt: skip
     node = StorageNode(config, master=MasterClient.in_process(master.service))
     await node.start()
     try:
@@ -65,6 +68,19 @@ async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
         await node.stop(grace=1.0)
         await master.stop(grace=0.5)
     assert node.pinned_slots == 0
+
+
+@pytest.fixture(params=TRANSPORTS)
+async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
+    async with running(request.param) as rig:
+        yield rig
+
+
+@pytest.fixture(params=TRANSPORTS)
+async def strict(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
+    """A node that checks every byte of a ucx:// put before its ack (no scrub)."""
+    async with running(request.param, scrub_bytes=0) as rig:
+        yield rig
 
 
 def blocks(n: int) -> list[bytes]:
@@ -127,10 +143,12 @@ async def get(
 
 
 async def test_bad_chunks_in_a_split_batch_are_refused_one_by_one(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch
+    strict: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """20 chunks (2.5 MiB): over ucx:// split over the verifier threads (past the inline
-    size set here); each bad one is refused on its own."""
+    """20 chunks (2.5 MiB), every byte checked before the ack (no scrub): over ucx:// split
+    over the verifier threads (past the inline size set here); each bad one is refused on
+    its own."""
+    rig = strict
     monkeypatch.setattr(checks, "INLINE_VERIFY_BYTES", 256 * 2**10)
     keys = blocks(20)
     rows = chunks(keys)
@@ -214,3 +232,36 @@ async def test_group_commit_failure_reaches_every_caller(rig: Rig) -> None:
         *(node.link.commit([BlockAdd(NS.id, k, (0,))]) for k in blocks(3)), return_exceptions=True
     )
     assert all(isinstance(r, TransportError) for r in results), results
+
+
+async def test_a_ucx_chunk_is_acked_on_its_header_and_scrubbed_for_the_rest(rig: Rig) -> None:
+    """Over ucx:// the ack waits for each chunk's header, key and spec, not its checksum: a
+    chunk with a flipped payload bit is acked stored, then the scrub (within its bound)
+    drops it and the next commit takes it out of the index, so the next writer stores it.
+    A bad header is refused before the ack over both transports."""
+    keys = blocks(4)
+    rows = chunks(keys)
+    good = rows.clone()
+    rows[1, -100] ^= 0x04  # payload: only the checksum can tell
+    rows[2, 10] ^= 0x01  # header
+    conn = await connect(rig.node.data_uri, timeout=TIMEOUT)
+    try:
+        ack = await put(conn, rig.node, keys, rows)
+        by_ucx = rig.node.config.transport == "ucx"
+        assert (ack.stored, ack.failed) == ((3, (2,)) if by_ucx else (2, (1, 2)))
+        await asyncio.wait_for(rig.node.scrub.idle(), TIMEOUT)
+        stats = await NodeClient(rig.node.data_uri).stats()
+        assert (stats["scrub_pending"], stats["scrub_dropped"]) == (0, 1 if by_ucx else 0)
+        for _ in range(100):  # the sweeper's next commit (every 0.5 s) reports the drop
+            if await rig.holders(keys) == [1, 0, 0, 1]:
+                break
+            await asyncio.sleep(0.05)
+        assert await rig.holders(keys) == [1, 0, 0, 1]
+        found, bufs = await get(conn, keys)
+        assert found == [1, 0, 0, 1]
+        assert torch.equal(bufs[0], good[0]) and torch.equal(bufs[1], good[3])
+        ack = await put(conn, rig.node, keys[1:3], good[1:3])
+        assert (ack.stored, ack.failed) == (2, ())
+        assert await rig.holders(keys) == [1] * 4
+    finally:
+        await conn.close()

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvstore.core.codec import ChunkKey, ChunkSpec, ChunkVerifier, verify_chunk
+from kvstore.core.codec import ChunkKey, ChunkSpec, ChunkVerifier, check_header, verify_chunk
 from kvstore.core.hashing import Namespace
 from kvstore.errors import ChunkError
 from kvstore.transport.base import Connection
@@ -77,6 +77,20 @@ class ChunkChecks:
             layer, shard = divmod(item.chunk, ns.tp_size)
             try:
                 verify_chunk(item.view, ChunkKey(item.block, layer, shard), spec)
+            except ChunkError as exc:
+                logger.warning("rejected chunk from %s: %s", peer, exc)
+                bad.append(item.position)
+        return bad
+
+    def headers(self, peer: str, ns: Namespace, items: list[LandedChunk]) -> list[int]:
+        """Check the header, key and spec of each chunk (64 bytes each: what a ``ucx://``
+        put's ack waits for; the checksum is the scrub's); the positions that failed."""
+        bad = []
+        spec = self.spec(ns)
+        for item in items:
+            layer, shard = divmod(item.chunk, ns.tp_size)
+            try:
+                check_header(item.view, ChunkKey(item.block, layer, shard), spec)
             except ChunkError as exc:
                 logger.warning("rejected chunk from %s: %s", peer, exc)
                 bad.append(item.position)

@@ -87,7 +87,8 @@ from kvstore.master.records import BlockAdd, ObjectAdd
 from kvstore.metrics import Metrics
 from kvstore.node.checks import ChunkChecks, LandedChunk
 from kvstore.node.master_link import MasterLink, NodeIdentity
-from kvstore.node.tiers import MemoryTier, Tiers, host_copy
+from kvstore.node.scrub import MAX_PENDING_BYTES, Scrub, ScrubBatch
+from kvstore.node.tiers import MemoryTier, Tiers, host_copy, landed_bits
 from kvstore.transport import FrameLimits, listen
 from kvstore.transport.base import Connection, Listener
 from kvstore.transport.nixl import NixlAgent
@@ -121,6 +122,9 @@ class NodeConfig:
     transport: str = "tcp"
     io_timeout_s: float = 30.0
     """Deadline of each step of a data-plane exchange (one header, one payload)."""
+    scrub_bytes: int = MAX_PENDING_BYTES
+    """``ucx://`` chunk bytes whose checksum may wait for the scrub after the ack (their
+    headers are checked before it); 0: every byte is checked before the ack."""
     max_object_bytes: int = 64 * 2**20
     max_hold_s: float = 600.0
     sweep_s: float = 0.5
@@ -163,6 +167,8 @@ class StorageNode:
             raise InvalidArgument("--host-mem must be positive")
         if config.gpu_mem < 0:
             raise InvalidArgument("--gpu-mem must not be negative")
+        if config.scrub_bytes < 0:
+            raise InvalidArgument("scrub_bytes must not be negative")
         self.config = config
         self.node_id = config.node_id or f"node-{uuid.uuid4().hex[:8]}"
         self.metrics = metrics or Metrics()
@@ -174,6 +180,7 @@ class StorageNode:
             make_room=self.tiers.host.table.evict_lru,
         )
         self.checks = ChunkChecks()
+        self.scrub = Scrub(self.checks, self.tiers, self._drop, config.scrub_bytes)
         self.link = MasterLink(
             master if master is not None else MasterClient(config.master),
             config.master,
@@ -185,6 +192,8 @@ class StorageNode:
         self._ns_by_raw: dict[bytes, tuple[Namespace, int]] = {}
         self._inflight: dict[tuple[SlotKey, int], asyncio.Future[None]] = {}
         self._aside_bytes = 0
+        self._readds: list[BlockAdd] = []
+        """What is left of blocks a dropped chunk was taken from, for the next commit."""
         """Chunks a put exchange is transferring now → resolved when that exchange ends."""
         self._unquarantine_at: dict[Slot, asyncio.TimerHandle] = {}
         self._holds: dict[str, _Hold] = {}
@@ -222,6 +231,7 @@ class StorageNode:
         self._refresh_usage()
         self.link.start_heartbeats(self.node_id, asyncio.get_running_loop())
         self._tasks.append(asyncio.create_task(self._sweeper(), name="kvstore-node-sweeper"))
+        self._tasks.append(asyncio.create_task(self.scrub.run(), name="kvstore-node-scrub"))
 
     def _identity(self) -> NodeIdentity:
         cfg = self.config
@@ -286,7 +296,7 @@ class StorageNode:
                 self.objects.expire_leases(now)
                 for hid in [h for h, v in self._holds.items() if all(x.released for x in v.leases)]:
                     del self._holds[hid]
-                await self.link.commit([])
+                await self.link.commit(self._take_readds())
                 self._refresh_usage()
             except KVStoreError as exc:
                 logger.warning("node sweep: %s", exc)
@@ -403,21 +413,27 @@ class StorageNode:
         # host memory, where the socket delivers. A block already held stays where it is.
         tier = self.tiers.fastest if put.ucx else self.tiers.host
         wait = min(put.wait_s, self.config.io_timeout_s)
+        scrub = ScrubBatch()
         try:
             slots = self._allocate(wanted, chunk_bytes, num_chunks, leases, tier)
             t0 = time.perf_counter()
             if put.ucx:
-                accept, sent, failed = await self._put_ucx(conn, ns, wanted, slots, claims, wait)
+                accept, sent, failed = await self._put_ucx(
+                    conn, ns, wanted, slots, claims, wait, scrub
+                )
             else:
                 accept, sent, failed = await self._put_tcp(
                     conn, ns, wanted, slots, claims, wait, chunk_bytes
                 )
             stored = await self._commit_landed(wanted, sent, failed)
+            # Scrubbed once committed: a drop then reaches the master after the add.
+            self.scrub.add(ns, scrub)
             self._settle(claims)  # landed and committed: writers waiting on these look again
             self._count("put", "ucx" if put.ucx else "tcp", len(sent) * chunk_bytes, t0)
             busy = tuple(i for i, a in enumerate(accept) if a == BUSY)
             await self._send(conn, Ack(stored, accept.count(STORED), tuple(failed), busy))
         finally:
+            self.scrub.add(ns, scrub)  # (gives back its room, when not queued already)
             self._settle(claims)
             for lease in leases:
                 lease.release()
@@ -430,15 +446,26 @@ class StorageNode:
         slots: list[Slot | None],
         claims: dict[tuple[SlotKey, int], asyncio.Future[None]],
         wait: float,
+        scrub: ScrubBatch,
     ) -> tuple[list[int], dict[int, Slot], list[int]]:
         """Claim (waiting up to ``wait`` for other writers), hand the writer the spans of
         its chunks, wait for ``landed``, check them; (accept codes, position → slot of each
-        chunk written, positions that failed a check)."""
+        chunk written, positions that failed a check). Chunks in host memory get their
+        header checked now and are put in ``scrub`` for the rest (the caller hands them to
+        the scrub once committed), when the scrub has room."""
         accept = await self._claim(wanted, slots, claims, wait, range(len(wanted)))
         sent = {i: slot for i, a in enumerate(accept) if a == SEND and (slot := slots[i])}
         items = [self._landing(i, wanted[i], slot) for i, slot in sent.items()]
         await self._land_by_ucx(conn, accept, items, list(sent.values()))
-        return accept, sent, await self.checks.written(conn.peer, ns, items, self.tiers.host.holds)
+        # Host memory: headers now, every byte in the scrub (unless it is full); the GPU
+        # tier: every byte now, off the loop.
+        in_host = self.tiers.host.holds
+        if all(in_host(it.view) for it in items) and self.scrub.reserve(scrub, items):
+            failed = self.checks.headers(conn.peer, ns, items)
+            bad = set(failed)
+            scrub.chunks = [(sent[it.position], it) for it in items if it.position not in bad]
+            return accept, sent, failed
+        return accept, sent, await self.checks.written(conn.peer, ns, items, in_host)
 
     async def _put_tcp(
         self,
@@ -814,13 +841,28 @@ class StorageNode:
             if not self.checks.check(peer, ns, [LandedChunk(0, ref.block, ref.chunk, view)]):
                 continue
             dropped += 1
-            if tier.table.evict(key):
-                self.tiers.evicted(tier, [key])
-            else:
-                tier.table.drop_chunk(slot, ref.chunk)
+            self._drop(slot, ref.chunk)
         if dropped:
-            await self.link.commit([])
+            await self.link.commit(self._take_readds())
         return Reported(dropped)
+
+    def _drop(self, slot: Slot, index: int) -> None:
+        """Drop chunk ``index`` of ``slot``, found bad after it was stored: the whole slot
+        when nobody has it pinned (reported with the next commit), else that chunk, so its
+        next writer stores it again."""
+        tier = self.tiers.owner(slot)
+        if tier is None or not slot.alive or slot.quarantined:
+            return
+        if not tier.table.evict(slot.key):
+            # Pinned: keep the slot, drop the chunk. The index learns by the block's removal
+            # and the re-add of what is left, in that order (a commit applies removals first).
+            tier.table.drop_chunk(slot, index)
+            self._readds.append(BlockAdd(*slot.key, tuple(landed_bits(slot.landed_mask))))
+        self.tiers.evicted(tier, [slot.key])
+
+    def _take_readds(self) -> list[BlockAdd]:
+        readds, self._readds = self._readds, []
+        return [a for a in readds if a.chunks]
 
     def _stats(self) -> NodeStats:
         stats = [(t.name, t.table.stats()) for t in self.tiers]
@@ -833,6 +875,9 @@ class StorageNode:
                 "leases": sum(st.leases for _, st in stats),
                 "holds": len(self._holds),
                 "inflight": len(self._inflight),
+                "scrub_pending": self.scrub.pending,
+                "scrubbed": self.scrub.scrubbed,
+                "scrub_dropped": self.scrub.dropped,
                 "objects": len(self.objects),
                 "capacity_bytes": sum(st.capacity_bytes for _, st in stats),
                 "used_bytes": sum(st.used_bytes for _, st in stats),
