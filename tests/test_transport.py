@@ -374,6 +374,21 @@ async def test_concurrent_sends_on_one_connection_do_not_interleave(case: Case) 
         await sending
 
 
+async def test_concurrent_sends_larger_than_the_socket_buffer_do_not_interleave(
+    case: Case,
+) -> None:
+    """Frames the kernel cannot take at once: the first send writes part of its frame at
+    once and finishes it while the others wait their turn, none spliced into it."""
+    async with pair(case) as (client, server):
+        payloads = {i: os.urandom(4 * 2**20 + i) for i in range(6)}
+        sending = asyncio.gather(*(client.send({"i": i}, [payloads[i]]) for i in payloads))
+        for _ in payloads:
+            header, back = await server.recv(timeout=10)
+            assert back == [payloads[header["i"]]]
+        await sending
+        assert client.bytes_sent == server.bytes_received
+
+
 async def test_second_concurrent_reader_is_refused(case: Case) -> None:
     async with pair(case) as (client, server):
         first = asyncio.create_task(server.recv_header(timeout=5))

@@ -62,6 +62,10 @@ FIXED_SIZE = _FIXED.size
 MAX_BUFFERS_ON_WIRE = 0xFFFF
 """The most payload buffers the u16 count can describe."""
 
+_encode_json = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+_decode_json = json.JSONDecoder().decode
+# (one encoder and decoder for the process: json.dumps with options builds one per call)
+
 _KiB = 1024
 _MiB = 1024 * _KiB
 _GiB = 1024 * _MiB
@@ -128,9 +132,7 @@ def encode_prefix(
     if not isinstance(header, dict):
         raise InvalidArgument(f"a frame header must be a dict, got {type(header).__name__}")
     try:
-        body = json.dumps(
-            header, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-        ).encode("utf-8")
+        body = _encode_json(header).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"frame header is not JSON-serialisable: {exc}") from exc
     sizes = list(sizes)
@@ -191,7 +193,7 @@ def parse_rest(
     if problem:
         raise ProtocolError(f"frame exceeds the receiver's limits: {problem}")
     try:
-        header = json.loads(bytes(rest[8 * nbuf :]).decode("utf-8"))
+        header = _decode_json(str(rest[8 * nbuf :], "utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"frame header is not UTF-8 JSON: {exc}") from exc
     if not isinstance(header, dict):

@@ -119,7 +119,21 @@ class TcpConnection(Connection):
     # -- sending ----------------------------------------------------------------------------
 
     async def _write_frame(self, prefix: bytes, views: list[memoryview]) -> None:
-        iov = [memoryview(prefix), *(v for v in views if v.nbytes)]
+        await self._write_rest([memoryview(prefix), *(v for v in views if v.nbytes)])
+
+    def _write_now(self, iov: list[memoryview]) -> list[memoryview]:
+        while iov:
+            sock = self._live()
+            try:
+                sent = sock.sendmsg(iov[:_IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                return iov
+            except OSError as exc:
+                raise self._translate(exc, "send") from exc
+            iov = _advance(iov, sent)
+        return iov
+
+    async def _write_rest(self, iov: list[memoryview]) -> None:
         while iov:
             sock = self._live()
             try:
