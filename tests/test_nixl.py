@@ -43,7 +43,7 @@ from kvstore.errors import (
     TransportError,
     UnknownScheme,
 )
-from kvstore.transport.nixl import NixlAgent, Span, net_device_for
+from kvstore.transport.nixl import INLINE_BYTES, INLINE_SPIN_S, NixlAgent, Span, net_device_for
 
 MiB = 1 << 20
 PEER_BYTES = 16 * MiB
@@ -238,6 +238,182 @@ async def test_notifications_reach_the_peer(peer: Peer, initiator: Initiator) ->
             break
         await asyncio.sleep(0.02)
     assert got == [b"landed:\x00\xff", b"standalone"]
+
+
+# ---- small calls on the loop, large ones on the worker thread ------------------------------
+
+
+class Recording:
+    """A NIXL agent that notes which thread posted each request and which handles were
+    created and released (fault-free: every call goes through to the real agent)."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self.posted_on: list[str] = []
+        self.created: list[int] = []
+        self.released: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def createXferReq(self, *args: Any) -> Any:
+        handle = self._real.createXferReq(*args)
+        self.created.append(handle)
+        return handle
+
+    def postXferReq(self, handle: int) -> Any:
+        self.posted_on.append(threading.current_thread().name)
+        return self._real.postXferReq(handle)
+
+    def releaseXferReq(self, handle: int) -> Any:
+        status = self._real.releaseXferReq(handle)
+        if status == nixl_cu12._bindings.NIXL_SUCCESS:
+            self.released.append(handle)
+        return status
+
+
+@contextlib.contextmanager
+def recording(agent: NixlAgent) -> Iterator[Recording]:
+    real = agent._agent
+    rec = agent._agent = Recording(real)
+    try:
+        yield rec
+    finally:
+        agent._agent = real
+
+
+async def test_small_calls_post_on_the_loop_and_large_ones_on_the_worker(
+    peer: Peer, initiator: Initiator
+) -> None:
+    agent, buf = initiator.agent, initiator.buf
+    name = await agent.add_peer(peer.metadata)
+    small, large = 4096, INLINE_BYTES + 4096
+    payload = torch.randint(0, 256, (small + large,), dtype=torch.uint8)
+    buf[: small + large] = payload
+    with recording(agent) as rec:
+        await agent.write(name, [(peer.span.addr, small)], [buf[:small]])
+        await agent.write(name, [(peer.span.addr + small, large)], [buf[small : small + large]])
+        # several spans count together: 2 x (INLINE_BYTES / 2 + 1) goes to the worker
+        half = INLINE_BYTES // 2 + 1
+        spans = [(peer.span.addr + 8 * MiB + i * half, half) for i in range(2)]
+        await agent.read(name, spans, [buf[8 * MiB + i * half :][:half] for i in range(2)])
+    me = threading.current_thread().name
+    assert rec.posted_on[0] == me
+    assert rec.posted_on[1].startswith(f"nixl-{agent.name}")
+    assert rec.posted_on[2].startswith(f"nixl-{agent.name}")
+    assert sorted(rec.released) == sorted(rec.created)
+    assert peer.ask("sha", 0, small + large) == sha(payload)
+
+
+async def test_inline_and_threaded_transfers_interleave(peer: Peer, initiator: Initiator) -> None:
+    agent, buf = initiator.agent, initiator.buf
+    name = await agent.add_peer(peer.metadata)
+    sizes = [64, 4096, INLINE_BYTES, 2 * INLINE_BYTES, 96 * 1024, 3 * INLINE_BYTES // 2, 1000]
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
+        at += size + 4096
+    assert at <= LOCAL_BYTES // 2
+    payload = torch.randint(0, 256, (at,), dtype=torch.uint8)
+    buf[:at] = payload
+    with recording(agent) as rec:
+        for _ in range(3):  # writes of every size at once, then reads of them, at once
+            writes = [
+                agent.write(name, [(peer.span.addr + off, n)], [buf[off : off + n]])
+                for off, n in zip(offsets, sizes, strict=True)
+            ]
+            assert await asyncio.gather(*writes) == sizes
+            back = LOCAL_BYTES // 2
+            buf[back:] = 0
+            reads = [
+                agent.read(name, [(peer.span.addr + off, n)], [buf[back + off : back + off + n]])
+                for off, n in zip(offsets, sizes, strict=True)
+            ]
+            assert await asyncio.gather(*reads) == sizes
+            for off, n in zip(offsets, sizes, strict=True):
+                assert torch.equal(buf[back + off : back + off + n], payload[off : off + n])
+    me = threading.current_thread().name
+    assert me in rec.posted_on
+    assert any(t.startswith("nixl-") for t in rec.posted_on)
+    assert sorted(rec.released) == sorted(rec.created)
+    assert agent.pending_releases == 0
+
+
+async def test_inline_transfer_past_its_deadline_is_released(initiator: Initiator) -> None:
+    # A stopped target cannot answer the connection handshake: the post on the loop
+    # returns in flight, and the call must end at its deadline with every handle released,
+    # both when the deadline falls inside the spin on the loop and when it falls later,
+    # on the worker thread.
+    agent, buf = initiator.agent, initiator.buf
+    with running_peer(MiB) as frozen:
+        name = await agent.add_peer(frozen.metadata)
+        frozen.signal(signal.SIGSTOP)
+        with recording(agent) as rec:
+            for timeout in (INLINE_SPIN_S / 4, 0.3):
+                with pytest.raises(KVTimeout):
+                    await agent.read(name, [(frozen.span.addr, 64)], [buf[:64]], timeout=timeout)
+                assert agent.pending_releases == 0
+            # and a refused release is parked, then retried before the next post
+            real = rec._real
+            rec._real = RefusesOneRelease(real)
+            try:
+                with pytest.raises(KVTimeout):
+                    await agent.read(name, [(frozen.span.addr, 64)], [buf[:64]], timeout=0.01)
+                assert agent.pending_releases == 1
+            finally:
+                rec._real = real
+            frozen.signal(signal.SIGCONT)
+            buf[:4096] = 0
+            await agent.read(name, [(frozen.span.addr, 4096)], [buf[:4096]], timeout=10)
+            assert np.array_equal(buf[:4096].numpy(), pattern(4096))
+            assert agent.pending_releases == 0
+        assert rec.posted_on[0] == threading.current_thread().name
+        assert sorted(rec.released) == sorted(rec.created)
+        await agent.remove_peer(name)
+
+
+async def test_peer_killed_during_small_inline_transfers(initiator: Initiator) -> None:
+    agent, buf = initiator.agent, initiator.buf
+    with running_peer(MiB) as doomed:
+        name = await agent.add_peer(doomed.metadata)
+        small = [(doomed.span.addr, 4096)]
+        await agent.write(name, small, [buf[:4096]], timeout=10)  # connected and warm
+        killer = threading.Timer(0.05, doomed.signal, (signal.SIGKILL,))
+        started = time.monotonic()
+        killer.start()
+        try:
+            with pytest.raises(PeerDisconnected):
+                while time.monotonic() - started < 20:
+                    await agent.write(name, small, [buf[:4096]], timeout=10)
+                    await agent.read(name, small, [buf[4096:8192]], timeout=10)
+                    await asyncio.sleep(0)
+        finally:
+            killer.join()
+        with pytest.raises(PeerDisconnected):  # fails fast from now on, never hangs
+            await agent.read(name, small, [buf[:4096]], timeout=10)
+        await agent.remove_peer(name)
+    assert agent.pending_releases == 0
+
+
+async def test_cancelled_transfer_on_the_worker_is_released(initiator: Initiator) -> None:
+    agent, buf = initiator.agent, initiator.buf
+    big = INLINE_BYTES + 4096
+    with running_peer(2 * big) as frozen:
+        name = await agent.add_peer(frozen.metadata)
+        frozen.signal(signal.SIGSTOP)
+        with recording(agent) as rec:
+            task = asyncio.create_task(
+                agent.read(name, [(frozen.span.addr, big)], [buf[:big]], timeout=30)
+            )
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await agent.metadata()  # after the release, on the (FIFO) worker thread
+        assert rec.posted_on[0].startswith(f"nixl-{agent.name}")
+        assert rec.created and sorted(rec.released) == sorted(rec.created)
+        assert agent.pending_releases == 0
+        await agent.remove_peer(name)
 
 
 # ---- bad calls ---------------------------------------------------------------------------

@@ -1,8 +1,13 @@
 """The ``ucx://`` fast path: one-sided READ and WRITE between registered memory, via NIXL.
 
-A :class:`NixlAgent` owns one NIXL agent (UCX backend) and **one worker thread**; every
-NIXL call runs on that thread, because NIXL's Python binding is synchronous and has no
-timeouts. The event loop only ever awaits futures of that thread::
+A :class:`NixlAgent` owns one NIXL agent (UCX backend), **one worker thread** and **one
+lock**. NIXL's Python binding is synchronous and has no timeouts, so registrations, peers,
+notifications and large transfers run on the worker thread and the event loop awaits them;
+small transfers are posted on the loop's own thread (see *Polling*). Every NIXL call is
+made holding the lock: an initiator's agent (no progress thread, ``NIXL_THREAD_SYNC_NONE``)
+locks nothing itself and NIXL gives it UCX workers in ``UCS_THREAD_MODE_SERIALIZED``: any
+thread may call, one at a time. The binding releases the GIL while it posts (a 6.7 ms
+post on the worker left the loop's thread running)::
 
     async with NixlAgent("node-7f3a", host="10.0.0.7", progress_thread=True) as node:
         arena_reg = await node.register(arena.tensor)     # once: the whole arena
@@ -31,17 +36,42 @@ idles under 1 % of a core. The wrapper ``nixl_cu12._api.nixl_agent`` hard-codes 
 0, which spins a core, hence this module drives ``nixl_cu12._bindings`` directly. An
 initiator runs without the thread: its own polling drives UCX.
 
-**Polling.** A transfer is posted on the worker thread (over CMA the post itself copies the
-bytes, so it returns DONE), then polled with ``getXferStatus`` in slices of at most
-:data:`POLL_SLICE_S`, sleeping between checks with exponential backoff from 20 µs to 1 ms
-(never a busy spin). Between slices other queued work (another transfer, a registration)
-gets the thread, so several transfers interleave on it.
+**Polling.** A call of at most :data:`INLINE_BYTES` (all its spans together) is posted on
+the event loop's thread if the lock is free — the loop never waits for it: held by the
+worker, the call goes to the worker. Over CMA the post itself copies the bytes and returns
+DONE, so such a call ends without a thread hop (the loop waits for that copy: ~0.13 ms at
+1 MiB). One still in flight after its post (RDMA, TCP, a first connection) is checked on
+the loop, yielding to other tasks between checks, for :data:`INLINE_SPIN_S`, then handed to
+the worker. There, and for larger calls posted there, a transfer is polled with
+``getXferStatus`` in slices of at most :data:`POLL_SLICE_S`, sleeping between checks with
+exponential backoff from 20 µs to 1 ms (never a busy spin; the lock is held for each check,
+not across the sleeps). Between slices other queued work (another transfer, a registration)
+gets the thread, so several transfers interleave on it. The worker takes its jobs from a
+``SimpleQueue`` and answers through ``loop.call_soon_threadsafe``.
+
+**Measured** (``python bench/nixl_calls.py``: two processes on loopback over CMA, two
+shared cores, p50 per call, ÷ the raw binding posting and spinning on the caller's thread).
+When every call hopped to a ``ThreadPoolExecutor``, a 64 B WRITE took ~255 µs (raw 11 µs):
+the hop there and back ~115 µs (two thread wake-ups), validating the spans 23 µs, post and
+release on the worker with ``@contextmanager`` translation 42 µs (the binding's part 14 µs,
+descriptor lists included), the rest asyncio's future chaining. Now the same call takes
+~47 µs (4.4x raw; was 23x): validation 7 µs, descriptor lists 5 µs, create, post and
+release ~15 µs, the rest Python around them. The hop to the worker (``SimpleQueue`` and
+``call_soon_threadsafe``) costs ~60 µs round trip, not ~115 µs: 512 KiB x 8 went from 2.0x
+to 1.5x raw, 4 MiB x 1 from 1.8x to 1.5x, 4 MiB x 8 from 1.09x to 1.05x (medians of six
+runs on a loaded machine; docs/decisions.md has the table). Not taken: cached
+prepared descriptor lists (``prepXferDlist`` + ``makeXferReq``: 3.3 µs to create and
+release a request against 4.1 µs for ``createXferReq``, 2.8 µs to prepare each list; at
+most ~5 µs a call and only when the very same spans repeat, which chunks do not); a 1 µs
+timer slack for the worker's backoff sleeps (a 20 µs sleep takes ~75 µs with Linux's
+default 50 µs slack; over ``UCX_TLS=tcp`` within noise).
 
 **Failures.** A dead peer (``nixlRemoteDisconnectError`` or an error status) raises
 :class:`~kvstore.errors.PeerDisconnected` (measured: milliseconds after a ``kill -9``). At the
 deadline the handles are released — NIXL cancels in-flight transfers on release; a handle it
 refuses to release is *parked* and retried before every later post and at close
-(:attr:`NixlAgent.pending_releases`) — and :class:`~kvstore.errors.KVTimeout` is raised.
+(:attr:`NixlAgent.pending_releases`) — and :class:`~kvstore.errors.KVTimeout` is raised,
+by whichever thread polls the transfer then (the loop while it spins, else the worker).
 After a timeout or a cancelled call **treat both sides' spans as possibly still written**:
 the node quarantines the slot, the client keeps that buffer out of use. NIXL's exceptions
 are translated (``raise ... from``): garbage metadata or spans outside the peer's
@@ -56,6 +86,11 @@ owns ``host`` (:func:`net_device_for`: loopback → ``lo``) and
 leaves UCX on every interface. Over RDMA pass ``net_devices`` explicitly (e.g.
 ``"mlx5_0:1"``): the interface owning an IP is not the IB device UCX needs.
 
+Its parts: :mod:`~kvstore.transport.nixl_spans` (spans, registrations, the checks that pair
+them into descriptor rows), :mod:`~kvstore.transport.nixl_worker` (the worker thread),
+:mod:`~kvstore.transport.nixl_binding` (the binding: lazy import, error translation) and
+:mod:`~kvstore.transport.nixl_env` (which interface UCX serves).
+
 Importing this module does not import ``nixl_cu12``; constructing a :class:`NixlAgent`
 does, and raises :class:`~kvstore.errors.UnknownScheme` when it is not installed.
 """
@@ -64,22 +99,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import importlib
-import ipaddress
 import logging
 import math
 import os
-import socket
-import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvstore.errors import (
     Closed,
@@ -87,16 +115,35 @@ from kvstore.errors import (
     KVStoreError,
     KVTimeout,
     PeerDisconnected,
-    ProtocolError,
     TransportError,
-    UnknownScheme,
 )
+from kvstore.transport.nixl_binding import (
+    NAME_MAX,
+    agent_name_of,
+    import_bindings,
+    segment,
+    translate,
+    translating,
+)
+from kvstore.transport.nixl_env import ENV_LOCK, UCX_ENV, net_device_for, set_ucx_env
+from kvstore.transport.nixl_spans import (
+    MAX_DESCRIPTORS,
+    MEM_KINDS,
+    Groups,
+    Registration,
+    Span,
+    pair_up,
+    tensor_region,
+)
+from kvstore.transport.nixl_worker import Done, Job, Worker
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "DEFAULT_PROGRESS_DELAY_US",
+    "INLINE_BYTES",
+    "INLINE_SPIN_S",
     "MAX_DESCRIPTORS",
     "MEM_KINDS",
     "POLL_SLICE_S",
@@ -110,8 +157,6 @@ logger = logging.getLogger("kvstore.transport.nixl")
 
 T = TypeVar("T")
 
-MEM_KINDS: tuple[str, ...] = ("DRAM", "VRAM")
-"""Memory kinds, indexed by their wire code (0 = host memory, 1 = CUDA memory)."""
 
 DEFAULT_PROGRESS_DELAY_US = 10_000
 """Longest sleep of NIXL's progress thread between checks, in µs (it wakes on events)."""
@@ -119,72 +164,31 @@ DEFAULT_PROGRESS_DELAY_US = 10_000
 POLL_SLICE_S = 0.005
 """Longest one poll of a transfer holds the worker thread before other work gets a turn."""
 
-MAX_DESCRIPTORS = 65_536
-"""Most span pairs one read or write may carry."""
+
+INLINE_BYTES = 1 << 20
+"""Largest call (bytes, all spans together) posted on the event loop's thread instead of
+the worker's. Over CMA the post copies the bytes before it returns (measured, cache hot:
+5 µs for 64 B, 64 µs for 512 KiB, 0.13 ms for 1 MiB, 0.52 ms for 4 MiB, 6.7 ms for 32 MiB)
+and the loop waits for that copy, while posting on the loop saves ~110-125 µs a call at
+any size (p50, ``bench/nixl_calls.py`` sizes with this cap at 0 / 1 MiB / 64 MiB: 1 MiB
+WRITE 278 / 173 / 172 µs, 4 MiB WRITE 720 / 703 / 578 µs, raw 136 and 524 µs). Up to 1 MiB
+the loop's stall is no longer than the hop it saves; above, it grows with the size while
+the saving does not. Over RDMA a post returns before the bytes move: re-measure there."""
+
+INLINE_SPIN_S = 100e-6
+"""How long a transfer posted on the loop but still in flight (RDMA, TCP, a first
+connection) is polled there, yielding to other tasks between checks, before the worker
+thread takes it over with its backoff sleeps. Measured over ``UCX_TLS=tcp`` on loopback,
+p50 µs at 0 / 50 / 100 / 200 µs of spin: 64 KiB READ 256 / 145 / 144 / 144, 256 KiB READ
+462 / 440 / 401 / 275, 64 B within noise (96-100); at most one hand-off's cost of CPU."""
 
 _FIRST_PAUSE_S = 20e-6
 _MAX_PAUSE_S = 1e-3
-_NAME_MAX = 256
-_MD_PREFIX = b"nixlSerDes|Agent"
-_SIOCGIFADDR = 0x8915
-_ENV_LOCK = threading.Lock()
-_UCX_ENV = ("UCX_NET_DEVICES", "UCX_WARN_UNUSED_ENV_VARS")
-_UNSET = object()
-_operator_net_devices: object = _UNSET  # UCX_NET_DEVICES before this module first set it
-
-
-class Span(NamedTuple):
-    """``nbytes`` bytes at ``addr`` in registered memory of kind ``mem`` on device ``dev_id``."""
-
-    addr: int
-    nbytes: int
-    dev_id: int = 0
-    mem: str = "DRAM"
-
-    def to_wire(self) -> list[int]:
-        """``[addr, nbytes, dev_id, mem_code]`` (JSON-able; mem_code indexes :data:`MEM_KINDS`)."""
-        return [self.addr, self.nbytes, self.dev_id, MEM_KINDS.index(self.mem)]
-
-    @classmethod
-    def from_wire(cls, item: Any) -> Span:
-        """Rebuild a span a peer sent; raises :class:`~kvstore.errors.ProtocolError` unless it
-        is 2 to 4 non-negative ints (addr and nbytes non-zero, a known mem code)."""
-        try:
-            return _remote_span(item)
-        except InvalidArgument as exc:
-            raise ProtocolError(str(exc)) from exc
-
-
-@dataclass(frozen=True, eq=False)
-class Registration:
-    """Memory registered with an agent: ``nbytes`` at ``addr`` of kind ``mem`` on ``dev_id``.
-
-    Holds a reference to the registered tensor so it outlives the registration.
-    """
-
-    addr: int
-    nbytes: int
-    mem: str
-    dev_id: int
-    tensor: Any = field(repr=False)
-    _dlist: Any = field(repr=False)
-
-    def span(self, offset: int = 0, nbytes: int | None = None) -> Span:
-        """The span of ``[offset, offset + nbytes)`` of this registration (default: to the
-        end). Never blocks; raises :class:`~kvstore.errors.InvalidArgument` out of range."""
-        n = self.nbytes - offset if nbytes is None else nbytes
-        if offset < 0 or n <= 0 or offset + n > self.nbytes:
-            raise InvalidArgument(f"[{offset}, +{n}) is outside a {self.nbytes}-byte registration")
-        return Span(self.addr + offset, n, self.dev_id, self.mem)
-
-    def covers(self, addr: int, nbytes: int) -> bool:
-        """Whether ``[addr, addr + nbytes)`` lies inside this registration."""
-        return self.addr <= addr and addr + nbytes <= self.addr + self.nbytes
 
 
 @dataclass(eq=False)
 class _Transfer:
-    """One read/write on the worker side: its NIXL handles and polling state."""
+    """One read/write: its NIXL handles and polling state (touched under the agent's lock)."""
 
     op: str
     peer: str
@@ -194,11 +198,25 @@ class _Transfer:
     pause: float = _FIRST_PAUSE_S
 
 
-_Groups = dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]
+def _settle(
+    future: asyncio.Future[Any],
+    result: Any,
+    exc: BaseException | None,
+    orphan: Callable[[Any], None] | None,
+) -> None:
+    """On the loop: hand a job's outcome to its future, or to ``orphan`` if nobody waits."""
+    if future.cancelled():
+        if exc is None and orphan is not None:
+            orphan(result)
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 class NixlAgent:
-    """One NIXL agent (UCX backend) and the one thread that makes all its calls.
+    """One NIXL agent (UCX backend), its worker thread, and small transfers on the loop.
 
     ``NixlAgent(...)`` imports ``nixl_cu12`` (raising :class:`~kvstore.errors.UnknownScheme`
     without it) but creates nothing; ``await start()`` (or ``async with``) creates the agent.
@@ -217,20 +235,22 @@ class NixlAgent:
         progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
         net_devices: str | None = None,
     ) -> None:
-        if not isinstance(name, str) or not name or len(name) > _NAME_MAX:
-            raise InvalidArgument(f"agent name must be a non-empty str of <= {_NAME_MAX} chars")
+        if not isinstance(name, str) or not name or len(name) > NAME_MAX:
+            raise InvalidArgument(f"agent name must be a non-empty str of <= {NAME_MAX} chars")
         if type(progress_delay_us) is not int or not 0 < progress_delay_us <= 10_000_000:
             raise InvalidArgument("progress_delay_us must be an int in (0, 10_000_000]")
-        self._nixl = _import_bindings()
+        self._nixl = import_bindings()
         self._name = name
         self._net_devices = net_devices if net_devices is not None else net_device_for(host)
         self._progress_thread = bool(progress_thread)
         self._progress_delay_us = progress_delay_us
         self._state = "new"
-        self._executor: ThreadPoolExecutor | None = None
+        self._worker: Worker | None = None
         self._teardown: Future[None] | None = None
         self._registrations: list[Registration] = []  # touched on the event loop only
-        # Everything below is touched on the worker thread only.
+        # Every NIXL call, and everything below, happens with this lock held: the worker
+        # thread waits for it, the event loop only ever tries it (and hands off if busy).
+        self._lock = threading.Lock()
         self._agent: Any = None
         self._peers: dict[str, bytes] = {}
         self._live: set[_Transfer] = set()
@@ -263,13 +283,14 @@ class NixlAgent:
             return self
         if self._state == "closed":
             raise Closed(f"NIXL agent {self._name!r} is closed")
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"nixl-{self._name}")
+        worker = self._worker = Worker(f"nixl-{self._name}")
         self._state = "started"
         try:
             await self._call(self._w_create)
         except BaseException:
             self._state = "closed"
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._worker = None
+            worker.stop()
             raise
         return self
 
@@ -285,16 +306,14 @@ class NixlAgent:
         NIXL hangs (then logs an error and leaves the thread behind). Never raises."""
         if self._state == "new":
             self._state = "closed"
-        if self._executor is None:
-            return
+        if self._worker is None:
+            return  # never started, or start() failed and already stopped the thread
         if self._teardown is None:
             self._state = "closed"
-            try:
-                self._teardown = self._executor.submit(self._w_teardown)
-            except RuntimeError:
-                return  # start() failed and already stopped the thread
-            finally:
-                self._executor.shutdown(wait=False)
+            teardown: Future[None] = Future()
+            self._teardown = teardown
+            self._worker.submit(Job(self._w_locked, (self._w_teardown,), _resolver(teardown)))
+            self._worker.stop()
         try:
             await asyncio.wait_for(asyncio.wrap_future(self._teardown), timeout)
         except TimeoutError:
@@ -313,7 +332,7 @@ class NixlAgent:
         :class:`~kvstore.errors.InvalidArgument` (not a contiguous CPU/CUDA tensor, empty)
         or :class:`~kvstore.errors.TransportError` (NIXL refused).
         """
-        addr, nbytes, mem, dev_id = _tensor_region(tensor)
+        addr, nbytes, mem, dev_id = tensor_region(tensor)
         dlist = await self._call(self._w_register, addr, nbytes, mem, dev_id)
         reg = Registration(addr, nbytes, mem, dev_id, tensor, dlist)
         self._registrations.append(reg)
@@ -365,14 +384,16 @@ class NixlAgent:
 
         ``remote``: :class:`Span` or ``(addr, nbytes[, dev_id[, mem]])``; ``local``: spans,
         ``(addr, nbytes)`` or contiguous tensor views inside this agent's registrations.
-        Blocks (awaits) until every byte landed or ``timeout`` seconds passed. ``notif`` is
-        delivered to the peer's :meth:`poll_notifs` after the transfer (only when all spans
-        pair one memory kind with one). Raises :class:`~kvstore.errors.InvalidArgument`
-        (unknown peer, unregistered local memory, length mismatch),
-        :class:`~kvstore.errors.KVTimeout`, :class:`~kvstore.errors.PeerDisconnected`,
-        :class:`~kvstore.errors.ProtocolError` (remote spans the peer did not register),
-        :class:`~kvstore.errors.TransportError`, :class:`~kvstore.errors.Closed`. After a
-        timeout or cancellation the spans may still be written (module docstring).
+        Blocks (awaits) until every byte landed or ``timeout`` seconds passed; a call of at
+        most :data:`INLINE_BYTES` is posted on the loop's thread (which waits for a CMA
+        copy of that size). ``notif`` is delivered to the peer's :meth:`poll_notifs` after
+        the transfer (only when all spans pair one memory kind with one). Raises
+        :class:`~kvstore.errors.InvalidArgument` (unknown peer, unregistered local memory,
+        length mismatch), :class:`~kvstore.errors.KVTimeout`,
+        :class:`~kvstore.errors.PeerDisconnected`, :class:`~kvstore.errors.ProtocolError`
+        (remote spans the peer did not register), :class:`~kvstore.errors.TransportError`,
+        :class:`~kvstore.errors.Closed`. After a timeout or cancellation the spans may still
+        be written (module docstring).
         """
         return await self._transfer("READ", peer, remote, local, timeout, notif)
 
@@ -400,20 +421,37 @@ class NixlAgent:
         none). Never waits for one to arrive."""
         return await self._call(self._w_poll_notifs)
 
-    # ---- event-loop side helpers -------------------------------------------------------
+    # ---- event-loop side ---------------------------------------------------------------
 
-    def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+    def _check_open(self) -> Worker:
         if self._state == "new":
             raise InvalidArgument(f"NIXL agent {self._name!r}: call start() first")
-        if self._state == "closed" or self._executor is None:
+        if self._state == "closed" or self._worker is None:
             raise Closed(f"NIXL agent {self._name!r} is closed")
-        try:
-            return self._executor.submit(fn, *args)
-        except RuntimeError as exc:  # shut down between the check and the submit
-            raise Closed(f"NIXL agent {self._name!r} is closed") from exc
+        return self._worker
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.wrap_future(self._submit(fn, *args))
+    async def _call(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        locked: bool = True,
+        orphan: Callable[[T], None] | None = None,
+    ) -> T:
+        """Run ``fn(*args)`` on the worker thread (holding the lock unless ``locked`` is
+        False: ``fn`` then takes it itself) and await its result. Cancelled before its turn,
+        it never runs; cancelled later, its result goes to ``orphan`` (on the loop)."""
+        worker = self._check_open()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def done(result: Any, exc: BaseException | None) -> None:  # on the worker thread
+            with contextlib.suppress(RuntimeError):  # that loop closed: nobody waits
+                loop.call_soon_threadsafe(_settle, future, result, exc, orphan)
+
+        job = Job(self._w_locked, (fn, *args), done) if locked else Job(fn, args, done)
+        job.skip = future.cancelled
+        worker.submit(job)
+        return await future
 
     async def _transfer(
         self,
@@ -426,42 +464,174 @@ class NixlAgent:
     ) -> int:
         if not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
             raise InvalidArgument(f"timeout must be a positive finite number, got {timeout!r}")
-        groups, total = _pair_up(remote, local, self._registrations)
+        groups, total = pair_up(remote, local, self._registrations)
         if notif is not None and len(groups) > 1:
             raise InvalidArgument("notif needs every span pair to share one memory kind pair")
         if not groups:
             return 0
+        self._check_open()
         deadline = time.monotonic() + timeout
-        posting = self._submit(self._w_post, op, peer, groups, notif or b"", deadline)
-        try:
-            transfer, done = await asyncio.wrap_future(posting)
-        except asyncio.CancelledError:
-            posting.add_done_callback(self._abandon_posted)
-            raise
+        if total <= INLINE_BYTES and self._lock.acquire(False):
+            try:  # the fast path: post and check here, no thread hop
+                transfer = self._post(op, peer, groups, notif or b"", deadline)
+                done = self._sweep(transfer)  # over CMA the post did it all: this releases
+            finally:
+                self._lock.release()
+            if not done:
+                done = await self._spin(transfer)
+        else:
+            transfer, done = await self._call(
+                self._w_post,
+                op,
+                peer,
+                groups,
+                notif or b"",
+                deadline,
+                locked=False,
+                orphan=lambda posted: self._abandon_soon(posted[0]),
+            )
         try:
             while not done:
-                done = await self._call(self._w_poll, transfer)
+                done = await self._call(self._w_poll, transfer, locked=False)
         except asyncio.CancelledError:
             self._abandon_soon(transfer)
             raise
         return total
 
-    def _abandon_posted(self, posting: Future[tuple[_Transfer, bool]]) -> None:
-        if not posting.cancelled() and posting.exception() is None:
-            self._abandon_soon(posting.result()[0])
+    async def _spin(self, transfer: _Transfer) -> bool:
+        """Poll a transfer posted on the loop for up to :data:`INLINE_SPIN_S`, yielding
+        between checks; True when done, False to hand it to the worker thread."""
+        end = time.monotonic() + INLINE_SPIN_S
+        try:
+            while time.monotonic() < end:
+                await asyncio.sleep(0)
+                if not self._lock.acquire(False):
+                    return False  # the worker is in a NIXL call: it polls this one next
+                try:
+                    if self._sweep(transfer):
+                        return True
+                finally:
+                    self._lock.release()
+        except asyncio.CancelledError:
+            self._abandon_soon(transfer)
+            raise
+        return False
 
     def _abandon_soon(self, transfer: _Transfer) -> None:
-        try:
-            self._submit(self._w_abandon, transfer)
-        except KVStoreError:
-            pass  # closing: the teardown releases every live transfer
+        """Release a transfer's handles from the loop: here if the lock is free, else queued
+        for the worker. After close the teardown has released them already."""
+        if self._lock.acquire(False):
+            try:
+                self._abandon(transfer)
+            finally:
+                self._lock.release()
+            return
+        with contextlib.suppress(KVStoreError):
+            self._check_open().submit(Job(self._w_locked, (self._abandon, transfer), _ignore))
 
-    # ---- worker thread -----------------------------------------------------------------
+    # ---- under the lock (either thread) ------------------------------------------------
 
     def _live_agent(self) -> Any:
         if self._agent is None:
             raise Closed(f"NIXL agent {self._name!r} is closed")
         return self._agent
+
+    def _post(self, op: str, peer: str, groups: Groups, notif: bytes, deadline: float) -> _Transfer:
+        """Create and post one NIXL request per group; ``pending`` holds those in flight."""
+        agent = self._live_agent()
+        self._require_peer(peer)
+        if self._parked:
+            self._retry_parked()
+        b = self._nixl
+        code = b.NIXL_READ if op == "READ" else b.NIXL_WRITE
+        transfer = _Transfer(op, peer, deadline)
+        self._live.add(transfer)
+        try:
+            for (lmem, rmem), (lrows, rrows) in groups.items():
+                ldl = b.nixlXferDList(segment(b, lmem), lrows)
+                rdl = b.nixlXferDList(segment(b, rmem), rrows)
+                handle = agent.createXferReq(code, ldl, rdl, peer, notif)
+                transfer.handles.append(handle)
+                status = agent.postXferReq(handle)
+                if status != b.NIXL_SUCCESS and self._in_progress(status, transfer):
+                    transfer.pending.append(handle)
+        except BaseException as exc:
+            self._abandon(transfer)
+            translated = translate(b, exc, f"{op} with {peer!r}")
+            if translated is exc:
+                raise
+            raise translated from exc
+        return transfer
+
+    def _sweep(self, transfer: _Transfer) -> bool:
+        """Check every pending handle once: True when all are done (then released); raises
+        :class:`~kvstore.errors.KVTimeout` past the deadline, after releasing them."""
+        try:
+            agent = self._live_agent()
+            if transfer.pending:
+                transfer.pending = [
+                    h
+                    for h in transfer.pending
+                    if self._in_progress(agent.getXferStatus(h), transfer)
+                ]
+            if not transfer.pending:
+                self._abandon(transfer)  # releases the completed handles
+                return True
+            if time.monotonic() >= transfer.deadline:
+                raise KVTimeout(
+                    f"{transfer.op} with {transfer.peer!r} missed its deadline; it was "
+                    "cancelled, but treat its spans as possibly still being written"
+                )
+        except BaseException as exc:
+            self._abandon(transfer)
+            translated = translate(self._nixl, exc, f"{transfer.op} with {transfer.peer!r}")
+            if translated is exc:
+                raise
+            raise translated from exc
+        return False
+
+    def _in_progress(self, status: Any, transfer: _Transfer) -> bool:
+        b = self._nixl
+        if status == b.NIXL_SUCCESS:
+            return False
+        if status == b.NIXL_IN_PROG:
+            return True
+        raise PeerDisconnected(f"{transfer.op} with {transfer.peer!r} failed: {status}")
+
+    def _abandon(self, transfer: _Transfer) -> None:
+        """Release a transfer's handles (cancelling what is in flight); park refusals."""
+        handles, transfer.handles, transfer.pending = transfer.handles, [], []
+        self._live.discard(transfer)
+        for handle in handles:
+            if not self._release(handle):
+                self._parked.append(handle)
+                logger.warning("NIXL refused to release a %s handle; parked", transfer.op)
+
+    def _retry_parked(self) -> None:
+        self._parked = [h for h in self._parked if not self._release(h)]
+
+    def _release(self, handle: int) -> bool:
+        try:
+            return bool(self._live_agent().releaseXferReq(handle) == self._nixl.NIXL_SUCCESS)
+        except Exception:
+            return False
+
+    def _require_peer(self, peer: str) -> None:
+        if peer not in self._peers:
+            raise InvalidArgument(f"unknown NIXL peer {peer!r}; add_peer() its metadata first")
+
+    def _check(self, status: Any, what: str) -> None:
+        if status != self._nixl.NIXL_SUCCESS:
+            raise TransportError(f"NIXL could not {what}: {status}")
+
+    def _translated(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return translating(self._nixl, what)
+
+    # ---- worker thread -----------------------------------------------------------------
+
+    def _w_locked(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._lock:
+            return fn(*args)
 
     def _w_create(self) -> None:
         b = self._nixl
@@ -472,9 +642,9 @@ class NixlAgent:
         config.syncMode = (
             b.NIXL_THREAD_SYNC_RW if self._progress_thread else b.NIXL_THREAD_SYNC_NONE
         )
-        with _ENV_LOCK, self._translated(f"create NIXL agent {self._name!r}"):
-            saved = {k: os.environ.get(k) for k in _UCX_ENV}
-            _set_ucx_env(self._net_devices)
+        with ENV_LOCK, self._translated(f"create NIXL agent {self._name!r}"):
+            saved = {k: os.environ.get(k) for k in UCX_ENV}
+            set_ucx_env(self._net_devices)
             try:
                 agent = b.nixlAgent(self._name, config)
                 if "UCX" not in agent.getAvailPlugins():
@@ -492,7 +662,7 @@ class NixlAgent:
 
     def _w_register(self, addr: int, nbytes: int, mem: str, dev_id: int) -> Any:
         b = self._nixl
-        dlist = b.nixlRegDList(_segment(b, mem), [(addr, nbytes, dev_id, "")])
+        dlist = b.nixlRegDList(segment(b, mem), [(addr, nbytes, dev_id, "")])
         with self._translated("register memory"):
             self._check(self._live_agent().registerMem(dlist), "register memory")
         return dlist
@@ -503,7 +673,7 @@ class NixlAgent:
 
     def _w_add_peer(self, metadata: bytes) -> str:
         agent = self._live_agent()
-        known = _agent_name_of(metadata)
+        known = agent_name_of(metadata)
         if known is not None and self._peers.get(known) == metadata:
             return known
         if known is not None and known in self._peers:
@@ -536,92 +706,33 @@ class NixlAgent:
         return {str(k): [bytes(m) for m in v] for k, v in got.items() if v}
 
     def _w_post(
-        self, op: str, peer: str, groups: _Groups, notif: bytes, deadline: float
+        self, op: str, peer: str, groups: Groups, notif: bytes, deadline: float
     ) -> tuple[_Transfer, bool]:
         """Post a transfer and poll its first slice (one thread hop when it is quick)."""
-        agent = self._live_agent()
-        self._require_peer(peer)
-        self._w_retry_parked()
-        b = self._nixl
-        code = b.NIXL_READ if op == "READ" else b.NIXL_WRITE
-        transfer = _Transfer(op, peer, deadline)
-        self._live.add(transfer)
-        try:
-            with self._translated(f"{op} with {peer!r}"):
-                for (lmem, rmem), (larr, rarr) in groups.items():
-                    ldl = b.nixlXferDList(_segment(b, lmem), larr)
-                    rdl = b.nixlXferDList(_segment(b, rmem), rarr)
-                    handle = agent.createXferReq(code, ldl, rdl, peer, notif)
-                    transfer.handles.append(handle)
-                    if self._in_progress(agent.postXferReq(handle), transfer):
-                        transfer.pending.append(handle)
-        except BaseException:
-            self._w_abandon(transfer)
-            raise
+        with self._lock:
+            transfer = self._post(op, peer, groups, notif, deadline)
         return transfer, self._w_poll(transfer)
 
     def _w_poll(self, transfer: _Transfer) -> bool:
-        """Poll for up to :data:`POLL_SLICE_S`; True when done, False to be called again."""
-        agent = self._live_agent()
+        """Poll for up to :data:`POLL_SLICE_S`, taking the lock only for each check; True
+        when done, False to be called again."""
         slice_end = min(transfer.deadline, time.monotonic() + POLL_SLICE_S)
-        try:
-            with self._translated(f"{transfer.op} with {transfer.peer!r}"):
-                while True:
-                    transfer.pending = [
-                        h
-                        for h in transfer.pending
-                        if self._in_progress(agent.getXferStatus(h), transfer)
-                    ]
-                    if not transfer.pending:
-                        self._w_abandon(transfer)  # releases completed handles
-                        return True
-                    now = time.monotonic()
-                    if now >= transfer.deadline:
-                        raise KVTimeout(
-                            f"{transfer.op} with {transfer.peer!r} missed its deadline; it was "
-                            "cancelled, but treat its spans as possibly still being written"
-                        )
-                    if now >= slice_end:
-                        return False
-                    time.sleep(min(transfer.pause, slice_end - now))
-                    transfer.pause = min(transfer.pause * 2, _MAX_PAUSE_S)
-        except BaseException:
-            self._w_abandon(transfer)
-            raise
-
-    def _in_progress(self, status: Any, transfer: _Transfer) -> bool:
-        b = self._nixl
-        if status == b.NIXL_SUCCESS:
-            return False
-        if status == b.NIXL_IN_PROG:
-            return True
-        raise PeerDisconnected(f"{transfer.op} with {transfer.peer!r} failed: {status}")
-
-    def _w_abandon(self, transfer: _Transfer) -> None:
-        """Release a transfer's handles (cancelling what is in flight); park refusals."""
-        handles, transfer.handles, transfer.pending = transfer.handles, [], []
-        self._live.discard(transfer)
-        for handle in handles:
-            if not self._release(handle):
-                self._parked.append(handle)
-                logger.warning("NIXL refused to release a %s handle; parked", transfer.op)
-
-    def _w_retry_parked(self) -> None:
-        if self._parked:
-            self._parked = [h for h in self._parked if not self._release(h)]
-
-    def _release(self, handle: int) -> bool:
-        try:
-            return bool(self._live_agent().releaseXferReq(handle) == self._nixl.NIXL_SUCCESS)
-        except Exception:
-            return False
+        while True:
+            with self._lock:
+                if self._sweep(transfer):
+                    return True
+            now = time.monotonic()
+            if now >= slice_end:
+                return False
+            time.sleep(min(transfer.pause, slice_end - now))
+            transfer.pause = min(transfer.pause * 2, _MAX_PAUSE_S)
 
     def _w_teardown(self) -> None:
         if self._agent is None:
             return
         for transfer in list(self._live):
-            self._w_abandon(transfer)
-        self._w_retry_parked()
+            self._abandon(transfer)
+        self._retry_parked()
         if self._parked:
             logger.warning(
                 "NIXL: %d handles never released; the agent frees them", len(self._parked)
@@ -636,196 +747,19 @@ class NixlAgent:
         self._parked.clear()
         self._agent = None  # the binding's destructor stops the progress thread
 
-    def _require_peer(self, peer: str) -> None:
-        if peer not in self._peers:
-            raise InvalidArgument(f"unknown NIXL peer {peer!r}; add_peer() its metadata first")
 
-    def _check(self, status: Any, what: str) -> None:
-        if status != self._nixl.NIXL_SUCCESS:
-            raise TransportError(f"NIXL could not {what}: {status}")
+def _resolver(future: Future[Any]) -> Done:
+    """A job callback that completes a ``concurrent.futures`` future (any thread awaits it)."""
 
-    def _translated(self, what: str) -> contextlib.AbstractContextManager[None]:
-        return _translating(self._nixl, what)
+    def done(result: Any, exc: BaseException | None) -> None:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
 
-
-@contextlib.contextmanager
-def _translating(b: Any, what: str) -> Iterator[None]:
-    """Map NIXL's exceptions onto kvstore's tree (``raise ... from``); ours pass through."""
-    try:
-        yield
-    except KVStoreError:
-        raise
-    except b.nixlRemoteDisconnectError as exc:
-        raise PeerDisconnected(f"{what}: the peer disconnected") from exc
-    except (b.nixlMismatchError, b.nixlInvalidParamError) as exc:
-        raise ProtocolError(f"{what}: NIXL rejected it ({exc})") from exc
-    except b.nixlNotFoundError as exc:
-        raise ProtocolError(f"{what}: spans are not inside memory the peer registered") from exc
-    except Exception as exc:
-        raise TransportError(f"{what}: {type(exc).__name__}: {exc}") from exc
+    return done
 
 
-# ---- pure helpers -----------------------------------------------------------------------
-
-
-def _import_bindings() -> Any:
-    try:
-        return importlib.import_module("nixl_cu12._bindings")
-    except (ImportError, OSError) as exc:
-        raise UnknownScheme(f"ucx:// needs nixl-cu12: {exc}") from exc
-
-
-def _segment(bindings: Any, mem: str) -> Any:
-    return bindings.DRAM_SEG if mem == "DRAM" else bindings.VRAM_SEG
-
-
-def _tensor_region(tensor: Any) -> tuple[int, int, str, int]:
-    """``(addr, nbytes, mem, dev_id)`` of a contiguous CPU/CUDA tensor."""
-    if not hasattr(tensor, "data_ptr") or not hasattr(tensor, "is_contiguous"):
-        raise InvalidArgument(f"expected a torch tensor, got {type(tensor).__name__}")
-    if not tensor.is_contiguous():
-        raise InvalidArgument("tensor must be contiguous")
-    nbytes = int(tensor.numel()) * int(tensor.element_size())
-    if nbytes == 0:
-        raise InvalidArgument("tensor is empty")
-    kind = tensor.device.type
-    if kind == "cpu":
-        return int(tensor.data_ptr()), nbytes, "DRAM", 0
-    if kind == "cuda":
-        return int(tensor.data_ptr()), nbytes, "VRAM", int(tensor.device.index or 0)
-    raise InvalidArgument(f"cannot register {kind} memory with NIXL (cpu or cuda only)")
-
-
-def _remote_span(item: Any) -> Span:
-    if not isinstance(item, (tuple, list)) or not 2 <= len(item) <= 4:
-        raise InvalidArgument(f"a remote span is (addr, nbytes[, dev_id[, mem]]), got {item!r}")
-    span = Span(*item)
-    mem = MEM_KINDS[span.mem] if span.mem in (0, 1) and type(span.mem) is int else span.mem
-    ints = (span.addr, span.nbytes, span.dev_id)
-    if not all(type(v) is int for v in ints) or min(ints) < 0 or 0 in ints[:2]:
-        raise InvalidArgument(f"bad remote span {item!r}")
-    if mem not in MEM_KINDS:
-        raise InvalidArgument(f"bad memory kind in remote span {item!r}")
-    return span._replace(mem=mem)
-
-
-def _local_span(item: Any, registrations: Iterable[Registration]) -> Span:
-    if hasattr(item, "data_ptr"):
-        addr, nbytes, _, _ = _tensor_region(item)
-    elif isinstance(item, (tuple, list)) and len(item) >= 2:
-        addr, nbytes = item[0], item[1]
-        if type(addr) is not int or type(nbytes) is not int or nbytes <= 0:
-            raise InvalidArgument(f"bad local span {item!r}")
-    else:
-        raise InvalidArgument(f"a local span is a tensor, Span or (addr, nbytes), got {item!r}")
-    for reg in registrations:
-        if reg.covers(addr, nbytes):
-            return Span(addr, nbytes, reg.dev_id, reg.mem)
-    raise InvalidArgument(
-        f"local [{addr:#x}, +{nbytes}) is not inside memory this agent registered"
-    )
-
-
-def _pair_up(
-    remote: Sequence[Any], local: Sequence[Any], registrations: Sequence[Registration]
-) -> tuple[_Groups, int]:
-    """Validate span pairs and group them by (local kind, remote kind) as Nx3 uint64 arrays."""
-    if len(remote) != len(local):
-        raise InvalidArgument(f"{len(remote)} remote spans but {len(local)} local ones")
-    if len(remote) > MAX_DESCRIPTORS:
-        raise InvalidArgument(f"{len(remote)} spans in one call; the limit is {MAX_DESCRIPTORS}")
-    rows: dict[tuple[str, str], tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]]
-    rows = {}
-    total = 0
-    for r_item, l_item in zip(remote, local, strict=True):
-        r, lo = _remote_span(r_item), _local_span(l_item, registrations)
-        if r.nbytes != lo.nbytes:
-            raise InvalidArgument(f"span lengths differ: remote {r.nbytes}, local {lo.nbytes}")
-        lrows, rrows = rows.setdefault((lo.mem, r.mem), ([], []))
-        lrows.append((lo.addr, lo.nbytes, lo.dev_id))
-        rrows.append((r.addr, r.nbytes, r.dev_id))
-        total += r.nbytes
-    groups = {
-        kinds: (np.array(lrows, dtype=np.uint64), np.array(rrows, dtype=np.uint64))
-        for kinds, (lrows, rrows) in rows.items()
-    }
-    return groups, total
-
-
-def _agent_name_of(metadata: bytes) -> str | None:
-    """The agent name inside NIXL metadata (``nixlSerDes|Agent`` + u64 length + name), or
-    None if the layout is not the one NIXL 1.x writes."""
-    head = len(_MD_PREFIX)
-    if not metadata.startswith(_MD_PREFIX) or len(metadata) < head + 8:
-        return None
-    (size,) = struct.unpack_from("<Q", metadata, head)
-    if not 0 < size <= _NAME_MAX or len(metadata) < head + 8 + size:
-        return None
-    try:
-        return metadata[head + 8 : head + 8 + size].decode()
-    except UnicodeDecodeError:
-        return None
-
-
-def net_device_for(host: str | None) -> str | None:
-    """The network interface UCX should use to serve ``host``, or None for all of them.
-
-    Loopback addresses give the loopback interface (``lo``); ``None``, ``""``, ``0.0.0.0``
-    and ``::`` give None; a name is resolved first. The owner is the interface whose
-    primary IPv4 address (``SIOCGIFADDR``) or any IPv6 address (``/proc/net/if_inet6``)
-    equals it; Linux only. Blocks on name resolution. Raises
-    :class:`~kvstore.errors.InvalidArgument` if it does not resolve or no interface owns it.
-    """
-    if host is None or host in ("", "*"):
-        return None
-    try:
-        family_addr = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
-        addr = ipaddress.ip_address(str(family_addr).split("%")[0])
-    except (OSError, ValueError) as exc:
-        raise InvalidArgument(f"cannot resolve host {host!r}: {exc}") from exc
-    if addr.is_unspecified:
-        return None
-    if addr.is_loopback:
-        addr = ipaddress.ip_address("127.0.0.1" if addr.version == 4 else "::1")
-    owner = _ipv4_owner(addr) if addr.version == 4 else _ipv6_owner(addr)
-    if owner is None:
-        raise InvalidArgument(f"no local network interface has address {addr} (host {host!r})")
-    return owner
-
-
-def _ipv4_owner(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            request = struct.pack("256s", name.encode()[:15])
-            try:
-                reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
-            except OSError:
-                continue  # no IPv4 address on this interface
-            if socket.inet_ntoa(reply[20:24]) == str(addr):
-                return name
-    return None
-
-
-def _ipv6_owner(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
-    try:
-        with open("/proc/net/if_inet6") as table:
-            for line in table:
-                fields = line.split()
-                if len(fields) >= 6 and ipaddress.ip_address(bytes.fromhex(fields[0])) == addr:
-                    return fields[5]
-    except OSError:
-        return None
-    return None
-
-
-def _set_ucx_env(net_devices: str | None) -> None:
-    """Point UCX at ``net_devices`` (None: what the operator had) before creating an agent."""
-    global _operator_net_devices
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    if _operator_net_devices is _UNSET:
-        _operator_net_devices = os.environ.get("UCX_NET_DEVICES")
-    wanted = net_devices if net_devices is not None else _operator_net_devices
-    if isinstance(wanted, str):
-        os.environ["UCX_NET_DEVICES"] = wanted
-    else:
-        os.environ.pop("UCX_NET_DEVICES", None)
+def _ignore(result: Any, exc: BaseException | None) -> None:
+    if exc is not None and not isinstance(exc, KVStoreError):
+        logger.warning("NIXL: releasing a transfer failed: %s", exc)
