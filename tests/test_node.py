@@ -14,7 +14,7 @@ import pytest
 import torch
 import xxhash
 
-from kvstore.core.codec import ChunkKey, encode_blocks
+from kvstore.core.codec import ChunkKey, chunk_nbytes, encode_blocks
 from kvstore.core.hashing import Namespace
 from kvstore.dataplane import NodeClient
 from kvstore.dataplane.messages import (
@@ -30,8 +30,9 @@ from kvstore.dataplane.messages import (
 )
 from kvstore.errors import TransportError
 from kvstore.master import BlockAdd, MasterClient, MasterConfig, MasterServer, ObjectAdd
-from kvstore.node import checks
+from kvstore.node import checks, scrub
 from kvstore.node.server import NodeConfig, StorageNode
+from kvstore.node.tiers import Tiers
 from kvstore.transport import Connection, connect
 from tests.cluster import TRANSPORTS
 
@@ -40,6 +41,7 @@ H, D, TOKENS = 8, 64, 64
 NS = Namespace(model="node-test", revision="1", num_layers=2, num_kv_heads=H, head_dim=D,
                dtype=torch.bfloat16, block_tokens=TOKENS, quant="none")  # fmt: skip
 TIMEOUT = 10.0
+CHUNK_BYTES = chunk_nbytes(TOKENS, H, D, torch.bfloat16, "none")
 
 
 @dataclass
@@ -265,3 +267,36 @@ async def test_a_ucx_chunk_is_acked_on_its_header_and_scrubbed_for_the_rest(rig:
         assert await rig.holders(keys) == [1] * 4
     finally:
         await conn.close()
+
+
+async def test_the_scrub_gives_way_to_exchanges_but_not_past_its_age_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the node serves an exchange the scrub waits; once its oldest chunk has waited
+    MAX_AGE_S it checks anyway, and drops a bad chunk through its callback."""
+    monkeypatch.setattr(scrub, "MAX_AGE_S", 0.3)
+    tiers = Tiers(8 * 2**20)
+    key = (NS.id, blocks(1)[0])
+    res = tiers.host.table.allocate(key, 2 * CHUNK_BYTES, CHUNK_BYTES, 2, None)
+    view = tiers.host.table.chunk_view(res.slot, 0)
+    view.copy_(chunks([key[1]])[0])
+    view[-100] ^= 0x04  # only the checksum can tell
+    tiers.host.table.mark_landed(res.slot, 0)
+    dropped: list[int] = []
+    checks_ = checks.ChunkChecks(threads=1)
+    s = scrub.Scrub(checks_, tiers, lambda slot, i: dropped.append(i), busy=lambda: True)
+    runner = asyncio.ensure_future(s.run())
+    try:
+        batch = scrub.ScrubBatch()
+        item = checks.LandedChunk(0, key[1], 0, view)
+        assert s.reserve(batch, [item])
+        batch.chunks = [(res.slot, item)]
+        s.add(NS, batch)
+        await asyncio.sleep(0.15)
+        assert (s.pending, dropped) == (1, []), "busy: the scrub waits"
+        await asyncio.wait_for(s.idle(), 5)
+        assert (s.pending, s.scrubbed, dropped) == (0, 1, [0])
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        checks_.close()

@@ -3,11 +3,12 @@
 A ``ucx://`` put is acked once each chunk's header, key and spec are checked (64 bytes a
 chunk) and the receipt is committed; reading every byte for its checksum (~0.5 ms for a 4 MiB
 layer from memory here) is left to this scrub, which checks each landed chunk within a
-bounded time — at most :data:`MAX_PENDING_BYTES` wait, checked back to back on the event loop
-in slices of at most :data:`SLICE_BYTES`, so the wait is bounded by what that many bytes take
-(~30 ms here). Readers verify every chunk anyway, so a chunk read before its scrub is never
-returned bad; a chunk that fails is dropped (``on_bad``) so its next writer stores it again.
-When the scrub is full the put checks its chunks itself, before the ack, as before.
+bounded time: at most :data:`MAX_PENDING_BYTES` wait, checked on the event loop in slices of
+at most :data:`SLICE_BYTES` while no exchange is being served, and regardless once the oldest
+has waited :data:`MAX_AGE_S` or half the room is taken. Readers verify every chunk anyway, so
+a chunk read before its scrub is never returned bad; a chunk that fails is dropped
+(``on_bad``) so its next writer stores it again. When the scrub is full the put checks its
+chunks itself, before the ack, as before.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kvstore.core.slots import Slot
 from kvstore.node.checks import ChunkChecks, LandedChunk
 from kvstore.node.tiers import Tiers
 
-__all__ = ["MAX_PENDING_BYTES", "SLICE_BYTES", "Scrub", "ScrubBatch"]
+__all__ = ["MAX_AGE_S", "MAX_PENDING_BYTES", "SLICE_BYTES", "YIELD_S", "Scrub", "ScrubBatch"]
 
 logger = logging.getLogger("kvstore.node")
 
@@ -32,6 +33,12 @@ MAX_PENDING_BYTES = 256 * 2**20
 
 SLICE_BYTES = 8 * 2**20
 """Most bytes checked in one turn of the event loop (~1 ms here)."""
+
+MAX_AGE_S = 1.0
+"""Longest a chunk waits for its scrub while the node is busy serving exchanges."""
+
+YIELD_S = 0.001
+"""How long the scrub steps aside, each time, for an exchange being served."""
 
 
 @dataclass
@@ -47,6 +54,8 @@ class _Pending:
     ns: Namespace
     slot: Slot
     chunk: LandedChunk
+    since: float
+    """Loop time it was queued."""
 
 
 class Scrub:
@@ -64,11 +73,13 @@ class Scrub:
         tiers: Tiers,
         on_bad: Callable[[Slot, int], None],
         max_pending_bytes: int = MAX_PENDING_BYTES,
+        busy: Callable[[], bool] = lambda: False,
     ) -> None:
         self._checks = checks
         self._tiers = tiers
         self._on_bad = on_bad
         self._max = max_pending_bytes
+        self._busy = busy
         self._queue: deque[_Pending] = deque()
         self._bytes = 0
         """Bytes queued or reserved."""
@@ -101,7 +112,8 @@ class Scrub:
         used = sum(c.view.numel() for _, c in batch.chunks)
         self._bytes -= batch.reserved - used
         batch.reserved = 0
-        self._queue.extend(_Pending(ns, slot, c) for slot, c in batch.chunks)
+        now = asyncio.get_running_loop().time()
+        self._queue.extend(_Pending(ns, slot, c, now) for slot, c in batch.chunks)
         if batch.chunks:
             self._idle.clear()
             self._wake.set()
@@ -112,11 +124,21 @@ class Scrub:
         await self._idle.wait()
 
     async def run(self) -> None:
-        """Check queued chunks, a slice per loop turn, until cancelled."""
+        """Check queued chunks, a slice per loop turn, until cancelled. While ``busy()``
+        (an exchange is being served) the scrub gives way, unless its oldest chunk has
+        waited :data:`MAX_AGE_S` or it holds more than half its room: it is background
+        work, bounded in time either way."""
+        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
+                urgent = (
+                    loop.time() - self._queue[0].since >= MAX_AGE_S or 2 * self._bytes > self._max
+                )
+                if self._busy() and not urgent:
+                    await asyncio.sleep(YIELD_S)
+                    continue
                 self._slice()
                 await asyncio.sleep(0)
             self._idle.set()

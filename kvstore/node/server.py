@@ -180,7 +180,9 @@ class StorageNode:
             make_room=self.tiers.host.table.evict_lru,
         )
         self.checks = ChunkChecks()
-        self.scrub = Scrub(self.checks, self.tiers, self._drop, config.scrub_bytes)
+        self.scrub = Scrub(
+            self.checks, self.tiers, self._drop, config.scrub_bytes, busy=lambda: self._serving > 0
+        )
         self.link = MasterLink(
             master if master is not None else MasterClient(config.master),
             config.master,
@@ -192,6 +194,8 @@ class StorageNode:
         self._ns_by_raw: dict[bytes, tuple[Namespace, int]] = {}
         self._inflight: dict[tuple[SlotKey, int], asyncio.Future[None]] = {}
         self._aside_bytes = 0
+        self._serving = 0
+        """Exchanges being served now (the scrub gives way to them)."""
         self._readds: list[BlockAdd] = []
         """What is left of blocks a dropped chunk was taken from, for the next commit."""
         """Chunks a put exchange is transferring now → resolved when that exchange ends."""
@@ -326,7 +330,11 @@ class StorageNode:
                 request = parse_request(frame.header)
                 if frame.sizes and not (isinstance(request, Put) and not request.ucx):
                     raise ProtocolError(f"op {frame.header.get('op')!r} carries no payload")
-                await self._handle(conn, request, frame.sizes)
+                self._serving += 1
+                try:
+                    await self._handle(conn, request, frame.sizes)
+                finally:
+                    self._serving -= 1
             except (InvalidArgument, CapacityError, ProtocolError, ChunkError) as exc:
                 # The request was refused before any payload moved: the stream is intact.
                 if conn.closed:
