@@ -787,7 +787,8 @@ def _read(t: Tensor) -> tuple[ChunkHeader, _Layout, np.ndarray | None]:
 def _check_expected(
     header: ChunkHeader, expect_key: ChunkKey | None, expect_spec: ChunkSpec | None = None
 ) -> None:
-    if expect_key is not None:
+    # (a key equal to the header's is right whatever its type; only a mismatch is checked)
+    if expect_key is not None and header.key != expect_key:
         want = _check_key(expect_key)
         if header.key != want:
             raise ChunkKeyMismatch(f"chunk is {_fmt_key(header.key)}, expected {_fmt_key(want)}")

@@ -170,9 +170,14 @@ class MasterClient:
 
     async def _call_in_process(self, method: str, request: Any, timeout: float) -> Any:
         handler = getattr(self._service, method)
+        return await self._in_process(handler(request, _InProcessContext(method)), method, timeout)
+
+    async def _in_process(self, call: Any, method: str, timeout: float | None) -> Any:
+        """Await an in-process master call with the deadline and the errors of the RPC."""
+        timeout = timeout or self.timeout_s
         try:
             async with asyncio.timeout(timeout):
-                return await handler(request, _InProcessContext(method))
+                return await call
         except KVStoreError:
             raise
         except TimeoutError as exc:
@@ -229,6 +234,10 @@ class MasterClient:
     async def commit(self, batch: CommitBatch, *, timeout: float | None = None) -> int:
         """Apply a commit batch; returns the applied seq. Raises StaleEpoch if the epoch is
         not live (re-register and re-report), InvalidArgument on bad input."""
+        if self._service is not None and hasattr(self._service, "commit_in_process"):
+            return int(
+                await self._in_process(self._service.commit_in_process(batch), "Commit", timeout)
+            )
         resp = await self._call("Commit", wire.commit_to_pb(batch), timeout)
         return int(resp.applied_seq)
 

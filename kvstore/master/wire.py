@@ -44,6 +44,7 @@ __all__ = [
     "block_holders_to_pb",
     "check_block_hashes",
     "check_chunks_per_block",
+    "check_commit",
     "check_counters",
     "check_key",
     "check_node_id",
@@ -250,9 +251,6 @@ def node_info_from_pb(msg: pb.NodeInfo) -> NodeInfo:
 
 def commit_from_pb(req: pb.CommitRequest) -> CommitBatch:
     """A validated :class:`CommitBatch` from a Commit request (seq must be >= 1)."""
-    check_node_id(req.node_id)
-    if req.seq < 1:
-        raise InvalidArgument("commit seq must be >= 1")
     for n, what in (
         (len(req.adds), "adds"),
         (len(req.evicts), "evicts"),
@@ -260,14 +258,40 @@ def commit_from_pb(req: pb.CommitRequest) -> CommitBatch:
         (len(req.object_removes), "object removes"),
     ):
         _check_count(n, what)
+    return check_commit(
+        CommitBatch(
+            req.node_id,
+            req.epoch,
+            req.seq,
+            tuple(BlockAdd(a.ns_id, a.block_hash, tuple(a.chunks)) for a in req.adds),
+            tuple(BlockRef(e.ns_id, e.block_hash) for e in req.evicts),
+            tuple(ObjectAdd(o.key, o.nbytes) for o in req.object_adds),
+            tuple(req.object_removes),
+        )
+    )
+
+
+def check_commit(batch: CommitBatch) -> CommitBatch:
+    """``batch`` with every field checked as a Commit request's is (seq >= 1, counts, id and
+    hash lengths, chunk indices, object keys); InvalidArgument otherwise."""
+    check_node_id(batch.node_id)
+    if batch.seq < 1:
+        raise InvalidArgument("commit seq must be >= 1")
+    for items, what in (
+        (batch.adds, "adds"),
+        (batch.evicts, "evicts"),
+        (batch.object_adds, "object adds"),
+        (batch.object_removes, "object removes"),
+    ):
+        _check_count(len(items), what)
     adds = tuple(
         BlockAdd(check_ns_id(a.ns_id), _check_hash(a.block_hash), _check_chunks(a.chunks))
-        for a in req.adds
+        for a in batch.adds
     )
-    evicts = tuple(BlockRef(check_ns_id(e.ns_id), _check_hash(e.block_hash)) for e in req.evicts)
-    objects = tuple(ObjectAdd(check_key(o.key), o.nbytes) for o in req.object_adds)
-    removes = tuple(check_key(k) for k in req.object_removes)
-    return CommitBatch(req.node_id, req.epoch, req.seq, adds, evicts, objects, removes)
+    evicts = tuple(BlockRef(check_ns_id(e.ns_id), _check_hash(e.block_hash)) for e in batch.evicts)
+    objects = tuple(ObjectAdd(check_key(o.key), o.nbytes) for o in batch.object_adds)
+    removes = tuple(check_key(k) for k in batch.object_removes)
+    return CommitBatch(batch.node_id, batch.epoch, batch.seq, adds, evicts, objects, removes)
 
 
 def _check_hash(h: bytes) -> bytes:
