@@ -303,8 +303,9 @@ def latency_table(res: Replay) -> Table:
     req, rep = res.echo_request_bytes, res.echo_reply_bytes
     table.notes += [
         f"One client process (this one), {n} samples per call. Chunk: "
-        f"{chunk_nbytes(BLOCK, HEADS, HEAD_DIM, DTYPE, 'int8'):,} B; put_layer sends only "
-        "the blocks the pool lacks (first writer wins), get_layer reads every block of "
+        f"{chunk_nbytes(BLOCK, HEADS, HEAD_DIM, DTYPE, 'int8'):,} B; put_layer sends every "
+        "full block, the node stores those it lacks (first writer wins) and drops the "
+        "rest; get_layer reads every block of "
         "the request (all stored by then) into a preallocated buffer.",
         f"Echo: a request of the MatchPrefix request's size (p50 {statistics.median(req):,.0f}"
         f" B, max {max(req):,} B), a reply of its answer's size (max {max(rep)} B), right "
