@@ -57,11 +57,12 @@ class Rig:
 
 @asynccontextmanager
 async def running(transport: str, **options: Any) -> AsyncIterator[Rig]:
-    """A master and a node in this process; on exit, no slot may stay pinned."""
+    """A master and a node in this process (``options``: more NodeConfig fields); on exit
+    no slot may stay pinned and every tier's table must validate."""
     master = MasterServer(MasterConfig(grpc_port=0))
     await master.start()
-    config = NodeConfig(master=master.address, data_port=0, host_mem=32 * 2**20,
-                        transport=transport, **options)  # fmt: skip
+    config = NodeConfig(**{"master": master.address, "data_port": 0, "host_mem": 32 * 2**20,
+                           "transport": transport, **options})  # fmt: skip
     node = StorageNode(config, master=MasterClient.in_process(master.service))
     await node.start()
     try:
@@ -70,6 +71,8 @@ async def running(transport: str, **options: Any) -> AsyncIterator[Rig]:
         await node.stop(grace=1.0)
         await master.stop(grace=0.5)
     assert node.pinned_slots == 0
+    for tier in node.tiers:
+        tier.table.validate()
 
 
 @pytest.fixture(params=TRANSPORTS)

@@ -29,11 +29,12 @@ import kvclient
 from kvstore.core.codec import ChunkKey, chunk_nbytes, encode_blocks
 from kvstore.dataplane import ChunkRef, NodeClient, PutChunk
 from kvstore.dataplane.messages import Put
-from kvstore.master import MasterClient, MasterConfig, MasterServer
-from kvstore.node.server import NodeConfig, StorageNode
+from kvstore.master import MasterServer
+from kvstore.node.server import StorageNode
 from kvstore.transport.framing import encode_prefix
 from tests import kvproc
 from tests.cluster import TRANSPORTS, start_server
+from tests.test_node import running
 
 HERE = Path(__file__).parent
 
@@ -56,20 +57,8 @@ class Pool:
 
 @pytest.fixture(params=TRANSPORTS)
 async def pool(request: pytest.FixtureRequest) -> AsyncIterator[Pool]:
-    master = MasterServer(MasterConfig(grpc_port=0))
-    await master.start()
-    config = NodeConfig(master=master.address, data_port=0, host_mem=16 * 2**20,
-                        transport=request.param, io_timeout_s=IO_TIMEOUT_S)  # fmt: skip
-    node = StorageNode(config, master=MasterClient.in_process(master.service))
-    await node.start()
-    try:
-        yield Pool(master, node)
-    finally:
-        await node.stop(grace=1.0)
-        await master.stop(grace=0.5)
-    assert node.pinned_slots == 0
-    for tier in node.tiers:
-        tier.table.validate()
+    async with running(request.param, host_mem=16 * 2**20, io_timeout_s=IO_TIMEOUT_S) as rig:
+        yield Pool(rig.master, rig.node)
 
 
 def prompt(blocks: int) -> list[int]:

@@ -71,26 +71,26 @@ class ChunkChecks:
     def check(self, peer: str, ns: Namespace, part: list[LandedChunk]) -> list[int]:
         """Verify header, key, spec and checksum of landed chunks; the positions that
         failed. Runs on the loop or a verifier thread (reads every byte once)."""
-        bad = []
-        spec = self.spec(ns)
-        for item in part:
-            layer, shard = divmod(item.chunk, ns.tp_size)
-            try:
-                verify_chunk(item.view, ChunkKey(item.block, layer, shard), spec)
-            except ChunkError as exc:
-                logger.warning("rejected chunk from %s: %s", peer, exc)
-                bad.append(item.position)
-        return bad
+        return self._each(peer, ns, part, verify_chunk)
 
     def headers(self, peer: str, ns: Namespace, items: list[LandedChunk]) -> list[int]:
         """Check the header, key and spec of each chunk (64 bytes each: what a ``ucx://``
         put's ack waits for; the checksum is the scrub's); the positions that failed."""
+        return self._each(peer, ns, items, check_header)
+
+    def _each(
+        self,
+        peer: str,
+        ns: Namespace,
+        items: list[LandedChunk],
+        test: Callable[[torch.Tensor, ChunkKey, ChunkSpec], object],
+    ) -> list[int]:
         bad = []
         spec = self.spec(ns)
         for item in items:
             layer, shard = divmod(item.chunk, ns.tp_size)
             try:
-                check_header(item.view, ChunkKey(item.block, layer, shard), spec)
+                test(item.view, ChunkKey(item.block, layer, shard), spec)
             except ChunkError as exc:
                 logger.warning("rejected chunk from %s: %s", peer, exc)
                 bad.append(item.position)
