@@ -307,9 +307,9 @@ async def test_a_slot_stays_quarantined_until_its_latest_deadline(master: Master
             slot = node.tiers[0].table.find((NS.id, key))
             assert slot is not None
             start = time.monotonic()
-            node.quarantine([slot])  # the first writer's timeout
+            node.puts.quarantine([slot])  # the first writer's timeout
             await asyncio.sleep(0.5)
-            node.quarantine([slot])  # the second writer's, half a timeout later
+            node.puts.quarantine([slot])  # the second writer's, half a timeout later
             while slot.quarantined and time.monotonic() - start < 5:
                 await asyncio.sleep(0.02)
             assert not slot.quarantined and time.monotonic() - start >= 1.5 - 0.05
@@ -330,7 +330,7 @@ async def test_chunks_of_a_slot_quarantined_mid_exchange_are_reported_failed(
         await nixl(node, "write", [list(s) for s in answer.spans or ()], rows)
         slot = node.tiers[0].table.find((NS.id, keys[0]))
         assert slot is not None
-        node.quarantine([slot])  # another writer of that block timed out meanwhile
+        node.puts.quarantine([slot])  # another writer of that block timed out meanwhile
         await conn.send(Landed().header())
         ack = expect((await conn.recv_header(TIMEOUT)).header, Ack)
         assert (ack.stored, ack.failed) == (1, (0,))

@@ -1,9 +1,10 @@
 """The storage node: slots in memory tiers, the ``tcp://`` data port, commits to the master.
 
 The node carries out what the pure :class:`~kvstore.core.slots.SlotTable` decides, through
-three parts it composes: its :class:`~kvstore.node.tiers.Tiers` (host memory, and a GPU
-tier with ``--gpu-mem``), its :class:`~kvstore.node.checks.ChunkChecks` and its
-:class:`~kvstore.node.master_link.MasterLink`. The exchanges are those of
+the parts it composes: its :class:`~kvstore.node.tiers.Tiers` (host memory, and a GPU
+tier with ``--gpu-mem``), its :class:`~kvstore.node.checks.ChunkChecks` and
+:class:`~kvstore.node.scrub.Scrub`, its :class:`~kvstore.node.master_link.MasterLink`, and
+:class:`~kvstore.node.puts.Puts`, the put path. The exchanges are those of
 :mod:`kvstore.dataplane.messages`. Per put batch: allocate the batch's slots (REJECT when no
 room), pin them, claim each chunk (or wait for the writer that is transferring it, or answer
 it STORED/BUSY), receive the claimed chunks straight into slot memory, check each one
@@ -27,7 +28,6 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +37,7 @@ from kvstore.core.codec import chunk_nbytes
 from kvstore.core.hashing import Namespace
 from kvstore.core.slots import Lease, ObjectStore, Slot, SlotKey, TierStats
 from kvstore.dataplane.messages import (
-    BUSY,
     SEND,
-    STORED,
     Ack,
     ChunkRef,
     Data,
@@ -51,7 +49,6 @@ from kvstore.dataplane.messages import (
     GetObject,
     Held,
     Hold,
-    Landed,
     Leased,
     Message,
     NodeStats,
@@ -73,7 +70,6 @@ from kvstore.dataplane.messages import (
     Lease as LeaseRequest,
 )
 from kvstore.errors import (
-    BadShape,
     CapacityError,
     ChunkError,
     InvalidArgument,
@@ -87,8 +83,9 @@ from kvstore.master.records import BlockAdd, ObjectAdd
 from kvstore.metrics import Metrics
 from kvstore.node.checks import ChunkChecks, LandedChunk
 from kvstore.node.master_link import MasterLink, NodeIdentity
-from kvstore.node.scrub import MAX_PENDING_BYTES, Scrub, ScrubBatch
-from kvstore.node.tiers import MemoryTier, Tiers, host_copy, landed_bits
+from kvstore.node.puts import Puts, count_transfer
+from kvstore.node.scrub import MAX_PENDING_BYTES, Scrub
+from kvstore.node.tiers import Tiers, host_copy, landed_bits
 from kvstore.transport import FrameLimits, listen
 from kvstore.transport.base import Connection, Listener
 from kvstore.transport.nixl import NixlAgent
@@ -99,11 +96,6 @@ logger = logging.getLogger("kvstore.node")
 
 _MAX_NAMESPACES = 1024
 _MAX_HOLDS = 65536
-_MAX_ASIDE_BYTES = 64 * 2**20
-"""Host memory for ``tcp://`` chunks received while another writer transfers them."""
-
-_Chunk = tuple[SlotKey, bytes | None, int]
-"""A chunk a put names, resolved: (slot key, parent block hash, chunk index)."""
 
 
 @dataclass(frozen=True)
@@ -192,14 +184,13 @@ class StorageNode:
         )
         self._namespaces: dict[bytes, tuple[Namespace, int]] = {}
         self._ns_by_raw: dict[bytes, tuple[Namespace, int]] = {}
-        self._inflight: dict[tuple[SlotKey, int], asyncio.Future[None]] = {}
-        self._aside_bytes = 0
+        self.puts = Puts(
+            self.tiers, self.checks, self.scrub, self.link, self.metrics, config.io_timeout_s
+        )
         self._serving = 0
         """Exchanges being served now (the scrub gives way to them)."""
         self._readds: list[BlockAdd] = []
         """What is left of blocks a dropped chunk was taken from, for the next commit."""
-        """Chunks a put exchange is transferring now → resolved when that exchange ends."""
-        self._unquarantine_at: dict[Slot, asyncio.TimerHandle] = {}
         self._holds: dict[str, _Hold] = {}
         self._hold_ids = itertools.count(1)
         self._listener: Listener | None = None
@@ -265,9 +256,7 @@ class StorageNode:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for timer in self._unquarantine_at.values():
-            timer.cancel()
-        self._unquarantine_at.clear()
+        self.puts.close()
         for hold in self._holds.values():
             for lease in hold.leases:
                 lease.release()
@@ -350,7 +339,7 @@ class StorageNode:
     async def _handle(self, conn: Connection, request: Message, sizes: list[int]) -> None:
         match request:
             case Put():
-                await self._on_put(conn, request, sizes)
+                await self.puts.serve(conn, request, sizes, *self._namespace(request.ns))
             case Get():
                 await self._on_get(conn, request)
             case LeaseRequest():
@@ -397,297 +386,6 @@ class StorageNode:
 
     # ------------------------------------------------------------------ put
 
-    async def _on_put(self, conn: Connection, put: Put, sizes: list[int]) -> None:
-        """A put: over ``tcp://`` one frame carries every chunk (one round trip), over
-        ``ucx://`` the writer WRITEs the chunks it is told to into their slots."""
-        ns, chunk_bytes = self._namespace(put.ns)
-        num_chunks = ns.num_layers * ns.tp_size
-        wanted: list[_Chunk] = []
-        for c in put.chunks:
-            if not 0 <= c.chunk < num_chunks:
-                raise BadShape(f"chunk index {c.chunk!r} outside [0, {num_chunks})")
-            if c.nbytes != chunk_bytes:
-                raise BadShape(
-                    f"chunk of {c.nbytes!r} bytes; this namespace's chunks are {chunk_bytes}"
-                )
-            wanted.append(((ns.id, c.block), c.parent, c.chunk))
-        if len({(key, index) for key, _, index in wanted}) != len(wanted):
-            raise InvalidArgument("a put names the same chunk twice")
-        if not put.ucx and sizes != [chunk_bytes] * len(wanted):
-            raise ProtocolError("a tcp:// put frame carries each chunk it names, in order")
-        leases: list[Lease[Slot]] = []
-        claims: dict[tuple[SlotKey, int], asyncio.Future[None]] = {}
-        # ucx:// lands in the fastest tier (device memory, written one-sidedly); tcp:// in
-        # host memory, where the socket delivers. A block already held stays where it is.
-        tier = self.tiers.fastest if put.ucx else self.tiers.host
-        wait = min(put.wait_s, self.config.io_timeout_s)
-        scrub = ScrubBatch()
-        try:
-            slots = self._allocate(wanted, chunk_bytes, num_chunks, leases, tier)
-            t0 = time.perf_counter()
-            if put.ucx:
-                accept, sent, failed = await self._put_ucx(
-                    conn, ns, wanted, slots, claims, wait, scrub
-                )
-            else:
-                accept, sent, failed = await self._put_tcp(
-                    conn, ns, wanted, slots, claims, wait, chunk_bytes
-                )
-            stored = await self._commit_landed(wanted, sent, failed)
-            # Scrubbed once committed: a drop then reaches the master after the add.
-            self.scrub.add(ns, scrub)
-            self._settle(claims)  # landed and committed: writers waiting on these look again
-            self._count("put", "ucx" if put.ucx else "tcp", len(sent) * chunk_bytes, t0)
-            busy = tuple(i for i, a in enumerate(accept) if a == BUSY)
-            await self._send(conn, Ack(stored, accept.count(STORED), tuple(failed), busy))
-        finally:
-            self.scrub.add(ns, scrub)  # (gives back its room, when not queued already)
-            self._settle(claims)
-            for lease in leases:
-                lease.release()
-
-    async def _put_ucx(
-        self,
-        conn: Connection,
-        ns: Namespace,
-        wanted: list[_Chunk],
-        slots: list[Slot | None],
-        claims: dict[tuple[SlotKey, int], asyncio.Future[None]],
-        wait: float,
-        scrub: ScrubBatch,
-    ) -> tuple[list[int], dict[int, Slot], list[int]]:
-        """Claim (waiting up to ``wait`` for other writers), hand the writer the spans of
-        its chunks, wait for ``landed``, check them; (accept codes, position → slot of each
-        chunk written, positions that failed a check). Chunks in host memory get their
-        header checked now and are put in ``scrub`` for the rest (the caller hands them to
-        the scrub once committed), when the scrub has room."""
-        accept = await self._claim(wanted, slots, claims, wait, range(len(wanted)))
-        sent = {i: slot for i, a in enumerate(accept) if a == SEND and (slot := slots[i])}
-        items = [self._landing(i, wanted[i], slot) for i, slot in sent.items()]
-        await self._land_by_ucx(conn, accept, items, list(sent.values()))
-        # Host memory: headers now, every byte in the scrub (unless it is full); the GPU
-        # tier: every byte now, off the loop.
-        in_host = self.tiers.host.holds
-        if all(in_host(it.view) for it in items) and self.scrub.reserve(scrub, items):
-            failed = self.checks.headers(conn.peer, ns, items)
-            bad = set(failed)
-            scrub.chunks = [(sent[it.position], it) for it in items if it.position not in bad]
-            return accept, sent, failed
-        return accept, sent, await self.checks.written(conn.peer, ns, items, in_host)
-
-    async def _put_tcp(
-        self,
-        conn: Connection,
-        ns: Namespace,
-        wanted: list[_Chunk],
-        slots: list[Slot | None],
-        claims: dict[tuple[SlotKey, int], asyncio.Future[None]],
-        wait: float,
-        chunk_bytes: int,
-    ) -> tuple[list[int], dict[int, Slot], list[int]]:
-        """Receive the frame's chunks: each claimed one straight into its slot, each one
-        another writer is transferring into a host buffer aside (within
-        :data:`_MAX_ASIDE_BYTES` for the node), the rest (stored, quarantined) discarded;
-        all are checked as they arrive. Then wait up to ``wait`` for those other writers: a
-        chunk they did not land is stored from its buffer (one more copy, only then).
-        Returns as :meth:`_put_ucx`."""
-        accept = await self._claim(wanted, slots, claims, 0.0, range(len(wanted)))
-        sent = {i: slot for i, a in enumerate(accept) if a == SEND and (slot := slots[i])}
-        targets: list[LandedChunk | None] = [None] * len(wanted)
-        for i, slot in sent.items():
-            targets[i] = self._landing(i, wanted[i], slot)
-        room = max(0, _MAX_ASIDE_BYTES - self._aside_bytes) // chunk_bytes
-        elsewhere = [i for i, a in enumerate(accept) if a == BUSY and self._in_flight(wanted[i])]
-        aside = elsewhere[:room]
-        held = len(aside) * chunk_bytes
-        self._aside_bytes += held
-        try:
-            for i in aside:
-                (_, block), _, index = wanted[i]
-                buf = torch.empty(chunk_bytes, dtype=torch.uint8)
-                targets[i] = LandedChunk(i, block, index, buf)
-            timeout = self.config.io_timeout_s
-            failed = await self.checks.receive(conn, ns, targets, timeout, self.tiers.in_gpu)
-            kept = [i for i in aside if i not in failed]
-            later = await self._claim(wanted, slots, claims, wait, kept)
-            for i in kept:
-                accept[i] = later[i]
-                slot, target = slots[i], targets[i]
-                if later[i] == SEND and slot is not None and target is not None:
-                    self._landing(i, wanted[i], slot).view.copy_(target.view)
-                    sent[i] = slot
-            return accept, sent, failed
-        finally:
-            self._aside_bytes -= held
-
-    def _landing(self, position: int, chunk: _Chunk, slot: Slot) -> LandedChunk:
-        """Where chunk ``position`` of a put lands: its view in ``slot``."""
-        (_, block), _, index = chunk
-        return LandedChunk(
-            position, block, index, self.tiers.tier_of(slot).table.chunk_view(slot, index)
-        )
-
-    async def _claim(
-        self,
-        wanted: list[_Chunk],
-        slots: list[Slot | None],
-        claims: dict[tuple[SlotKey, int], asyncio.Future[None]],
-        wait_s: float,
-        positions: Iterable[int],
-    ) -> list[int]:
-        """Decide who writes each chunk at ``positions``: :data:`SEND` (this writer; the
-        chunk is claimed in ``claims`` until its exchange ends), :data:`STORED` (landed and
-        checked here already) or :data:`BUSY` (not stored, and this writer may not store it
-        now); one code per chunk of ``wanted`` (BUSY for those not asked about).
-
-        A chunk another writer is transferring is neither stored nor free: this writer
-        waits up to ``wait_s`` for that exchange to end, then looks again — landed means
-        stored, a failed or aborted transfer leaves the chunk to this writer. Past
-        ``wait_s``, or when the block's slot is quarantined (a ``ucx://`` writer that may
-        still be writing timed out), the chunk is BUSY: reported not stored, never a lie.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        accept = [BUSY] * len(wanted)
-        todo = list(positions)
-        while todo:
-            waits: list[asyncio.Future[None]] = []
-            later = []
-            for i in todo:
-                (key, _, index), slot = wanted[i], slots[i]
-                if slot is None or slot.quarantined or not slot.alive:
-                    continue
-                if slot.landed_mask >> index & 1:
-                    accept[i] = STORED
-                elif (other := self._inflight.get((key, index))) is not None:
-                    waits.append(other)
-                    later.append(i)
-                else:
-                    accept[i] = SEND
-                    claims[key, index] = self._inflight[key, index] = loop.create_future()
-            todo = later
-            left = deadline - loop.time()
-            if not todo or left <= 0:
-                break
-            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-        return accept
-
-    def _in_flight(self, chunk: _Chunk) -> bool:
-        """Whether another exchange is transferring ``chunk`` now."""
-        key, _, index = chunk
-        return (key, index) in self._inflight
-
-    def _settle(self, claims: dict[tuple[SlotKey, int], asyncio.Future[None]]) -> None:
-        """End an exchange's claims and wake the writers waiting on them (idempotent)."""
-        for chunk, fut in claims.items():
-            if self._inflight.get(chunk) is fut:
-                del self._inflight[chunk]
-            if not fut.done():
-                fut.set_result(None)
-
-    def _allocate(
-        self,
-        wanted: list[_Chunk],
-        chunk_bytes: int,
-        num_chunks: int,
-        leases: list[Lease[Slot]],
-        tier: MemoryTier,
-    ) -> list[Slot | None]:
-        """Allocate and pin the batch's slots, new ones in ``tier``, blocks already held in
-        the tier that holds them (REJECT = CapacityError before any payload). A block whose
-        slot is quarantined gets None: its chunks cannot be stored now (BUSY)."""
-        by_key: dict[SlotKey, Slot | None] = {}
-        host = self.tiers.host
-        for key, parent, _ in wanted:
-            if key in by_key:
-                continue
-            # A quarantined slot counts as held, so a block is never started again in
-            # another tier meanwhile.
-            held = self.tiers.holder(key)
-            if held is not None and held.table.get(key) is None:
-                by_key[key] = None
-                continue
-            into = held or tier
-            args = (key, chunk_bytes * num_chunks, chunk_bytes, num_chunks, parent)
-            try:
-                res = into.table.allocate(*args)
-            except CapacityError:
-                if held is not None or into is host:
-                    raise
-                into = host  # no room in the GPU tier (pinned, quarantined): host memory
-                res = into.table.allocate(*args)
-            by_key[key] = res.slot
-            leases.append(into.table.pin(res.slot))
-            self.tiers.evicted(into, res.evicted)
-        return [by_key[key] for key, _, _ in wanted]
-
-    async def _land_by_ucx(
-        self, conn: Connection, accept: list[int], items: list[LandedChunk], slots: list[Slot]
-    ) -> None:
-        """``ucx://``: hand the writer the chunk views' spans, wait for its ``landed``.
-
-        If the writer never says ``landed`` (timeout, disconnect, garbage), it may still be
-        writing one-sidedly into those slots: they are quarantined for a while, unreadable
-        and not reused, instead of being handed to someone else.
-        """
-        spans = tuple(tuple(self.tiers.span(it.view)) for it in items)
-        await self._send(conn, Ready(tuple(accept), spans))
-        try:
-            frame = await conn.recv_header(timeout=self.config.io_timeout_s)
-            if frame.sizes:
-                raise ProtocolError("'landed' carries no payload")
-            expect(frame.header, Landed)
-        except BaseException:
-            self.quarantine(slots)
-            raise
-
-    def quarantine(self, slots: Iterable[Slot]) -> None:
-        """Quarantine ``slots`` for one I/O timeout (a peer may still write into them)."""
-        loop = asyncio.get_running_loop()
-        for slot in set(slots):
-            tier = self.tiers.owner(slot)
-            if tier is None:
-                continue
-            tier.table.quarantine(slot)
-            # One deadline per slot, the latest: a second writer of the same block that
-            # times out later keeps it quarantined for its own full timeout.
-            old = self._unquarantine_at.pop(slot, None)
-            if old is not None:
-                old.cancel()
-            self._unquarantine_at[slot] = loop.call_later(
-                self.config.io_timeout_s, self._unquarantine, tier, slot
-            )
-
-    def _unquarantine(self, tier: MemoryTier, slot: Slot) -> None:
-        self._unquarantine_at.pop(slot, None)
-        if slot.alive and slot.quarantined and tier.owns(slot):
-            tier.table.unquarantine(slot)
-
-    async def _commit_landed(
-        self, wanted: list[_Chunk], sent: dict[int, Slot], failed: list[int]
-    ) -> int:
-        """Mark the checked chunks landed and commit them to the master; chunks stored.
-        ``sent``: request position → slot of each chunk the writer sent. Chunks whose slot
-        was quarantined meanwhile are added to ``failed``."""
-        landed: dict[SlotKey, list[int]] = {}
-        rejected = set(failed)
-        stored = 0
-        for i, slot in sent.items():
-            key, _, index = wanted[i]
-            if i in rejected:
-                continue
-            if slot.quarantined:
-                # Quarantined by another exchange meanwhile (a writer of the same block
-                # timed out): this chunk is not kept; the writer is told so and may retry.
-                failed.append(i)
-                continue
-            stored += 1
-            if self.tiers.tier_of(slot).table.mark_landed(slot, index):
-                landed.setdefault(key, []).append(index)
-        failed.sort()
-        await self.link.commit([BlockAdd(k[0], k[1], tuple(v)) for k, v in landed.items()])
-        return stored
-
     # ------------------------------------------------------------------ reads
 
     def _find(
@@ -730,7 +428,7 @@ class StorageNode:
             host = self.tiers.host
             bufs = [(v if host.holds(v) else host_copy(v)).numpy() for v in views]
             await self._send(conn, Found(found), bufs)
-            self._count("get", "tcp", sum(v.numel() for v in views), t0)
+            count_transfer(self.metrics, "get", "tcp", sum(v.numel() for v in views), t0)
         finally:
             for lease in leases:
                 lease.release()
@@ -750,16 +448,10 @@ class StorageNode:
             if frame.sizes:
                 raise ProtocolError("'release' carries no payload")
             expect(frame.header, Release)
-            self._count("get", "ucx", sum(v.numel() for v in views), t0)
+            count_transfer(self.metrics, "get", "ucx", sum(v.numel() for v in views), t0)
         finally:
             for lease in leases:
                 lease.release()
-
-    def _count(self, op: str, transport: str, nbytes: int, t0: float) -> None:
-        self.metrics.transfer_bytes.labels(op=op, transport=transport).inc(nbytes)
-        self.metrics.transfer_seconds.labels(op=op, transport=transport).observe(
-            time.perf_counter() - t0
-        )
 
     def _on_hold(self, hold: Hold) -> Held:
         if not 0 < hold.ttl_s <= self.config.max_hold_s:
@@ -882,7 +574,7 @@ class StorageNode:
                 "pinned_slots": sum(st.pinned_slots for _, st in stats),
                 "leases": sum(st.leases for _, st in stats),
                 "holds": len(self._holds),
-                "inflight": len(self._inflight),
+                "inflight": self.puts.inflight,
                 "scrub_pending": self.scrub.pending,
                 "scrubbed": self.scrub.scrubbed,
                 "scrub_dropped": self.scrub.dropped,

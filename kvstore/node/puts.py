@@ -1,0 +1,384 @@
+"""The node's put path: who stores each chunk (claims), where it lands (slots, a buffer aside),
+what is checked before the ack, and the commit that makes it readable.
+
+A chunk another writer is transferring is neither stored nor free: the node holds one claim
+per chunk in flight, and a second writer waits on it (up to the ``wait_s`` it sent) before
+storing the chunk itself or being answered BUSY — reported not stored, never a lie. A
+``ucx://`` writer that never says ``landed`` may still be writing: its slots are quarantined
+for one I/O timeout. See docs/dataplane.md for the flows, their round trips and copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from kvstore.core.hashing import Namespace
+from kvstore.core.slots import Lease, Slot, SlotKey
+from kvstore.dataplane.messages import BUSY, SEND, STORED, Ack, Landed, Message, Put, Ready, expect
+from kvstore.errors import BadShape, CapacityError, InvalidArgument, ProtocolError
+from kvstore.master.records import BlockAdd
+from kvstore.metrics import Metrics
+from kvstore.node.checks import ChunkChecks, LandedChunk
+from kvstore.node.master_link import MasterLink
+from kvstore.node.scrub import Scrub, ScrubBatch
+from kvstore.node.tiers import MemoryTier, Tiers
+from kvstore.transport.base import Connection
+
+__all__ = ["MAX_ASIDE_BYTES", "Puts", "count_transfer"]
+
+MAX_ASIDE_BYTES = 64 * 2**20
+"""Host memory for ``tcp://`` chunks received while another writer transfers them."""
+
+_Chunk = tuple[SlotKey, bytes | None, int]
+"""A chunk a put names, resolved: (slot key, parent block hash, chunk index)."""
+
+
+def count_transfer(metrics: Metrics, op: str, transport: str, nbytes: int, t0: float) -> None:
+    """Count one data-plane exchange of ``nbytes`` that started at ``t0`` (perf_counter)."""
+    metrics.transfer_bytes.labels(op=op, transport=transport).inc(nbytes)
+    metrics.transfer_seconds.labels(op=op, transport=transport).observe(time.perf_counter() - t0)
+
+
+class Puts:
+    """Serves puts for a node: its tiers, checks, scrub and master link, composed.
+    ``io_timeout_s`` bounds each step and each quarantine. :meth:`close` cancels the
+    quarantine timers."""
+
+    def __init__(
+        self,
+        tiers: Tiers,
+        checks: ChunkChecks,
+        scrub: Scrub,
+        link: MasterLink,
+        metrics: Metrics,
+        io_timeout_s: float,
+    ) -> None:
+        self.tiers = tiers
+        self.checks = checks
+        self.scrub = scrub
+        self.link = link
+        self.metrics = metrics
+        self.io_timeout_s = io_timeout_s
+        self._inflight: dict[tuple[SlotKey, int], asyncio.Future[None]] = {}
+        """Chunks a put exchange is transferring now → resolved when that exchange ends."""
+        self._aside_bytes = 0
+        self._unquarantine_at: dict[Slot, asyncio.TimerHandle] = {}
+
+    @property
+    def inflight(self) -> int:
+        """Chunks being transferred by a put now."""
+        return len(self._inflight)
+
+    def close(self) -> None:
+        """Cancel the quarantine timers (the node stops)."""
+        for timer in self._unquarantine_at.values():
+            timer.cancel()
+        self._unquarantine_at.clear()
+
+    def quarantine(self, slots: Iterable[Slot]) -> None:
+        """Quarantine ``slots`` for one I/O timeout (a peer may still write into them)."""
+        self._quarantine(slots)
+
+    async def _send(self, conn: Connection, message: Message, buffers: Any = ()) -> None:
+        await conn.send(message.header(), buffers, timeout=self.io_timeout_s)
+
+    async def serve(
+        self, conn: Connection, put: Put, sizes: list[int], ns: Namespace, chunk_bytes: int
+    ) -> None:
+        """One put of chunks of ``ns`` (of ``chunk_bytes`` each): over ``tcp://`` one frame
+        carries every chunk (one round trip), over ``ucx://`` the writer WRITEs the chunks
+        it is told to into their slots. Raises before any payload moved for a bad request
+        (the caller answers it), and what the connection raises mid-exchange."""
+        num_chunks = ns.num_layers * ns.tp_size
+        wanted: list[_Chunk] = []
+        for c in put.chunks:
+            if not 0 <= c.chunk < num_chunks:
+                raise BadShape(f"chunk index {c.chunk!r} outside [0, {num_chunks})")
+            if c.nbytes != chunk_bytes:
+                raise BadShape(
+                    f"chunk of {c.nbytes!r} bytes; this namespace's chunks are {chunk_bytes}"
+                )
+            wanted.append(((ns.id, c.block), c.parent, c.chunk))
+        if len({(key, index) for key, _, index in wanted}) != len(wanted):
+            raise InvalidArgument("a put names the same chunk twice")
+        if not put.ucx and sizes != [chunk_bytes] * len(wanted):
+            raise ProtocolError("a tcp:// put frame carries each chunk it names, in order")
+        leases: list[Lease[Slot]] = []
+        claims: dict[tuple[SlotKey, int], asyncio.Future[None]] = {}
+        # ucx:// lands in the fastest tier (device memory, written one-sidedly); tcp:// in
+        # host memory, where the socket delivers. A block already held stays where it is.
+        tier = self.tiers.fastest if put.ucx else self.tiers.host
+        wait = min(put.wait_s, self.io_timeout_s)
+        scrub = ScrubBatch()
+        try:
+            slots = self._allocate(wanted, chunk_bytes, num_chunks, leases, tier)
+            t0 = time.perf_counter()
+            if put.ucx:
+                accept, sent, failed = await self._put_ucx(
+                    conn, ns, wanted, slots, claims, wait, scrub
+                )
+            else:
+                accept, sent, failed = await self._put_tcp(
+                    conn, ns, wanted, slots, claims, wait, chunk_bytes
+                )
+            stored = await self._commit_landed(wanted, sent, failed)
+            # Scrubbed once committed: a drop then reaches the master after the add.
+            self.scrub.add(ns, scrub)
+            self._settle(claims)  # landed and committed: writers waiting on these look again
+            count_transfer(
+                self.metrics, "put", "ucx" if put.ucx else "tcp", len(sent) * chunk_bytes, t0
+            )
+            busy = tuple(i for i, a in enumerate(accept) if a == BUSY)
+            await self._send(conn, Ack(stored, accept.count(STORED), tuple(failed), busy))
+        finally:
+            self.scrub.add(ns, scrub)  # (gives back its room, when not queued already)
+            self._settle(claims)
+            for lease in leases:
+                lease.release()
+
+    async def _put_ucx(
+        self,
+        conn: Connection,
+        ns: Namespace,
+        wanted: list[_Chunk],
+        slots: list[Slot | None],
+        claims: dict[tuple[SlotKey, int], asyncio.Future[None]],
+        wait: float,
+        scrub: ScrubBatch,
+    ) -> tuple[list[int], dict[int, Slot], list[int]]:
+        """Claim (waiting up to ``wait`` for other writers), hand the writer the spans of
+        its chunks, wait for ``landed``, check them; (accept codes, position → slot of each
+        chunk written, positions that failed a check). Chunks in host memory get their
+        header checked now and are put in ``scrub`` for the rest (the caller hands them to
+        the scrub once committed), when the scrub has room."""
+        accept = await self._claim(wanted, slots, claims, wait, range(len(wanted)))
+        sent = {i: slot for i, a in enumerate(accept) if a == SEND and (slot := slots[i])}
+        items = [self._landing(i, wanted[i], slot) for i, slot in sent.items()]
+        await self._land_by_ucx(conn, accept, items, list(sent.values()))
+        # Host memory: headers now, every byte in the scrub (unless it is full); the GPU
+        # tier: every byte now, off the loop.
+        in_host = self.tiers.host.holds
+        if all(in_host(it.view) for it in items) and self.scrub.reserve(scrub, items):
+            failed = self.checks.headers(conn.peer, ns, items)
+            bad = set(failed)
+            scrub.chunks = [(sent[it.position], it) for it in items if it.position not in bad]
+            return accept, sent, failed
+        return accept, sent, await self.checks.written(conn.peer, ns, items, in_host)
+
+    async def _put_tcp(
+        self,
+        conn: Connection,
+        ns: Namespace,
+        wanted: list[_Chunk],
+        slots: list[Slot | None],
+        claims: dict[tuple[SlotKey, int], asyncio.Future[None]],
+        wait: float,
+        chunk_bytes: int,
+    ) -> tuple[list[int], dict[int, Slot], list[int]]:
+        """Receive the frame's chunks: each claimed one straight into its slot, each one
+        another writer is transferring into a host buffer aside (within
+        :data:`MAX_ASIDE_BYTES` for the node), the rest (stored, quarantined) discarded;
+        all are checked as they arrive. Then wait up to ``wait`` for those other writers: a
+        chunk they did not land is stored from its buffer (one more copy, only then).
+        Returns as :meth:`_put_ucx`."""
+        accept = await self._claim(wanted, slots, claims, 0.0, range(len(wanted)))
+        sent = {i: slot for i, a in enumerate(accept) if a == SEND and (slot := slots[i])}
+        targets: list[LandedChunk | None] = [None] * len(wanted)
+        for i, slot in sent.items():
+            targets[i] = self._landing(i, wanted[i], slot)
+        room = max(0, MAX_ASIDE_BYTES - self._aside_bytes) // chunk_bytes
+        elsewhere = [i for i, a in enumerate(accept) if a == BUSY and self._in_flight(wanted[i])]
+        aside = elsewhere[:room]
+        held = len(aside) * chunk_bytes
+        self._aside_bytes += held
+        try:
+            for i in aside:
+                (_, block), _, index = wanted[i]
+                buf = torch.empty(chunk_bytes, dtype=torch.uint8)
+                targets[i] = LandedChunk(i, block, index, buf)
+            timeout = self.io_timeout_s
+            failed = await self.checks.receive(conn, ns, targets, timeout, self.tiers.in_gpu)
+            kept = [i for i in aside if i not in failed]
+            later = await self._claim(wanted, slots, claims, wait, kept)
+            for i in kept:
+                accept[i] = later[i]
+                slot, target = slots[i], targets[i]
+                if later[i] == SEND and slot is not None and target is not None:
+                    self._landing(i, wanted[i], slot).view.copy_(target.view)
+                    sent[i] = slot
+            return accept, sent, failed
+        finally:
+            self._aside_bytes -= held
+
+    def _landing(self, position: int, chunk: _Chunk, slot: Slot) -> LandedChunk:
+        """Where chunk ``position`` of a put lands: its view in ``slot``."""
+        (_, block), _, index = chunk
+        return LandedChunk(
+            position, block, index, self.tiers.tier_of(slot).table.chunk_view(slot, index)
+        )
+
+    async def _claim(
+        self,
+        wanted: list[_Chunk],
+        slots: list[Slot | None],
+        claims: dict[tuple[SlotKey, int], asyncio.Future[None]],
+        wait_s: float,
+        positions: Iterable[int],
+    ) -> list[int]:
+        """Decide who writes each chunk at ``positions``: :data:`SEND` (this writer; the
+        chunk is claimed in ``claims`` until its exchange ends), :data:`STORED` (landed and
+        checked here already) or :data:`BUSY` (not stored, and this writer may not store it
+        now); one code per chunk of ``wanted`` (BUSY for those not asked about).
+
+        A chunk another writer is transferring is neither stored nor free: this writer
+        waits up to ``wait_s`` for that exchange to end, then looks again — landed means
+        stored, a failed or aborted transfer leaves the chunk to this writer. Past
+        ``wait_s``, or when the block's slot is quarantined (a ``ucx://`` writer that may
+        still be writing timed out), the chunk is BUSY: reported not stored, never a lie.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        accept = [BUSY] * len(wanted)
+        todo = list(positions)
+        while todo:
+            waits: list[asyncio.Future[None]] = []
+            later = []
+            for i in todo:
+                (key, _, index), slot = wanted[i], slots[i]
+                if slot is None or slot.quarantined or not slot.alive:
+                    continue
+                if slot.landed_mask >> index & 1:
+                    accept[i] = STORED
+                elif (other := self._inflight.get((key, index))) is not None:
+                    waits.append(other)
+                    later.append(i)
+                else:
+                    accept[i] = SEND
+                    claims[key, index] = self._inflight[key, index] = loop.create_future()
+            todo = later
+            left = deadline - loop.time()
+            if not todo or left <= 0:
+                break
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        return accept
+
+    def _in_flight(self, chunk: _Chunk) -> bool:
+        """Whether another exchange is transferring ``chunk`` now."""
+        key, _, index = chunk
+        return (key, index) in self._inflight
+
+    def _settle(self, claims: dict[tuple[SlotKey, int], asyncio.Future[None]]) -> None:
+        """End an exchange's claims and wake the writers waiting on them (idempotent)."""
+        for chunk, fut in claims.items():
+            if self._inflight.get(chunk) is fut:
+                del self._inflight[chunk]
+            if not fut.done():
+                fut.set_result(None)
+
+    def _allocate(
+        self,
+        wanted: list[_Chunk],
+        chunk_bytes: int,
+        num_chunks: int,
+        leases: list[Lease[Slot]],
+        tier: MemoryTier,
+    ) -> list[Slot | None]:
+        """Allocate and pin the batch's slots, new ones in ``tier``, blocks already held in
+        the tier that holds them (REJECT = CapacityError before any payload). A block whose
+        slot is quarantined gets None: its chunks cannot be stored now (BUSY)."""
+        by_key: dict[SlotKey, Slot | None] = {}
+        host = self.tiers.host
+        for key, parent, _ in wanted:
+            if key in by_key:
+                continue
+            # A quarantined slot counts as held, so a block is never started again in
+            # another tier meanwhile.
+            held = self.tiers.holder(key)
+            if held is not None and held.table.get(key) is None:
+                by_key[key] = None
+                continue
+            into = held or tier
+            args = (key, chunk_bytes * num_chunks, chunk_bytes, num_chunks, parent)
+            try:
+                res = into.table.allocate(*args)
+            except CapacityError:
+                if held is not None or into is host:
+                    raise
+                into = host  # no room in the GPU tier (pinned, quarantined): host memory
+                res = into.table.allocate(*args)
+            by_key[key] = res.slot
+            leases.append(into.table.pin(res.slot))
+            self.tiers.evicted(into, res.evicted)
+        return [by_key[key] for key, _, _ in wanted]
+
+    async def _land_by_ucx(
+        self, conn: Connection, accept: list[int], items: list[LandedChunk], slots: list[Slot]
+    ) -> None:
+        """``ucx://``: hand the writer the chunk views' spans, wait for its ``landed``.
+
+        If the writer never says ``landed`` (timeout, disconnect, garbage), it may still be
+        writing one-sidedly into those slots: they are quarantined for a while, unreadable
+        and not reused, instead of being handed to someone else.
+        """
+        spans = tuple(tuple(self.tiers.span(it.view)) for it in items)
+        await self._send(conn, Ready(tuple(accept), spans))
+        try:
+            frame = await conn.recv_header(timeout=self.io_timeout_s)
+            if frame.sizes:
+                raise ProtocolError("'landed' carries no payload")
+            expect(frame.header, Landed)
+        except BaseException:
+            self._quarantine(slots)
+            raise
+
+    def _quarantine(self, slots: Iterable[Slot]) -> None:
+        """Quarantine ``slots`` for one I/O timeout (a peer may still write into them)."""
+        loop = asyncio.get_running_loop()
+        for slot in set(slots):
+            tier = self.tiers.owner(slot)
+            if tier is None:
+                continue
+            tier.table.quarantine(slot)
+            # One deadline per slot, the latest: a second writer of the same block that
+            # times out later keeps it quarantined for its own full timeout.
+            old = self._unquarantine_at.pop(slot, None)
+            if old is not None:
+                old.cancel()
+            self._unquarantine_at[slot] = loop.call_later(
+                self.io_timeout_s, self._unquarantine, tier, slot
+            )
+
+    def _unquarantine(self, tier: MemoryTier, slot: Slot) -> None:
+        self._unquarantine_at.pop(slot, None)
+        if slot.alive and slot.quarantined and tier.owns(slot):
+            tier.table.unquarantine(slot)
+
+    async def _commit_landed(
+        self, wanted: list[_Chunk], sent: dict[int, Slot], failed: list[int]
+    ) -> int:
+        """Mark the checked chunks landed and commit them to the master; chunks stored.
+        ``sent``: request position → slot of each chunk the writer sent. Chunks whose slot
+        was quarantined meanwhile are added to ``failed``."""
+        landed: dict[SlotKey, list[int]] = {}
+        rejected = set(failed)
+        stored = 0
+        for i, slot in sent.items():
+            key, _, index = wanted[i]
+            if i in rejected:
+                continue
+            if slot.quarantined:
+                # Quarantined by another exchange meanwhile (a writer of the same block
+                # timed out): this chunk is not kept; the writer is told so and may retry.
+                failed.append(i)
+                continue
+            stored += 1
+            if self.tiers.tier_of(slot).table.mark_landed(slot, index):
+                landed.setdefault(key, []).append(index)
+        failed.sort()
+        await self.link.commit([BlockAdd(k[0], k[1], tuple(v)) for k, v in landed.items()])
+        return stored
