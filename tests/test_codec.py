@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from kvstore.core.codec import (
     QUANT_SCHEMES,
     SCHEMES,
     ChunkKey,
+    ChunkSpec,
     ChunkVerifier,
     chunk_nbytes,
     copy_stats,
@@ -27,6 +29,7 @@ from kvstore.core.codec import (
     encode_chunk,
     read_header,
     verify_chunk,
+    verify_host_bytes,
 )
 from kvstore.core.kvgen import attention_error, compare_schemes, realistic_kv
 from kvstore.errors import (
@@ -649,6 +652,29 @@ def test_chunk_verifier_in_pieces_agrees_with_verify_chunk(data: st.DataObject) 
     cuts = sorted(data.draw(st.lists(st.integers(0, len(buf)), max_size=6)))
     key = data.draw(st.sampled_from([KEY, KEY._replace(layer=3), None]))
     assert _streamed(bytes(buf), cuts, key) == _whole(bytes(buf), key)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_verify_host_bytes_agrees_with_verify_chunk(data: st.DataObject) -> None:
+    """The numpy-bytes check of small received chunks says what verify_chunk says, for
+    every scheme, checksum kind, damage, expected key and spec."""
+    quant = data.draw(st.sampled_from(sorted(QUANT_SCHEMES)))
+    kind = data.draw(st.sampled_from(["xxh3_64", "mulsum64"]))
+    buf = bytearray(encode_chunk(_kv(16, 2, 8, torch.bfloat16), quant, KEY, checksum=kind).numpy())
+    for bit in data.draw(st.lists(st.integers(0, len(buf) * 8 - 1), max_size=2, unique=True)):
+        buf[bit // 8] ^= 1 << (bit % 8)
+    key = data.draw(st.sampled_from([KEY, KEY._replace(layer=3), None]))
+    spec = data.draw(st.sampled_from([None, ChunkSpec(16, 2, 8, torch.bfloat16, "int8"),
+                                      ChunkSpec(16, 2, 8, torch.float16, "none")]))  # fmt: skip
+
+    def outcome(check: Any) -> object:
+        try:
+            return check(np.frombuffer(bytes(buf), np.uint8), key, spec)
+        except ChunkError as exc:
+            return type(exc)
+
+    assert outcome(verify_host_bytes) == outcome(verify_chunk)
 
 
 def test_chunk_verifier_catches_damage_in_every_piece_and_reads_nothing_twice() -> None:

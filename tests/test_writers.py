@@ -30,6 +30,7 @@ from kvstore.core.codec import ChunkKey, chunk_nbytes, encode_blocks
 from kvstore.dataplane import ChunkRef, NodeClient, PutChunk
 from kvstore.dataplane.messages import Put
 from kvstore.master import MasterServer
+from kvstore.node import checks
 from kvstore.node.server import StorageNode
 from kvstore.transport.framing import encode_prefix
 from tests import kvproc
@@ -344,3 +345,25 @@ def _honest_digest(tokens: int, layer: int, layers: int) -> str:
     t = kvproc.layer_kv(tokens, layer, 1)[:, : len(hashes) * ns.block_tokens]
     chunks = encode_blocks(t, ns.block_tokens, keys, ns.quant)
     return kvproc.digest(torch.cat([kvclient.decode_chunk(c) for c in chunks], dim=1))
+
+
+async def test_small_chunks_received_together_are_each_checked(pool: Pool) -> None:
+    """Chunks this small are received into one buffer and checked as bytes: a flipped
+    payload bit, a wrong key and a bad header are each refused on their own, the rest of the
+    batch is stored, and what is read back is exactly what was sent."""
+    tokens = prompt(5)
+    hashes = kvclient.block_hashes(NS, tokens)
+    rows = encode_blocks(kv(tokens, 0), B, [ChunkKey(h, 0, 0) for h in hashes], NS.quant)
+    assert rows[0].numel() <= checks.SMALL_CHUNK_BYTES
+    bad = [r.clone() for r in rows]
+    bad[1][-200] ^= 0x10  # payload: only the checksum can tell
+    bad[2] = rows[3].clone()  # another block's chunk
+    bad[4][12] ^= 0x01  # header
+    spec = [PutChunk(h, hashes[i - 1] if i else None, 0, r.numel())
+            for i, (h, r) in enumerate(zip(hashes, rows, strict=True))]  # fmt: skip
+    ack = await NodeClient(pool.node.data_uri).put(NS.canonical_bytes(), spec, bad)
+    assert (ack.stored, ack.failed) == (2, (1, 2, 4))
+    async with await pool.client() as kv_c:
+        assert torch.equal(await kv_c.get_layer(tokens, 0), reference(tokens, 0)[:, :B])
+        assert await kv_c.put_layer(tokens, 0, kv(tokens, 0)) == len(tokens)
+        assert torch.equal(await kv_c.get_layer(tokens, 0), reference(tokens, 0))

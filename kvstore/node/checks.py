@@ -18,14 +18,22 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from kvstore.core.codec import ChunkKey, ChunkSpec, ChunkVerifier, check_header, verify_chunk
+from kvstore.core.codec import (
+    ChunkKey,
+    ChunkSpec,
+    ChunkVerifier,
+    check_header,
+    verify_chunk,
+    verify_host_bytes,
+)
 from kvstore.core.hashing import Namespace
 from kvstore.errors import ChunkError
 from kvstore.transport.base import Connection
 
-__all__ = ["INLINE_VERIFY_BYTES", "ChunkChecks", "LandedChunk"]
+__all__ = ["INLINE_VERIFY_BYTES", "SMALL_CHUNK_BYTES", "ChunkChecks", "LandedChunk"]
 
 logger = logging.getLogger("kvstore.node")
 
@@ -33,6 +41,9 @@ INLINE_VERIFY_BYTES = 32 * 2**20
 """``ucx://`` batches up to this size are verified on the loop (at most ~5 ms of it here):
 measured faster than the verifier threads up to 32 MiB, slower at 256 MiB
 (docs/decisions.md)."""
+
+SMALL_CHUNK_BYTES = 64 * 2**10
+"""``tcp://`` chunks up to this size are received together and checked as numpy bytes."""
 
 _MAX_VERIFY_THREADS = 4
 _MAX_SPECS = 1024
@@ -137,6 +148,9 @@ class ChunkChecks:
         in. Raises what the connection raises.
         """
         items = [t for t in targets if t is not None]
+        if items and all(it.view.numel() <= SMALL_CHUNK_BYTES and not bounce(it.view)
+                         for it in items):  # fmt: skip
+            return await self._receive_small(conn, ns, targets, timeout)
         hosts = [_host_buffer(it.view) if bounce(it.view) else it.view for it in items]
         spec = self.spec(ns)
         checks = [
@@ -161,6 +175,34 @@ class ChunkChecks:
         for it, buf in zip(items, hosts, strict=True):
             if buf is not it.view and it.position not in failed:
                 it.view.copy_(buf)
+        return failed
+
+    async def _receive_small(
+        self, conn: Connection, ns: Namespace, targets: list[LandedChunk | None], timeout: float
+    ) -> list[int]:
+        """:meth:`receive` for chunks of at most :data:`SMALL_CHUNK_BYTES` in host memory:
+        the payload lands in one host buffer, each chunk is checked there as numpy bytes
+        (:func:`verify_host_bytes`, no tensors built per chunk) and copied into its slot if
+        it passes (one more copy of a small chunk, cheaper than the per-chunk tensor work
+        it saves)."""
+        sizes = [t.view.numel() if t is not None else 0 for t in targets]
+        scratch = np.empty(sum(sizes), dtype=np.uint8)
+        bounds = np.cumsum([0, *sizes]).tolist()
+        views = [scratch[bounds[k] : bounds[k + 1]] if t is not None else None
+                 for k, t in enumerate(targets)]  # fmt: skip
+        await conn.recv_payload_into(views, timeout)
+        spec = self.spec(ns)
+        failed: list[int] = []
+        for t, buf in zip(targets, views, strict=True):
+            if t is None or buf is None:
+                continue
+            try:
+                verify_host_bytes(buf, ChunkKey(t.block, *divmod(t.chunk, ns.tp_size)), spec)
+            except ChunkError as exc:
+                logger.warning("rejected chunk from %s: %s", conn.peer, exc)
+                failed.append(t.position)
+                continue
+            t.view.numpy()[:] = buf
         return failed
 
 
