@@ -277,7 +277,7 @@ async def test_the_scrub_gives_way_to_exchanges_but_not_past_its_age_bound(
 ) -> None:
     """While the node serves an exchange the scrub waits; once its oldest chunk has waited
     MAX_AGE_S it checks anyway, and drops a bad chunk through its callback."""
-    monkeypatch.setattr(scrub, "MAX_AGE_S", 0.3)
+    monkeypatch.setattr(scrub, "MAX_AGE_S", 1.0)
     tiers = Tiers(8 * 2**20)
     key = (NS.id, blocks(1)[0])
     res = tiers.host.table.allocate(key, 2 * CHUNK_BYTES, CHUNK_BYTES, 2, None)
@@ -295,7 +295,7 @@ async def test_the_scrub_gives_way_to_exchanges_but_not_past_its_age_bound(
         assert s.reserve(batch, [item])
         batch.chunks = [(res.slot, item)]
         s.add(NS, batch)
-        await asyncio.sleep(0.15)
+        await asyncio.sleep(0.2)
         assert (s.pending, dropped) == (1, []), "busy: the scrub waits"
         await asyncio.wait_for(s.idle(), 5)
         assert (s.pending, s.scrubbed, dropped) == (0, 1, [0])
