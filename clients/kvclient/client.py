@@ -138,6 +138,7 @@ class ClientCore:
         self._allow_ucx = ucx
         self._ucx = UcxPath(staging_bytes)
         self._nodes_at = -1e9
+        self._placing: tuple[list[_Node], dict[str, _Node], list[Candidate]] | None = None
         self._nodes_lock = asyncio.Lock()
         self._codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvclient-codec")
         self._inflight: dict[asyncio.Task[Any], list[bytes]] = {}
@@ -265,8 +266,15 @@ class ClientCore:
             return self._nodes
 
     def _place(self, key: bytes, nodes: list[_Node]) -> list[_Node]:
-        by_id = {n.node_id: n for n in nodes}
-        cands = [Candidate(n.node_id, weight_for_free(n.free_bytes)) for n in nodes]
+        """The nodes ``key`` goes to (HRW over ``nodes``, weighted by free bytes). The
+        candidates are built once per node snapshot, not once per block."""
+        if self._placing is None or self._placing[0] is not nodes:
+            by_id = {n.node_id: n for n in nodes}
+            cands = [Candidate(n.node_id, weight_for_free(n.free_bytes)) for n in nodes]
+            self._placing = (nodes, by_id, cands)
+        _, by_id, cands = self._placing
+        if len(cands) == 1 and self.replicas >= 1:  # one node: it is every block's place
+            return [by_id[cands[0].node_id]]
         return [by_id[i] for i in rank_nodes(key, cands, self.replicas)]
 
     # ------------------------------------------------------------------ put
