@@ -273,7 +273,7 @@ class ClientCore:
             cands = [Candidate(n.node_id, weight_for_free(n.free_bytes)) for n in nodes]
             self._placing = (nodes, by_id, cands)
         _, by_id, cands = self._placing
-        if len(cands) == 1 and self.replicas >= 1:  # one node: it is every block's place
+        if len(cands) == 1:  # one node: it is every block's place
             return [by_id[cands[0].node_id]]
         return [by_id[i] for i in rank_nodes(key, cands, self.replicas)]
 
@@ -637,16 +637,17 @@ class ClientCore:
         """``lease`` → spans → one-sided READ into staging → ``release`` → decode."""
         peer = await self._ucx.peer(node.nixl_metadata, node.host)
         lease = self._node(node.data_uri).lease(self.ns.id, spec, self.timeout_s)
-        async with lease as (found, leased):
-            have = [idx[k] for k in found]
-            async with self._ucx.staging(len(have), self._chunk_bytes) as rows:
+        async with self._ucx.staging(len(idx), self._chunk_bytes) as rows:
+            async with lease as (found, leased):
+                have = [idx[k] for k in found]
                 if have:
                     spans = [list(s) for s in leased.spans]
-                    await self._ucx.read(peer, spans, list(rows.unbind(0)), self.timeout_s)
-                # (released on leaving the lease; decoded after: the bytes are in ``rows``)
-                ok, bad = await self._run_codec(
-                    self._decode_all, have, rows, hashes, layer, shard, sink
-                )
+                    read_into = list(rows[: len(have)].unbind(0))
+                    await self._ucx.read(peer, spans, read_into, self.timeout_s)
+            # Released before decoding: the bytes are in ``rows``, the slots free again.
+            ok, bad = await self._run_codec(
+                self._decode_all, have, rows, hashes, layer, shard, sink
+            )
         self._report_bad(node.data_uri, hashes, self._chunk_index(layer, shard), bad)
         return ok
 
