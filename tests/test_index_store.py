@@ -409,6 +409,30 @@ async def test_objects_are_located_per_holder(store: IndexStore) -> None:
 # -- subscriptions ------------------------------------------------------------------------------
 
 
+async def test_slot_locations_are_kept_replaced_and_published(store: IndexStore) -> None:
+    """An add's location is kept with the holder (an add without one keeps the old one),
+    a later add with another replaces it (a slot moved), an evict drops it, and COMMIT
+    events carry the holder's location after the add: readers READ from what it says."""
+    epoch = await reg(store)
+    here, there = bytes(range(20)), bytes(range(1, 21))
+    await store.apply(CommitBatch("a", epoch, 1, (BlockAdd(NS, bh(1), (0,), here),)))
+    async with store.subscribe(NS, [bh(1)], 64) as sub:
+        assert sub.snapshot[0]["a"] == Holding(epoch, 0b1, here)
+        await store.apply(CommitBatch("a", epoch, 2, (BlockAdd(NS, bh(1), (1,)),)))
+        assert (await store.locate(NS, [bh(1)]))[0]["a"] == Holding(epoch, 0b11, here)
+        await store.apply(CommitBatch("a", epoch, 3, (BlockAdd(NS, bh(1), (2,), there),)))
+        assert (await store.locate(NS, [bh(1)]))[0]["a"] == Holding(epoch, 0b111, there)
+        await store.apply(
+            CommitBatch(
+                "a", epoch, 4, (BlockAdd(NS, bh(1), (3,)),), evicts=(BlockRef(NS, bh(1)),)
+            )
+        )
+        assert (await store.locate(NS, [bh(1)]))[0]["a"] == Holding(epoch, 0b1000)
+        events = await sub.read(100, timeout=2)
+    commits = [(e.chunks, e.location) for e in events if e.kind is EventKind.COMMIT]
+    assert commits == [((1,), here), ((2,), there), ((3,), b"")]
+
+
 async def test_subscription_snapshot_then_events(store: IndexStore) -> None:
     epoch = await reg(store)
     await store.apply(

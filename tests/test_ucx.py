@@ -5,11 +5,14 @@ whose lease expired. Every call ends within its deadline with data or a typed er
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +24,8 @@ from kvclient.errors import ChunkError, KVStoreError
 from kvclient.ucx import nixl_available
 from kvstore.core.codec import ChunkKey, chunk_nbytes, decode_chunk
 from kvstore.core.kvgen import realistic_kv
-from kvstore.dataplane import ChunkRef
+from kvstore.dataplane import ChunkRef, NodeClient
+from kvstore.dataplane.location import SlotLocation
 from kvstore.dataplane.messages import Lease, Leased, Release, expect
 from kvstore.transport import connect
 from tests.cluster import Server, node_stats, start_server
@@ -188,6 +192,78 @@ async def test_reader_with_expired_lease_never_gets_another_blocks_bytes(master:
                 else:
                     ref = decode_chunk(kvclient.encode_chunk(t, key=ChunkKey(block, 0, 0)))
                     assert torch.equal(got, ref)
+    finally:
+        rc, out = node.stop()
+    assert rc == 0, out
+
+
+def _lookups(master: Server) -> float:
+    """How many Lookup RPCs the master has served (from its /metrics)."""
+    with urllib.request.urlopen(f"http://{master.addresses['metrics']}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    found = re.search(r'^kvstore_rpc_seconds_count\{method="Lookup"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+async def test_get_reads_committed_slots_without_asking_the_node(master: Server) -> None:
+    """A ``ucx://`` get READs each slot at the location the lookup gave, with no exchange
+    with the node, and gets the same bytes a ``tcp://`` read does."""
+    node = ucx_node(master)
+    n = 4 * 256
+    tokens = _tokens(11, n)
+    try:
+        async with await kvclient.KVClient.connect(master.grpc, _ns(layers=2)) as kv:
+            for layer in range(2):
+                t = realistic_kv(n, H, D, torch.bfloat16, seed=20 + layer)
+                assert await kv.put_layer(tokens, layer, t) == n
+            holders = await kv._master.lookup(kv.ns.id, kv.block_hashes(tokens), 2)
+            assert all(SlotLocation.unpack(h.location) for block in holders for h in block)
+            got = await kv.get_layer(tokens, 1)
+            assert (kv._reads.stats.direct, kv._reads.stats.leased) == (4, 0)
+            lookups = _lookups(master)
+            assert lookups >= 1  # the get_layer's
+            streamed = [t async for _, t in kv.stream_layers(tokens, timeout=10)]
+            assert kv._reads.stats.direct == 4 + 2 * 4 and kv._reads.stats.retried == 0
+            assert _lookups(master) == lookups  # the watch said where: no lookup per layer
+        async with await kvclient.KVClient.connect(master.grpc, _ns(layers=2), ucx=False) as tcp:
+            assert torch.equal(got, await tcp.get_layer(tokens, 1))
+            assert torch.equal(streamed[0], await tcp.get_layer(tokens, 0))
+            assert tcp._reads.stats.tcp == 8
+    finally:
+        rc, out = node.stop()
+    assert rc == 0, out
+
+
+async def test_a_stale_or_bogus_location_falls_back_to_the_node(master: Server) -> None:
+    """A location from before an eviction (the slot since reused by other blocks), or one
+    outside the node's memory, costs one more exchange — the leased read through the node
+    — never a wrong tensor or a miss for a block the node holds."""
+    node = ucx_node(master, host_mem="16MiB")
+    ns = _ns()
+    tokens = _tokens(12, 256)
+    t = realistic_kv(256, H, D, torch.bfloat16, seed=12)
+    try:
+        async with await kvclient.KVClient.connect(master.grpc, ns) as kv:
+            assert await kv.put_layer(tokens, 0, t) == 256
+            hashes = kv.block_hashes(tokens)
+            (old,) = (await kv._master.lookup(ns.id, hashes, 1))[0]
+            evicted = await NodeClient(node.data, timeout_s=5).evict(ns.id, hashes)
+            assert evicted.evicted == 1
+            for i in range(40):  # fill the 16 MiB pool: the old slot's memory is reused
+                other = _tokens(2000 + i, 256)
+                await kv.put_layer(other, 0, realistic_kv(256, H, D, torch.bfloat16, seed=i))
+            out = torch.zeros(2, 256, H, D, dtype=torch.bfloat16)
+            assert await kv._fetch(hashes, 0, 0, {0: old}, kv._into(out)) == set()
+            assert kv._reads.stats.retried == 1 and not out.any()  # another block's bytes: no
+            assert await kv.put_layer(tokens, 0, t) == 256  # stored again
+            want = (await kv.get_layer(tokens, 0)).clone()
+            loc = SlotLocation.unpack(old.location)
+            assert loc is not None
+            bogus = dataclasses.replace(
+                old, location=loc._replace(addr=loc.addr + (1 << 44)).pack()
+            )  # not registered memory of the node: the READ itself fails
+            assert await kv._fetch(hashes, 0, 0, {0: bogus}, kv._into(out)) == {0}
+            assert kv._reads.stats.retried == 2 and torch.equal(out, want)
     finally:
         rc, out = node.stop()
     assert rc == 0, out

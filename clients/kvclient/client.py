@@ -19,8 +19,7 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, Self, TypeVar
 
 import torch
@@ -29,20 +28,17 @@ import xxhash
 from kvstore.core.codec import (
     ChunkKey,
     ChunkSpec,
-    check_header,
     chunk_nbytes,
     decode_chunk,
     encode_blocks,
 )
 from kvstore.core.hashing import Namespace, block_hashes, dtype_name
 from kvstore.core.placement import Candidate, rank_nodes, weight_for_free
-from kvstore.dataplane import ChunkRef, NodeClient, PutChunk
+from kvstore.dataplane import NodeClient, PutChunk
 from kvstore.dataplane.messages import MAX_CHUNKS_PER_REQUEST, MAX_KEY_LEN, Ready
 from kvstore.errors import (
     BadShape,
     CapacityError,
-    ChunkError,
-    ChunkKeyMismatch,
     Closed,
     InvalidArgument,
     KVStoreError,
@@ -55,6 +51,8 @@ from kvstore.master.client import MasterClient
 from .engine import EngineOps
 from .handles import no_blocks, prefix_len
 from .pool import ConnectionPool
+from .reads import ChunkReader, LayerRead, NodeEntry
+from .stream import StreamState, next_batch
 from .ucx import DEFAULT_STAGING_BYTES, UcxPath, prefer_ucx
 
 __all__ = ["DEFAULT_MAX_OBJECT_BYTES", "ClientCore", "KVClient"]
@@ -74,8 +72,6 @@ _NODES_TTL_S = 1.0  # how long a placement snapshot of the node list is reused
 _MAX_NODE_CLIENTS = 4096
 """Node clients kept (one per data URI; dropped all at once past this)."""
 
-_MAX_REPORTS = 16
-"""Bad-chunk reports to nodes in flight at once, per client."""
 
 _PUT_DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("kvclient_put_deadline")
 """The running put's deadline (loop time), set for its task by ``_tracked_put``."""
@@ -83,17 +79,6 @@ _PUT_DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("kvclient_
 _WAIT_SHARE = 0.5
 """Share of a put's remaining time it may spend waiting on a node for another writer's
 transfer of the same chunk; the rest is left for storing the chunk itself."""
-
-
-@dataclass
-class _Node:
-    node_id: str
-    data_uri: str
-    free_bytes: int
-    ucx: bool = False
-    """Move bulk bytes to/from this node by NIXL (see :func:`kvclient.ucx.prefer_ucx`)."""
-    nixl_metadata: bytes = b""
-    host: str = ""
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -133,18 +118,28 @@ class ClientCore:
             ns.block_tokens, ns.num_kv_heads, ns.head_dim, ns.dtype, ns.quant
         )
         self._ns_raw = ns.canonical_bytes()
-        self._nodes: list[_Node] = []
-        self._by_uri: dict[str, _Node] = {}
+        self._nodes: list[NodeEntry] = []
+        self._by_uri: dict[str, NodeEntry] = {}
+        self._uri_of: dict[str, str] = {}
         self._allow_ucx = ucx
         self._ucx = UcxPath(staging_bytes)
         self._nodes_at = -1e9
-        self._placing: tuple[list[_Node], dict[str, _Node], list[Candidate]] | None = None
+        self._placing: tuple[list[NodeEntry], dict[str, NodeEntry], list[Candidate]] | None = None
         self._nodes_lock = asyncio.Lock()
         self._codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvclient-codec")
         self._inflight: dict[asyncio.Task[Any], list[bytes]] = {}
-        self._reports: set[asyncio.Task[None]] = set()
         self._node_clients: dict[str, NodeClient] = {}
         self._spec = ChunkSpec.of(ns)
+        self._reads = ChunkReader(
+            ns_id=ns.id,
+            spec=self._spec,
+            chunk_bytes=self._chunk_bytes,
+            timeout_s=self.timeout_s,
+            ucx=self._ucx,
+            node=self._node,
+            discard=self._pool.discard,
+            run_codec=self._run_codec,
+        )
         self._loop = asyncio.get_running_loop()
         self._closed = False
 
@@ -187,9 +182,7 @@ class ClientCore:
             # here (watchers stop at the first abort, a second one is harmless).
             hashes = list(dict.fromkeys(h for hs in inflight.values() for h in hs))
             await self._abort(hashes, "client closed with puts in flight")
-        for report in list(self._reports):
-            report.cancel()
-        await asyncio.gather(*self._reports, return_exceptions=True)
+        await self._reads.close()
         await self._pool.close()
         await self._ucx.close()
         await self._master.close()
@@ -243,13 +236,13 @@ class ClientCore:
             node = self._node_clients[uri] = NodeClient(uri, self._pool, timeout_s=self.timeout_s)
         return node
 
-    async def _live_nodes(self, refresh: bool = False) -> list[_Node]:
+    async def _live_nodes(self, refresh: bool = False) -> list[NodeEntry]:
         async with self._nodes_lock:
             now = time.monotonic()
             if refresh or now - self._nodes_at > _NODES_TTL_S:
                 infos = await self._master.nodes()
                 known = {
-                    n.node_id: _Node(
+                    n.node_id: NodeEntry(
                         n.node_id,
                         n.data_uri,
                         n.free_bytes,
@@ -261,11 +254,12 @@ class ClientCore:
                     if n.alive
                 }
                 self._by_uri = {n.data_uri: n for n in known.values()}
+                self._uri_of = {n.node_id: n.data_uri for n in known.values()}
                 self._nodes = [known[n.node_id] for n in infos if n.placeable]
                 self._nodes_at = now
             return self._nodes
 
-    def _place(self, key: bytes, nodes: list[_Node]) -> list[_Node]:
+    def _place(self, key: bytes, nodes: list[NodeEntry]) -> list[NodeEntry]:
         """The nodes ``key`` goes to (HRW over ``nodes``, weighted by free bytes). The
         candidates are built once per node snapshot, not once per block."""
         if self._placing is None or self._placing[0] is not nodes:
@@ -425,7 +419,7 @@ class ClientCore:
         every one of them."""
         nodes = await self._live_nodes()
         groups: dict[str, list[int]] = {}
-        by_id: dict[str, _Node] = {}
+        by_id: dict[str, NodeEntry] = {}
         for i, h in enumerate(hashes):
             for node in self._place(h, nodes):
                 groups.setdefault(node.node_id, []).append(i)
@@ -451,7 +445,7 @@ class ClientCore:
 
     async def _put_to_node(
         self,
-        node: _Node,
+        node: NodeEntry,
         idx: list[int],
         hashes: list[bytes],
         index: int,
@@ -476,7 +470,7 @@ class ClientCore:
         # Failed a check, or busy (another writer's transfer did not end in time): not stored.
         return set(idx) - {idx[k] for k in ack.not_stored()}
 
-    async def _write_ucx(self, node: _Node, spans: Any, chunks: list[torch.Tensor]) -> None:
+    async def _write_ucx(self, node: NodeEntry, spans: Any, chunks: list[torch.Tensor]) -> None:
         if not chunks:
             return
         peer = await self._ucx.peer(node.nixl_metadata, node.host)
@@ -573,130 +567,24 @@ class ClientCore:
         located: dict[int, Any],
         sink: Callable[[int, torch.Tensor, ChunkKey], None],
     ) -> set[int]:
-        """Read the located chunks (one exchange per node per batch) and hand each intact
-        one to ``sink`` on the codec thread; the block indices loaded."""
-        index = layer * self.ns.tp_size + shard
+        """Read the located chunks (one read per node per batch, see
+        :class:`~kvclient.reads.ChunkReader`) and hand each intact one to ``sink`` on the
+        codec thread; the block indices loaded. ``located[i]``: block ``i``'s holder."""
+        want = LayerRead(hashes, layer, shard, layer * self.ns.tp_size + shard)
         plan: dict[str, list[int]] = {}
         for i, holder in located.items():
             plan.setdefault(holder.data_uri, []).append(i)
+        if any(uri not in self._by_uri for uri in plan):
+            await self._live_nodes(refresh=True)
+        locations = {i: h.location for i, h in located.items()}
         got = await asyncio.gather(
             *(
-                self._get_from_node(uri, part, hashes, layer, shard, index, sink)
+                self._reads.read(self._by_uri.get(uri), uri, part, want, locations, sink)
                 for uri, idx in plan.items()
                 for part in _batches(idx)
             )
         )
         return set().union(*got) if got else set()
-
-    async def _get_from_node(
-        self,
-        uri: str,
-        idx: list[int],
-        hashes: list[bytes],
-        layer: int,
-        shard: int,
-        index: int,
-        sink: Callable[[int, torch.Tensor, ChunkKey], None],
-    ) -> set[int]:
-        """Fetch chunks ``idx`` from one node and pass them to ``sink``; return the indices
-        that arrived intact. A node that fails is a miss for its blocks."""
-        spec = [ChunkRef(hashes[i], index) for i in idx]
-        node = self._by_uri.get(uri)
-        if node is None:
-            await self._live_nodes(refresh=True)
-            node = self._by_uri.get(uri)
-        try:
-            if node is not None and node.ucx:
-                return await self._get_ucx(node, idx, spec, hashes, layer, shard, sink)
-            bufs = torch.empty(0, dtype=torch.uint8)
-
-            def into(found: list[int]) -> list[Any]:
-                nonlocal bufs
-                bufs = torch.empty(len(found), self._chunk_bytes, dtype=torch.uint8)
-                return [row.numpy() for row in bufs]
-
-            have = [idx[k] for k in await self._node(uri).get(self.ns.id, spec, into)]
-        except TransportError as exc:
-            logger.warning("get from %s failed: %s", uri, exc)
-            await self._pool.discard(uri)
-            return set()
-        ok, bad = await self._run_codec(self._decode_all, have, bufs, hashes, layer, shard, sink)
-        self._report_bad(uri, hashes, index, bad)
-        return ok
-
-    async def _get_ucx(
-        self,
-        node: _Node,
-        idx: list[int],
-        spec: list[ChunkRef],
-        hashes: list[bytes],
-        layer: int,
-        shard: int,
-        sink: Callable[[int, torch.Tensor, ChunkKey], None],
-    ) -> set[int]:
-        """``lease`` → spans → one-sided READ into staging → ``release`` → decode."""
-        peer = await self._ucx.peer(node.nixl_metadata, node.host)
-        lease = self._node(node.data_uri).lease(self.ns.id, spec, self.timeout_s)
-        async with self._ucx.staging(len(idx), self._chunk_bytes) as rows:
-            async with lease as (found, leased):
-                have = [idx[k] for k in found]
-                if have:
-                    spans = [list(s) for s in leased.spans]
-                    read_into = list(rows[: len(have)].unbind(0))
-                    await self._ucx.read(peer, spans, read_into, self.timeout_s)
-            # Released before decoding: the bytes are in ``rows``, the slots free again.
-            ok, bad = await self._run_codec(
-                self._decode_all, have, rows, hashes, layer, shard, sink
-            )
-        self._report_bad(node.data_uri, hashes, self._chunk_index(layer, shard), bad)
-        return ok
-
-    def _decode_all(
-        self,
-        have: list[int],
-        bufs: torch.Tensor,
-        hashes: list[bytes],
-        layer: int,
-        shard: int,
-        sink: Callable[[int, torch.Tensor, ChunkKey], None],
-    ) -> tuple[set[int], list[int]]:
-        """Check each received chunk's header against the namespace, then hand it to
-        ``sink`` (which verifies and decodes it); a bad chunk is a miss for its block, never
-        an error for the call. Returns (block indices loaded, indices of chunks that are
-        bad where they are stored — not those of a reused slot, which carry another key)."""
-        ok: set[int] = set()
-        bad: list[int] = []
-        for k, i in enumerate(have):
-            key = ChunkKey(hashes[i], layer, shard)
-            try:
-                check_header(bufs[k], key, self._spec)
-                sink(i, bufs[k], key)
-                ok.add(i)
-            except ChunkKeyMismatch as exc:
-                logger.info("chunk %d is stale: %s", i, exc)
-            except ChunkError as exc:
-                logger.warning("chunk %d rejected: %s", i, exc)
-                bad.append(i)
-        return ok, bad
-
-    def _report_bad(self, uri: str, hashes: list[bytes], index: int, bad: list[int]) -> None:
-        """Tell the node that chunks it served failed verification, in the background (at
-        most :data:`_MAX_REPORTS` reports in flight; more are dropped, and a later read
-        reports again). The node checks them itself and drops those that are bad, so the
-        next writer stores them."""
-        if not bad or len(self._reports) >= _MAX_REPORTS:
-            return
-        chunks = [ChunkRef(hashes[i], index) for i in bad]
-
-        async def report() -> None:
-            try:
-                await self._node(uri).report(self.ns.id, chunks)
-            except KVStoreError as exc:
-                logger.info("bad-chunk report to %s not delivered: %s", uri, exc)
-
-        task = asyncio.ensure_future(report())
-        self._reports.add(task)
-        task.add_done_callback(self._reports.discard)
 
     # ------------------------------------------------------------------ prefix match
 
@@ -777,19 +665,21 @@ class ClientCore:
                     ),
                 )
             return
-        masks: list[dict[str, int]] = [{} for _ in hashes]
+        state = StreamState(n_blocks)
         next_layer = 0
         events = self._master.watch(self.ns.id, hashes, self._chunks_per_block, timeout=limit)
         try:
             while next_layer < L:
-                for ev in await _next_batch(events, deadline, next_layer):
-                    _apply_event(ev, masks, next_layer)
-                while next_layer < L and _layer_ready(masks, next_layer * self.ns.tp_size + shard):
+                for ev in await next_batch(events, deadline, next_layer):
+                    state.apply(ev, next_layer)
+                while next_layer < L and state.ready(next_layer * self.ns.tp_size + shard):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise Miss(f"stream timed out before layer {next_layer}", layer=next_layer)
-                    t = await self.get_layer(
-                        token_ids, next_layer, device=device, shard=shard, timeout=left
+                    t = await self._deadline(
+                        self._stream_layer(token_ids, hashes, next_layer, shard, device, state),
+                        left,
+                        "stream_layers",
                     )
                     if t.shape[1] < n_blocks * self.ns.block_tokens:
                         raise Miss(
@@ -800,6 +690,32 @@ class ClientCore:
                     next_layer += 1
         finally:
             await events.aclose()
+
+    async def _stream_layer(
+        self,
+        token_ids: Sequence[int] | Any,
+        hashes: list[bytes],
+        layer: int,
+        shard: int,
+        device: Any,
+        state: StreamState,
+    ) -> torch.Tensor:
+        """One announced layer, read from the holders and slot locations the watch gave
+        (no lookup); a block that does not load that way (evicted, moved, node gone) sends
+        the layer through :meth:`get_layer`, which asks the master afresh."""
+        chunk = self._chunk_index(layer, shard)
+        located = state.located(chunk, self._uri_of)
+        if located is None:  # a holder this client has not seen yet
+            await self._live_nodes(refresh=True)
+            located = state.located(chunk, self._uri_of)
+        if located is not None:
+            n, B = len(hashes), self.ns.block_tokens
+            shape = (2, n * B, self.ns.num_kv_heads, self.ns.head_dim)
+            target = torch.empty(shape, dtype=self._dtype, device=device)
+            loaded = await self._fetch(hashes, layer, shard, located, self._into(target))
+            if prefix_len(loaded, n) == n:
+                return target
+        return await self.get_layer(token_ids, layer, device=device, shard=shard)
 
     # ------------------------------------------------------------------ objects
 
@@ -878,46 +794,3 @@ def _batches(idx: list[int]) -> list[list[int]]:
     any prompt under ``MAX_CHUNKS_PER_REQUEST`` blocks)."""
     step = MAX_CHUNKS_PER_REQUEST
     return [idx[i : i + step] for i in range(0, len(idx), step)]
-
-
-def _layer_ready(masks: list[dict[str, int]], index: int) -> bool:
-    bit = 1 << index
-    return all(any(m & bit for m in block.values()) for block in masks)
-
-
-def _apply_event(ev: Any, masks: list[dict[str, int]], next_layer: int) -> None:
-    """Fold one watch event into the per-block, per-node chunk masks."""
-    kind = ev.kind
-    if kind == "SNAPSHOT_DONE":
-        return
-    if not 0 <= ev.block_index < len(masks):
-        return
-    block = masks[ev.block_index]
-    bits = 0
-    for c in ev.chunks:
-        bits |= 1 << c
-    if kind == "COMMIT":
-        block[ev.node_id] = block.get(ev.node_id, 0) | bits
-    elif kind == "EVICT":
-        block.pop(ev.node_id, None)
-    elif kind == "ABORT":
-        raise Miss(
-            f"writer aborted block {ev.block_index} before layer {next_layer}: {ev.reason}",
-            layer=next_layer,
-            blocks=[ev.block_index],
-        )
-
-
-async def _next_batch(events: AsyncIterator[T], deadline: float, layer: int) -> T:
-    """The next batch of watch events before ``deadline``; a :class:`Miss` naming ``layer``
-    when the deadline passes or the watch ends first."""
-    left = deadline - time.monotonic()
-    try:
-        if left <= 0:
-            raise TimeoutError
-        async with asyncio.timeout(left):
-            return await anext(events)
-    except StopAsyncIteration:
-        raise Miss(f"watch ended before layer {layer}", layer=layer) from None
-    except TimeoutError as exc:
-        raise Miss(f"stream timed out waiting for layer {layer}", layer=layer) from exc

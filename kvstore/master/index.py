@@ -1,7 +1,7 @@
 """The block index: one small async interface, :class:`IndexStore`, and its in-memory twin.
 
 The index answers "which live node holds which chunks of which block". Entries are keyed
-``(ns_id, block_hash) -> {node_id: Holding(epoch, mask)}``; a node's registry record
+``(ns_id, block_hash) -> {node_id: Holding(epoch, mask, location)}``; a node's registry record
 carries its current epoch. Liveness lives here: an entry counts only while its
 ``(node, epoch)`` is the node's current, alive epoch, so a node's death or
 re-registration kills all its entries in one step (``drop_node`` / ``register_node``)
@@ -479,13 +479,18 @@ class MemoryIndexStore(IndexStore):
         key = (add.ns_id, add.block_hash)
         holders = self._blocks.setdefault(key, {})
         old = holders.get(node)
-        mask = mask_of(add.chunks)
+        mask, location = mask_of(add.chunks), add.location
         if old is not None and old.epoch == epoch:
             mask |= old.mask
-        holders[node] = Holding(epoch, mask)
+            location = location or old.location
+        holders[node] = Holding(epoch, mask, location)
         self._node_blocks.setdefault(node, set()).add(key)
         chunks = tuple(sorted(set(add.chunks)))
-        self._publish(IndexEvent(EventKind.COMMIT, add.ns_id, add.block_hash, node, epoch, chunks))
+        self._publish(
+            IndexEvent(
+                EventKind.COMMIT, add.ns_id, add.block_hash, node, epoch, chunks, "", location
+            )
+        )
 
     def _evict(self, node: str, ref: BlockRef) -> None:
         key = (ref.ns_id, ref.block_hash)

@@ -108,10 +108,12 @@ class NodeRecord:
 
 @dataclass(frozen=True)
 class Holding:
-    """One node's index entry for one block: the epoch it was committed under and its mask."""
+    """One node's index entry for one block: the epoch it was committed under, its mask and
+    the slot's location as the node last committed it (opaque here; empty if none)."""
 
     epoch: int
     mask: int
+    location: bytes = b""
 
     def chunks(self, limit: int = 0) -> list[int]:
         """Chunk indices present (see :func:`chunks_of`)."""
@@ -120,11 +122,13 @@ class Holding:
 
 @dataclass(frozen=True)
 class BlockAdd:
-    """Commit item: the node now holds ``chunks`` of block ``block_hash`` in ``ns_id``."""
+    """Commit item: the node now holds ``chunks`` of block ``block_hash`` in ``ns_id``, in
+    the slot at ``location`` (see :mod:`kvstore.dataplane.location`; empty: none given)."""
 
     ns_id: bytes
     block_hash: bytes
     chunks: tuple[int, ...]
+    location: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,8 @@ class IndexEvent:
     epoch: int = 0
     chunks: tuple[int, ...] = ()
     reason: str = ""
+    location: bytes = b""
+    """COMMIT: the slot's location the add carried."""
 
 
 # -- what the master client returns ------------------------------------------------------
@@ -232,6 +238,9 @@ class Holder:
     data_uri: str
     epoch: int
     mask: int
+    location: bytes = b""
+    """Where its slot lives (:class:`kvstore.dataplane.location.SlotLocation`, packed);
+    empty when the node serves no one-sided reads."""
 
     def chunks(self, limit: int = 0) -> list[int]:
         """Chunk indices this holder has (see :func:`chunks_of`)."""
@@ -297,6 +306,8 @@ class WatchEvent:
     node_id: str = ""
     epoch: int = 0
     reason: str = ""
+    location: bytes = b""
+    """COMMIT: where the holder's slot lives (as :attr:`Holder.location`)."""
 
 
 @dataclass(frozen=True)

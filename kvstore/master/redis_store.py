@@ -87,6 +87,12 @@ local function split(v)
   local i = string.find(v, ':', 1, true)
   return string.sub(v, 1, i - 1), string.sub(v, i + 1)
 end
+local function entry(v)  -- 'epoch:mask' or 'epoch:mask:location' -> epoch, mask, location
+  local e, rest = split(v)
+  local i = string.find(rest, ':', 1, true)
+  if i == nil then return e, rest, '' end
+  return e, string.sub(rest, 1, i - 1), string.sub(rest, i + 1)
+end
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -123,8 +129,8 @@ local function hex_or(a, b)
   return table.concat(out)
 end
 local events = {}
-local function emit(kind, ns, h, node, epoch, mask, reason)
-  events[#events + 1] = {kind, ns, h, node, epoch, mask, reason}
+local function emit(kind, ns, h, node, epoch, mask, reason, location)
+  events[#events + 1] = {kind, ns, h, node, epoch, mask, reason, location or ''}
 end
 local function flush(maxlen)
   if #events == 0 then return end
@@ -161,25 +167,30 @@ for _, ref in ipairs(b.evicts) do
     redis.call('HDEL', bk, node)
     drop_block(bk, ns, h)
     redis.call('SREM', nb, ns .. ':' .. h)
-    local oe, om = split(old)
+    local oe, om = entry(old)
     if oe == epoch then emit('evict', ns, h, node, epoch, om, '') end
   end
 end
 for _, add in ipairs(b.adds) do
-  local ns, h, m = add[1], add[2], add[3]
+  local ns, h, m, loc = add[1], add[2], add[3], add[4] or ''
   local bk = P .. ':b:' .. ns .. ':' .. h
   local old, mask = redis.call('HGET', bk, node), m
   if old then
-    local oe, om = split(old)
-    if oe == epoch then mask = hex_or(m, om) end
+    local oe, om, ol = entry(old)
+    if oe == epoch then
+      mask = hex_or(m, om)
+      if loc == '' then loc = ol end
+    end
   end
-  redis.call('HSET', bk, node, epoch .. ':' .. mask)
+  local v = epoch .. ':' .. mask
+  if loc ~= '' then v = v .. ':' .. loc end
+  redis.call('HSET', bk, node, v)
   if not old and redis.call('HLEN', bk) == 1 then
     redis.call('SADD', P .. ':ns:' .. ns, h)
     blocks = blocks + 1
   end
   redis.call('SADD', nb, ns .. ':' .. h)
-  emit('commit', ns, h, node, epoch, m, '')
+  emit('commit', ns, h, node, epoch, m, '', loc)
 end
 if blocks > 0 then redis.call('HINCRBY', count, 'blocks', blocks) end
 for _, key in ipairs(b.object_removes) do
@@ -353,11 +364,12 @@ def _chunks_hex(chunks: Sequence[int]) -> str:
 
 
 def _holders(flat: Sequence[str]) -> dict[str, Holding]:
-    """``[node, "epoch:mask", ...]`` -> node id -> Holding."""
+    """``[node, "epoch:mask[:location]", ...]`` -> node id -> Holding."""
     out: dict[str, Holding] = {}
     for i in range(0, len(flat), 2):
-        epoch, mask = flat[i + 1].split(":", 1)
-        out[flat[i]] = Holding(int(epoch), _mask_hex(mask))
+        epoch, mask, *location = flat[i + 1].split(":", 2)
+        where = bytes.fromhex(location[0]) if location else b""
+        out[flat[i]] = Holding(int(epoch), _mask_hex(mask), where)
     return out
 
 
@@ -369,9 +381,10 @@ def _located(reply: bytes) -> tuple[int, list[dict[str, Holding]]]:
 
 
 def _event(raw: list[str]) -> IndexEvent:
-    kind, ns, block_hash, node, epoch, mask, reason = raw
+    kind, ns, block_hash, node, epoch, mask, reason, *location = raw
     ns_id, block, chunks = bytes.fromhex(ns), bytes.fromhex(block_hash), chunks_of(_mask_hex(mask))
-    return IndexEvent(EventKind(kind), ns_id, block, node, int(epoch), tuple(chunks), reason)
+    where = bytes.fromhex(location[0]) if location else b""
+    return IndexEvent(EventKind(kind), ns_id, block, node, int(epoch), tuple(chunks), reason, where)
 
 
 def _record(node_id: str, flat: list[bytes]) -> NodeRecord:
@@ -587,7 +600,8 @@ class RedisIndexStore(IndexStore):
         body = {
             "evicts": [[_hex(r.ns_id), _hex(r.block_hash)] for r in batch.evicts],
             "adds": [
-                [_hex(a.ns_id), _hex(a.block_hash), _chunks_hex(a.chunks)] for a in batch.adds
+                [_hex(a.ns_id), _hex(a.block_hash), _chunks_hex(a.chunks), a.location.hex()]
+                for a in batch.adds
             ],
             "object_removes": list(batch.object_removes),
             "object_adds": [[o.key, _int_arg(o.nbytes, "nbytes")] for o in batch.object_adds],

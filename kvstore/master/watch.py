@@ -49,7 +49,11 @@ class WatchView:
                 self._held[i][node] = holding
                 chunks = tuple(holding.chunks(self._limit))
                 if chunks:
-                    events.append(WatchEvent(WatchKind.COMMIT, i, chunks, node, holding.epoch))
+                    events.append(
+                        WatchEvent(
+                            WatchKind.COMMIT, i, chunks, node, holding.epoch, "", holding.location
+                        )
+                    )
         events.append(WatchEvent(WatchKind.SNAPSHOT_DONE))
         return events
 
@@ -72,11 +76,12 @@ class WatchView:
         mask = mask_of(event.chunks)
         if old is not None and old.epoch == event.epoch:
             mask |= old.mask
-        self._held[i][event.node_id] = Holding(event.epoch, mask)
+        location = event.location or (old.location if old is not None else b"")
+        self._held[i][event.node_id] = Holding(event.epoch, mask, location)
         chunks = tuple(chunks_of(mask_of(event.chunks), self._limit))
         if not chunks:
             return []
-        return [WatchEvent(WatchKind.COMMIT, i, chunks, event.node_id, event.epoch)]
+        return [WatchEvent(WatchKind.COMMIT, i, chunks, event.node_id, event.epoch, "", location)]
 
     def _evict(
         self, i: int, node: str, epoch: int, reason: str, fallback: Sequence[int] = ()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+from kvstore.dataplane.location import MAX_LOCATION_BYTES
 from kvstore.errors import InvalidArgument, ProtocolError
 from kvstore.master.records import (
     BlockAdd,
@@ -263,7 +264,7 @@ def commit_from_pb(req: pb.CommitRequest) -> CommitBatch:
             req.node_id,
             req.epoch,
             req.seq,
-            tuple(BlockAdd(a.ns_id, a.block_hash, tuple(a.chunks)) for a in req.adds),
+            tuple(BlockAdd(a.ns_id, a.block_hash, tuple(a.chunks), a.location) for a in req.adds),
             tuple(BlockRef(e.ns_id, e.block_hash) for e in req.evicts),
             tuple(ObjectAdd(o.key, o.nbytes) for o in req.object_adds),
             tuple(req.object_removes),
@@ -285,13 +286,24 @@ def check_commit(batch: CommitBatch) -> CommitBatch:
     ):
         _check_count(len(items), what)
     adds = tuple(
-        BlockAdd(check_ns_id(a.ns_id), _check_hash(a.block_hash), _check_chunks(a.chunks))
+        BlockAdd(
+            check_ns_id(a.ns_id),
+            _check_hash(a.block_hash),
+            _check_chunks(a.chunks),
+            _check_location(a.location),
+        )
         for a in batch.adds
     )
     evicts = tuple(BlockRef(check_ns_id(e.ns_id), _check_hash(e.block_hash)) for e in batch.evicts)
     objects = tuple(ObjectAdd(check_key(o.key), o.nbytes) for o in batch.object_adds)
     removes = tuple(check_key(k) for k in batch.object_removes)
     return CommitBatch(batch.node_id, batch.epoch, batch.seq, adds, evicts, objects, removes)
+
+
+def _check_location(raw: bytes) -> bytes:
+    if len(raw) > MAX_LOCATION_BYTES:
+        raise InvalidArgument(f"slot location is {len(raw)} bytes, at most {MAX_LOCATION_BYTES}")
+    return bytes(raw)
 
 
 def _check_hash(h: bytes) -> bytes:
@@ -307,7 +319,10 @@ def commit_to_pb(batch: CommitBatch) -> pb.CommitRequest:
         epoch=batch.epoch,
         seq=batch.seq,
         adds=[
-            pb.BlockAdd(ns_id=a.ns_id, block_hash=a.block_hash, chunks=a.chunks) for a in batch.adds
+            pb.BlockAdd(
+                ns_id=a.ns_id, block_hash=a.block_hash, chunks=a.chunks, location=a.location
+            )
+            for a in batch.adds
         ],
         evicts=[pb.BlockRef(ns_id=e.ns_id, block_hash=e.block_hash) for e in batch.evicts],
         object_adds=[pb.ObjectAdd(key=o.key, nbytes=o.nbytes) for o in batch.object_adds],
@@ -330,6 +345,7 @@ def block_holders_to_pb(
                 data_uri=uris[node],
                 epoch=h.epoch,
                 mask=mask_to_bytes(h.mask, chunks_per_block),
+                location=h.location,
             )
             for node, h in sorted(holders.items())
             if node in uris
@@ -339,7 +355,10 @@ def block_holders_to_pb(
 
 def holders_from_pb(msg: pb.BlockHolders) -> list[Holder]:
     """One block's holders as :class:`Holder` records."""
-    return [Holder(h.node_id, h.data_uri, h.epoch, mask_from_bytes(h.mask)) for h in msg.holders]
+    return [
+        Holder(h.node_id, h.data_uri, h.epoch, mask_from_bytes(h.mask), h.location)
+        for h in msg.holders
+    ]
 
 
 def object_holder_from_pb(msg: pb.ObjectHolder) -> ObjectHolder:
@@ -356,6 +375,7 @@ def watch_event_to_pb(event: WatchEvent) -> pb.WatchEvent:
         node_id=event.node_id,
         epoch=event.epoch,
         reason=event.reason,
+        location=event.location,
     )
 
 
@@ -364,4 +384,6 @@ def watch_event_from_pb(msg: pb.WatchEvent) -> WatchEvent:
     kind = _WATCH_KIND_FROM_PB.get(msg.kind)
     if kind is None:
         raise ProtocolError(f"unknown watch event kind {msg.kind}")
-    return WatchEvent(kind, msg.block_index, tuple(msg.chunks), msg.node_id, msg.epoch, msg.reason)
+    return WatchEvent(
+        kind, msg.block_index, tuple(msg.chunks), msg.node_id, msg.epoch, msg.reason, msg.location
+    )

@@ -28,7 +28,7 @@ from kvstore.master import wire
 from kvstore.master.client import MasterClient
 from kvstore.master.records import BlockAdd, BlockRef, CommitBatch, ObjectAdd, Tier
 from kvstore.metrics import Metrics
-from kvstore.node.tiers import Tiers, landed_bits
+from kvstore.node.tiers import Tiers
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -111,8 +111,9 @@ class MasterLink:
             # Entries of the old epoch are dead already; evictions need no report.
             self.tiers.take_evictions()
             logger.info("registered %s epoch=%d lease=%.1fs", me.node_id, self.epoch, self.lease_s)
+            self.tiers.take_moves()  # re-reported below, with every slot
             adds = [
-                BlockAdd(s.key[0], s.key[1], tuple(landed_bits(s.landed_mask)))
+                self.tiers.add_of(s)
                 for t in self.tiers
                 for s in t.table.slots()
                 if s.landed_mask and not s.quarantined
@@ -154,7 +155,7 @@ class MasterLink:
                             sum(name == tier for name, _ in gone)
                         )
                     refs = [BlockRef(k[0], k[1]) for _, k in gone]
-                    adds = [a for q in batch for a in q.adds]
+                    adds = [*self.tiers.take_moves(), *(a for q in batch for a in q.adds)]
                     obj_adds = [a for q in batch for a in q.object_adds]
                     obj_removes = [k for q in batch for k in q.object_removes]
                     if adds or refs or obj_adds or obj_removes:

@@ -21,7 +21,6 @@ from kvstore.core.hashing import Namespace
 from kvstore.core.slots import Lease, Slot, SlotKey
 from kvstore.dataplane.messages import BUSY, SEND, STORED, Ack, Landed, Message, Put, Ready, expect
 from kvstore.errors import BadShape, CapacityError, InvalidArgument, ProtocolError
-from kvstore.master.records import BlockAdd
 from kvstore.metrics import Metrics
 from kvstore.node.checks import ChunkChecks, LandedChunk
 from kvstore.node.master_link import MasterLink
@@ -364,7 +363,7 @@ class Puts:
         """Mark the checked chunks landed and commit them to the master; chunks stored.
         ``sent``: request position → slot of each chunk the writer sent. Chunks whose slot
         was quarantined meanwhile are added to ``failed``."""
-        landed: dict[SlotKey, list[int]] = {}
+        landed: dict[SlotKey, tuple[Slot, MemoryTier, list[int]]] = {}
         rejected = set(failed)
         stored = 0
         for i, slot in sent.items():
@@ -377,8 +376,11 @@ class Puts:
                 failed.append(i)
                 continue
             stored += 1
-            if self.tiers.tier_of(slot).table.mark_landed(slot, index):
-                landed.setdefault(key, []).append(index)
+            tier = self.tiers.tier_of(slot)
+            if tier.table.mark_landed(slot, index):
+                landed.setdefault(key, (slot, tier, []))[2].append(index)
         failed.sort()
-        await self.link.commit([BlockAdd(k[0], k[1], tuple(v)) for k, v in landed.items()])
+        await self.link.commit(
+            [self.tiers.add_of(s, tuple(v), tier) for s, tier, v in landed.values()]
+        )
         return stored

@@ -85,7 +85,7 @@ from kvstore.node.checks import ChunkChecks, LandedChunk
 from kvstore.node.master_link import MasterLink, NodeIdentity
 from kvstore.node.puts import Puts, count_transfer
 from kvstore.node.scrub import MAX_PENDING_BYTES, Scrub
-from kvstore.node.tiers import Tiers, host_copy, landed_bits
+from kvstore.node.tiers import Tiers, host_copy
 from kvstore.transport import FrameLimits, listen
 from kvstore.transport.base import Connection, Listener
 from kvstore.transport.nixl import NixlAgent
@@ -557,7 +557,7 @@ class StorageNode:
             # Pinned: keep the slot, drop the chunk. The index learns by the block's removal
             # and the re-add of what is left, in that order (a commit applies removals first).
             tier.table.drop_chunk(slot, index)
-            self._readds.append(BlockAdd(*slot.key, tuple(landed_bits(slot.landed_mask))))
+            self._readds.append(self.tiers.add_of(slot, tier=tier))
         self.tiers.evicted(tier, [slot.key])
 
     def _take_readds(self) -> list[BlockAdd]:

@@ -17,8 +17,9 @@ import torch
 
 from kvstore.core.arena import Arena
 from kvstore.core.slots import Slot, SlotKey, SlotTable
+from kvstore.dataplane.location import SlotLocation
 from kvstore.errors import InvalidArgument, KVStoreError, ProtocolError
-from kvstore.master.records import Tier
+from kvstore.master.records import BlockAdd, Tier
 from kvstore.metrics import Metrics
 from kvstore.transport.nixl import Registration
 
@@ -66,6 +67,8 @@ class Tiers:
             self.all.insert(0, MemoryTier("gpu", device_arena, table))
         self._unreported: list[tuple[str, SlotKey]] = []
         """Evictions (tier, key) not yet reported to the master, beyond the tables' own."""
+        self._moved: list[Slot] = []
+        """Slots demoted to host memory whose new location the master has not heard of."""
 
     def __iter__(self) -> Iterator[MemoryTier]:
         return iter(self.all)
@@ -118,6 +121,32 @@ class Tiers:
                 return tier.reg.span(offset, view.numel()).to_wire()  # type: ignore[no-any-return]
         raise InvalidArgument("this node does not serve ucx://")
 
+    def location(self, slot: Slot, tier: MemoryTier | None = None) -> bytes:
+        """``slot``'s packed :class:`SlotLocation` in its tier's NIXL registration (``tier``:
+        the tier it lives in, when the caller knows), for readers that READ it directly;
+        empty when that tier is not registered (no ``ucx://``) or the slot is gone."""
+        tier = tier or self.owner(slot)
+        if tier is None or tier.reg is None:
+            return b""
+        span = tier.reg.span(slot.offset, slot.slot_bytes)
+        mem = span.to_wire()[3]
+        return SlotLocation(span.addr, slot.chunk_bytes, slot.num_chunks, span.dev_id, mem).pack()
+
+    def add_of(
+        self, slot: Slot, chunks: tuple[int, ...] | None = None, tier: MemoryTier | None = None
+    ) -> BlockAdd:
+        """The commit item saying this node holds ``chunks`` (default: every landed chunk)
+        of ``slot``'s block, with the slot's location (``tier``: as for :meth:`location`)."""
+        landed = tuple(landed_bits(slot.landed_mask)) if chunks is None else chunks
+        return BlockAdd(slot.key[0], slot.key[1], landed, self.location(slot, tier))
+
+    def take_moves(self) -> list[BlockAdd]:
+        """Commit items for the slots demoted to host memory since the last call (their
+        location changed), each taken once; slots gone meanwhile are left out (their
+        eviction is reported instead)."""
+        moved, self._moved = self._moved, []
+        return [self.add_of(s) for s in moved if s.alive and self.host.owns(s) and s.landed_mask]
+
     def evicted(self, tier: MemoryTier, keys: list[SlotKey]) -> None:
         """Journal evictions the caller made in ``tier`` (reported with the next commit)."""
         self._unreported.extend((tier.name, k) for k in keys)
@@ -136,8 +165,9 @@ class Tiers:
     def _demote(self, victim: Slot) -> bool:
         """The GPU tier's LRU victim moves to host memory instead of leaving the node (one
         device → host copy of its landed chunks); False, dropping it, when host memory has
-        no room or the copy fails. The master's entries stay as they are: the block is still
-        on this node. Never raises (a :class:`SlotTable` demote hook)."""
+        no room or the copy fails. The master's entry stays (the block is still on this
+        node); its new location goes with the next commit. Never raises (a
+        :class:`SlotTable` demote hook)."""
         gpu, host = self.all[0], self.host
         if not victim.landed_mask:
             return False
@@ -161,6 +191,8 @@ class Tiers:
             return False
         # (a dropped victim is journaled and counted with the other evictions it reports)
         self.metrics.evictions.labels(tier=gpu.name).inc()
+        if host.reg is not None:
+            self._moved.append(res.slot)
         return True
 
 

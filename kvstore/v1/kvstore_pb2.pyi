@@ -71,14 +71,16 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., reregister: _Optional[bool] = ...) -> None: ...
 
 class BlockAdd(_message.Message):
-    __slots__ = ("ns_id", "block_hash", "chunks")
+    __slots__ = ("ns_id", "block_hash", "chunks", "location")
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
     ns_id: bytes
     block_hash: bytes
     chunks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ns_id: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ..., chunks: _Optional[_Iterable[int]] = ...) -> None: ...
+    location: bytes
+    def __init__(self, ns_id: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ..., chunks: _Optional[_Iterable[int]] = ..., location: _Optional[bytes] = ...) -> None: ...
 
 class BlockRef(_message.Message):
     __slots__ = ("ns_id", "block_hash")
@@ -121,16 +123,18 @@ class CommitResponse(_message.Message):
     def __init__(self, applied_seq: _Optional[int] = ...) -> None: ...
 
 class Holder(_message.Message):
-    __slots__ = ("node_id", "data_uri", "epoch", "mask")
+    __slots__ = ("node_id", "data_uri", "epoch", "mask", "location")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_URI_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MASK_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     data_uri: str
     epoch: int
     mask: bytes
-    def __init__(self, node_id: _Optional[str] = ..., data_uri: _Optional[str] = ..., epoch: _Optional[int] = ..., mask: _Optional[bytes] = ...) -> None: ...
+    location: bytes
+    def __init__(self, node_id: _Optional[str] = ..., data_uri: _Optional[str] = ..., epoch: _Optional[int] = ..., mask: _Optional[bytes] = ..., location: _Optional[bytes] = ...) -> None: ...
 
 class BlockHolders(_message.Message):
     __slots__ = ("holders",)
@@ -225,7 +229,7 @@ class WatchRequest(_message.Message):
     def __init__(self, ns_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., chunks_per_block: _Optional[int] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("kind", "block_index", "chunks", "node_id", "reason", "epoch")
+    __slots__ = ("kind", "block_index", "chunks", "node_id", "reason", "epoch", "location")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[WatchEvent.Kind]
@@ -244,13 +248,15 @@ class WatchEvent(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
     kind: WatchEvent.Kind
     block_index: int
     chunks: _containers.RepeatedScalarFieldContainer[int]
     node_id: str
     reason: str
     epoch: int
-    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., block_index: _Optional[int] = ..., chunks: _Optional[_Iterable[int]] = ..., node_id: _Optional[str] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    location: bytes
+    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., block_index: _Optional[int] = ..., chunks: _Optional[_Iterable[int]] = ..., node_id: _Optional[str] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ..., location: _Optional[bytes] = ...) -> None: ...
 
 class WatchResponse(_message.Message):
     __slots__ = ("events",)

@@ -1,0 +1,285 @@
+"""The client's reads of one layer's chunks from the nodes that hold them.
+
+:class:`ChunkReader` runs, per node, the cheapest read that node allows and hands every
+chunk that verifies to a sink (which dequantizes it into the caller's tensor):
+
+- **direct** (``ucx://`` nodes whose lookup or watch gave the slot's location, see
+  :mod:`kvstore.dataplane.location`): one-sided NIXL READs of the slots into registered
+  staging, with no exchange with the node at all. The slot may have been evicted and reused
+  meanwhile, so a chunk counts only once its header (key, spec) and checksum verify; the
+  blocks that do not, or a READ that fails, go on to the leased read within the same call
+  (counted in :attr:`ReadStats.retried`). Nothing read this way is ever reported as bad:
+  a torn or reused slot is not the node's fault.
+- **leased** (``ucx://``): ``lease`` → spans → READ → ``release``: the node pins the slots
+  while the reader READs them.
+- ``tcp://``: ``get`` → the chunks, straight from their slots.
+
+A chunk that fails its checks on the leased or ``tcp://`` path is a miss for its block and
+is reported to its node in the background (the node re-checks it and drops a bad one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+
+from kvstore.core.codec import ChunkKey, ChunkSpec, check_header
+from kvstore.dataplane import ChunkRef, NodeClient
+from kvstore.dataplane.location import SlotLocation
+from kvstore.errors import ChunkError, ChunkKeyMismatch, KVStoreError, TransportError
+
+from .ucx import UcxPath
+
+__all__ = ["ChunkReader", "LayerRead", "NodeEntry", "ReadStats", "Sink"]
+
+logger = logging.getLogger("kvclient")
+
+T = TypeVar("T")
+
+Sink = Callable[[int, torch.Tensor, ChunkKey], None]
+"""Verifies and decodes block ``i``'s chunk (raises :class:`ChunkError` when it fails)."""
+
+_MAX_REPORTS = 16
+"""Bad-chunk reports to nodes in flight at once, per client."""
+
+
+@dataclass
+class NodeEntry:
+    """A live node as the client sees it (from the master's node list)."""
+
+    node_id: str
+    data_uri: str
+    free_bytes: int
+    ucx: bool = False
+    """Move bulk bytes to/from this node by NIXL (see :func:`kvclient.ucx.prefer_ucx`)."""
+    nixl_metadata: bytes = b""
+    host: str = ""
+
+
+class LayerRead(NamedTuple):
+    """Which chunks a read is after: chunk index ``chunk`` (``layer * tp_size + shard``) of
+    the blocks ``hashes``."""
+
+    hashes: list[bytes]
+    layer: int
+    shard: int
+    chunk: int
+
+    def key(self, i: int) -> ChunkKey:
+        """What block ``i``'s chunk must be."""
+        return ChunkKey(self.hashes[i], self.layer, self.shard)
+
+    def ref(self, i: int) -> ChunkRef:
+        """Block ``i``'s chunk as a node request names it."""
+        return ChunkRef(self.hashes[i], self.chunk)
+
+
+@dataclass
+class ReadStats:
+    """What this client's reads did, in chunks (monotonic; read them any time)."""
+
+    direct: int = 0
+    """Chunks READ straight from their slot's location, with no node exchange."""
+    retried: int = 0
+    """Chunks a direct READ did not get intact (slot reused, torn, READ failed) that were
+    read again through the node (a stale location costs one more exchange, never a miss)."""
+    leased: int = 0
+    """Chunks read through a ``lease`` exchange (``ucx://``)."""
+    tcp: int = 0
+    """Chunks read through a ``get`` exchange (``tcp://``)."""
+
+
+class ChunkReader:
+    """Reads chunks of one namespace from nodes; one per client, owned by its loop.
+
+    ``node(uri)`` gives the node's data-plane client, ``discard(uri)`` drops its pooled
+    connections after a failure, ``run_codec`` runs verification and decoding on the
+    client's codec thread.
+    """
+
+    def __init__(
+        self,
+        *,
+        ns_id: bytes,
+        spec: ChunkSpec,
+        chunk_bytes: int,
+        timeout_s: float,
+        ucx: UcxPath,
+        node: Callable[[str], NodeClient],
+        discard: Callable[[str], Awaitable[None]],
+        run_codec: Callable[..., Awaitable[Any]],
+    ) -> None:
+        self.stats = ReadStats()
+        self._ns_id = ns_id
+        self._spec = spec
+        self._chunk_bytes = chunk_bytes
+        self._timeout_s = timeout_s
+        self._ucx = ucx
+        self._node = node
+        self._discard = discard
+        self._run_codec = run_codec
+        self._reports: set[asyncio.Task[None]] = set()
+
+    async def read(
+        self,
+        node: NodeEntry | None,
+        uri: str,
+        idx: list[int],
+        want: LayerRead,
+        locations: Mapping[int, bytes],
+        sink: Sink,
+    ) -> set[int]:
+        """Read ``want``'s chunks of blocks ``idx`` from the node at ``uri`` and pass the
+        intact ones to ``sink``; the block indices loaded. A node that fails is a miss for
+        its blocks. ``locations[i]``: block ``i``'s slot location as the index gave it (may
+        be absent or empty)."""
+        try:
+            if node is not None and node.ucx:
+                todo = idx
+                spans = _direct_spans(idx, want.chunk, locations, self._chunk_bytes)
+                if spans is not None:
+                    loaded = await self._direct(node, idx, spans, want, sink)
+                    todo = [i for i in idx if i not in loaded]
+                    self.stats.retried += len(todo)
+                    if not todo:
+                        return loaded
+                    return loaded | await self._leased(node, todo, want, sink)
+                return await self._leased(node, todo, want, sink)
+            return await self._tcp(uri, idx, want, sink)
+        except TransportError as exc:
+            logger.warning("get from %s failed: %s", uri, exc)
+            await self._discard(uri)
+            return set()
+
+    async def _tcp(self, uri: str, idx: list[int], want: LayerRead, sink: Sink) -> set[int]:
+        """``get`` → the found chunks into a receive buffer → verify and decode."""
+        spec = [want.ref(i) for i in idx]
+        bufs = torch.empty(0, dtype=torch.uint8)
+
+        def into(found: list[int]) -> list[Any]:
+            nonlocal bufs
+            bufs = torch.empty(len(found), self._chunk_bytes, dtype=torch.uint8)
+            return [row.numpy() for row in bufs]
+
+        have = [idx[k] for k in await self._node(uri).get(self._ns_id, spec, into)]
+        self.stats.tcp += len(have)
+        ok, bad = await self._run_codec(self._decode_all, have, bufs, want, sink)
+        self._report_bad(uri, want, bad)
+        return ok  # type: ignore[no-any-return]
+
+    async def _direct(
+        self,
+        node: NodeEntry,
+        idx: list[int],
+        spans: list[list[int]],
+        want: LayerRead,
+        sink: Sink,
+    ) -> set[int]:
+        """READ each slot at its location into staging, then verify and decode; the
+        blocks loaded. Failures are left to the caller's leased retry, never reported."""
+        peer = await self._ucx.peer(node.nixl_metadata, node.host)
+        async with self._ucx.staging(len(idx), self._chunk_bytes) as rows:
+            try:
+                await self._ucx.read(peer, spans, list(rows.unbind(0)), self._timeout_s)
+            except TransportError as exc:
+                logger.info("direct read from %s failed, asking the node: %s", node.data_uri, exc)
+                return set()
+            ok, _ = await self._run_codec(self._decode_all, idx, rows, want, sink, logging.INFO)
+        self.stats.direct += len(ok)
+        return ok  # type: ignore[no-any-return]
+
+    async def _leased(
+        self,
+        node: NodeEntry,
+        idx: list[int],
+        want: LayerRead,
+        sink: Sink,
+    ) -> set[int]:
+        """``lease`` → spans → one-sided READ into staging → ``release`` → decode."""
+        spec = [want.ref(i) for i in idx]
+        peer = await self._ucx.peer(node.nixl_metadata, node.host)
+        lease = self._node(node.data_uri).lease(self._ns_id, spec, self._timeout_s)
+        async with self._ucx.staging(len(idx), self._chunk_bytes) as rows:
+            async with lease as (found, leased):
+                have = [idx[k] for k in found]
+                if have:
+                    spans = [list(s) for s in leased.spans]
+                    read_into = list(rows[: len(have)].unbind(0))
+                    await self._ucx.read(peer, spans, read_into, self._timeout_s)
+            # Released before decoding: the bytes are in ``rows``, the slots free again.
+            self.stats.leased += len(have)
+            ok, bad = await self._run_codec(self._decode_all, have, rows, want, sink)
+        self._report_bad(node.data_uri, want, bad)
+        return ok  # type: ignore[no-any-return]
+
+    def _decode_all(
+        self,
+        have: list[int],
+        bufs: torch.Tensor,
+        want: LayerRead,
+        sink: Sink,
+        level: int = logging.WARNING,
+    ) -> tuple[set[int], list[int]]:
+        """Check each received chunk's header against the namespace, then hand it to
+        ``sink`` (which verifies and decodes it); a bad chunk is a miss for its block, never
+        an error for the call. Returns (block indices loaded, indices of chunks that are
+        bad where they are stored — not those of a reused slot, which carry another key)."""
+        ok: set[int] = set()
+        bad: list[int] = []
+        for k, i in enumerate(have):
+            key = want.key(i)
+            try:
+                check_header(bufs[k], key, self._spec)
+                sink(i, bufs[k], key)
+                ok.add(i)
+            except ChunkKeyMismatch as exc:
+                logger.debug("chunk %d is stale: %s", i, exc)
+            except ChunkError as exc:
+                logger.log(level, "chunk %d rejected: %s", i, exc)
+                bad.append(i)
+        return ok, bad
+
+    def _report_bad(self, uri: str, want: LayerRead, bad: list[int]) -> None:
+        """Tell the node that chunks it served failed verification, in the background (at
+        most :data:`_MAX_REPORTS` reports in flight; more are dropped, and a later read
+        reports again). The node checks them itself and drops those that are bad, so the
+        next writer stores them."""
+        if not bad or len(self._reports) >= _MAX_REPORTS:
+            return
+        chunks = [want.ref(i) for i in bad]
+
+        async def report() -> None:
+            try:
+                await self._node(uri).report(self._ns_id, chunks)
+            except KVStoreError as exc:
+                logger.info("bad-chunk report to %s not delivered: %s", uri, exc)
+
+        task = asyncio.ensure_future(report())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def close(self) -> None:
+        """Cancel reports still in flight."""
+        for report in list(self._reports):
+            report.cancel()
+        await asyncio.gather(*self._reports, return_exceptions=True)
+
+
+def _direct_spans(
+    idx: list[int], index: int, locations: Mapping[int, bytes], nbytes: int
+) -> list[list[int]] | None:
+    """The span of each block's chunk at its slot's location, or None unless every block
+    of ``idx`` has a usable one (then the node is asked, once, for all of them)."""
+    spans = []
+    for i in idx:
+        loc = SlotLocation.unpack(locations.get(i, b""))
+        span = loc.span(index, nbytes) if loc is not None else None
+        if span is None:
+            return None
+        spans.append(span)
+    return spans

@@ -1,0 +1,62 @@
+"""Where a committed slot lives, so that a reader can READ it without asking its node.
+
+A node that serves one-sided reads (``ucx://``) commits each block with its slot's
+location; the master keeps it beside the holder, opaque, and hands it back with lookups and
+watch events. The packed form (little-endian, 20 bytes)::
+
+    version u8 = 1 | addr u64 | stride u32 | chunks u32 | dev_id u16 | mem u8
+
+``addr`` is the address of chunk 0 in the node's registered memory (its NIXL agent's
+address space), chunk ``i`` lives at ``addr + i * stride``; ``mem`` is the memory kind's
+code in a span's wire form (``[addr, nbytes, dev_id, mem]``,
+:class:`kvstore.transport.nixl_spans.Span`). A location is a hint, never a promise: the
+slot may be evicted and reused at any moment, so what a reader READs from it counts only
+after its key and checksum verify; otherwise the reader asks the node (the leased read).
+Imports neither torch nor NIXL.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+__all__ = ["MAX_LOCATION_BYTES", "SlotLocation"]
+
+MAX_LOCATION_BYTES = 32
+"""Most bytes a location may take in a commit (the master refuses longer ones)."""
+
+_VERSION = 1
+_PACKED = struct.Struct("<BQIIHB")
+_MAX_MEM_CODE = 15
+
+
+class SlotLocation(NamedTuple):
+    """A slot's place in its node's registered memory (see the module docstring)."""
+
+    addr: int
+    stride: int
+    num_chunks: int
+    dev_id: int = 0
+    mem: int = 0
+
+    def pack(self) -> bytes:
+        """The packed form; raises ``struct.error`` for a field out of range."""
+        return _PACKED.pack(_VERSION, *self)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> SlotLocation | None:
+        """The location ``raw`` packs, or None for an empty, malformed or unknown one (a
+        reader then takes the leased path). Never raises."""
+        if len(raw) != _PACKED.size or raw[0] != _VERSION:
+            return None
+        _, addr, stride, num_chunks, dev_id, mem = _PACKED.unpack(raw)
+        if not addr or not stride or not num_chunks or mem > _MAX_MEM_CODE:
+            return None
+        return cls(addr, stride, num_chunks, dev_id, mem)
+
+    def span(self, index: int, nbytes: int) -> list[int] | None:
+        """The wire span of chunk ``index`` (``nbytes`` long), or None when the slot has no
+        such chunk or ``nbytes`` does not fit its stride."""
+        if not 0 <= index < self.num_chunks or not 0 < nbytes <= self.stride:
+            return None
+        return [self.addr + index * self.stride, nbytes, self.dev_id, self.mem]
