@@ -45,7 +45,9 @@ TARGETS = {"ucx": 0.70, "tcp": 0.80}
 IDLE_TARGET = 0.15
 """Most idle CPU of the node, in cores."""
 PUT_PATHS = ("kv tcp put", "kv ucx put", "raw asyncio put", "raw NIXL WRITE")
-GET_PATHS = ("kv tcp get", "kv ucx get", "raw asyncio get", "raw NIXL READ")
+GET_PATHS = (
+    "kv tcp get", "kv ucx get", "kv ucx leased get", "raw asyncio get", "raw NIXL READ"
+)  # fmt: skip
 
 
 def _ms(seconds: float) -> str:
@@ -84,10 +86,13 @@ def kv_table(res: Results, warmup: int, region: int) -> Table:
         ["op", "chunk", "chunks", "MiB", "depth", "transport", "n", "GB/s", "p50 ms", "p99 ms",
          "control ms", "move ms", "after ms", "node CPU s/GB"],
     )  # fmt: skip
-    rows = itertools.product(("put", "get"), res.points, res.setup.depths, ("tcp", "ucx"))
+    ways = ("tcp", "ucx", "ucx leased")
+    rows = itertools.product(("put", "get"), res.points, res.setup.depths, ways)
     for op, p, d, transport in rows:
         head = (op, p.label, p.batch, f"{p.exchange_bytes / MiB:.1f}", d, f"{transport}://")
         m = res.by.get((p.name, f"kv {transport} {op}", d))
+        if m is None and transport == "ucx leased":
+            continue  # (gets only)
         if m is None:
             table.add(*head, *["-"] * 8)
             continue
@@ -109,8 +114,12 @@ def kv_table(res: Results, warmup: int, region: int) -> Table:
         "Phases (medians): control = request sent → the node's answer (ready / reserved / "
         "data header / leased). move: tcp put = data frame sent → ack (node receive, checksum "
         "of every chunk, master commit); tcp get = payload received; ucx = the "
-        "NixlAgent.write/read call. after: ucx put = landed → ack (node checksums every chunk, "
-        "commits to the master); ucx get = sending release (no answer).",
+        "NixlAgent.write/read call. after: ucx put = landed → ack (node checks every "
+        "chunk's header, commits to the master; checksums in its scrub); ucx get = the "
+        "reader's header check of each chunk (key, spec: tells a reused slot); ucx leased "
+        "get = sending release (no answer). ucx get READs each slot at the location the "
+        "master's lookup gave (looked up before the timing) with no node exchange; ucx "
+        "leased get is the lease → READ → release a reader falls back to.",
         "put: writer process, fresh keys every exchange. get: reader process, reading back "
         "the ucx:// puts of the same point and depth (cycling over those that fit half the "
         "pool).",

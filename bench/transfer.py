@@ -72,9 +72,17 @@ from service import BLOCK, HEAD_DIM, HEADS, big_namespace, layer_kv, prompt
 
 from kvclient import KVClient
 from kvstore.core.arena import parse_size
-from kvstore.core.codec import ChunkKey, chunk_nbytes, encode_blocks, verify_chunk
+from kvstore.core.codec import (
+    ChunkKey,
+    ChunkSpec,
+    check_header,
+    chunk_nbytes,
+    encode_blocks,
+    verify_chunk,
+)
 from kvstore.core.hashing import Namespace
 from kvstore.dataplane import SEND, ChunkRef, NodeClient, PutChunk
+from kvstore.dataplane.location import SlotLocation
 from kvstore.dataplane.messages import Ack, Message, Put, Ready
 from kvstore.dataplane.messages import expect as answer_as
 from kvstore.master.client import MasterClient
@@ -441,8 +449,23 @@ async def get_tcp(lane: int, ns_id: bytes, keys: list[bytes], rows: Rows) -> Pha
 
 
 async def get_ucx(lane: int, ns_id: bytes, keys: list[bytes], rows: Rows) -> Phases:
+    """What a ``ucx://`` reader does now: NIXL READ of each committed slot at the location
+    its lookup gave (looked up before the timing, as a get's one lookup is), then the check
+    of each chunk's header (key and spec) that tells a reused slot; no node exchange."""
+    t0 = time.perf_counter()
+    spans = [Span.from_wire(_STATE["locs"][k].span(0, rows.shape[1])) for k in keys]
+    t1 = time.perf_counter()
+    await _STATE["agent"].read(_STATE["peer"], spans, list(rows.unbind(0)), timeout=IO_TIMEOUT_S)
+    t2 = time.perf_counter()
+    spec = _STATE["spec"]
+    for k, row in zip(keys, rows, strict=True):
+        check_header(row, ChunkKey(k, 0, 0), spec)
+    return {"control": t1 - t0, "move": t2 - t1, "after": time.perf_counter() - t2}
+
+
+async def get_ucx_leased(lane: int, ns_id: bytes, keys: list[bytes], rows: Rows) -> Phases:
     """``lease → leased {spans} → NIXL READ → release`` (``NodeClient.lease``; the node
-    answers no release)."""
+    answers no release): a reader's fallback when a location is stale."""
     t0 = time.perf_counter()
     async with _STATE["nodes"][lane].lease(ns_id, _refs(keys), IO_TIMEOUT_S) as (found, leased):
         _found_all(found, len(keys))
@@ -455,7 +478,7 @@ async def get_ucx(lane: int, ns_id: bytes, keys: list[bytes], rows: Rows) -> Pha
 
 
 KV = {("tcp", "put"): put_tcp, ("ucx", "put"): put_ucx, ("tcp", "get"): get_tcp,
-      ("ucx", "get"): get_ucx}  # fmt: skip
+      ("ucx", "get"): get_ucx, ("ucx leased", "get"): get_ucx_leased}  # fmt: skip
 
 
 # ---- jobs
@@ -504,12 +527,29 @@ def job_get(setup: Setup, point: Point, transport: str, depth: int) -> Measured:
     def keys(i: int) -> list[bytes]:
         return block_keys(tag, total - ring + i % ring, point.batch)
 
+    if transport == "ucx":
+        _run(_locate(setup, point, [k for i in range(ring) for k in keys(i)]))
+
     async def get(i: int, lane: int) -> Phases:
         return await KV[(transport, "get")](lane, ns_id, keys(i), _rows(point, i))
 
     res = _measure(setup, point, depth, in_lanes(get, depth))
     verify_chunk(_rows(point, total - 1)[-1], expect_key=ChunkKey(keys(total - 1)[-1], 0, 0))
     return res
+
+
+async def _locate(setup: Setup, point: Point, hashes: list[bytes]) -> None:
+    """The slot location of each block (the master's lookup, as a reader's get asks it)."""
+    ns = point.namespace()
+    locs: dict[bytes, SlotLocation] = {}
+    async with MasterClient(setup.master, timeout_s=IO_TIMEOUT_S) as mc:
+        for at in range(0, len(hashes), 4096):
+            part = hashes[at : at + 4096]
+            for h, block in zip(part, await mc.lookup(ns.id, part, 1), strict=True):
+                loc = SlotLocation.unpack(block[0].location) if block else None
+                expect(loc is not None, "a block put over ucx:// has no slot location")
+                locs[h] = loc  # type: ignore[assignment]
+    _STATE.update(locs=locs, spec=ChunkSpec.of(ns))
 
 
 def job_raw(setup: Setup, point: Point, op: str, depth: int) -> Measured:
@@ -718,6 +758,7 @@ def _point_jobs(setup: Setup, point: Point) -> list[Job]:
             ("kv tcp get", d, "reader", job_get, (setup, point, "tcp", d)),
             ("raw asyncio get", d, "reader", job_raw, (setup, point, "get", d)),
             ("kv ucx get", d, "reader", job_get, (setup, point, "ucx", d)),
+            ("kv ucx leased get", d, "reader", job_get, (setup, point, "ucx leased", d)),
             ("raw NIXL READ", d, "writer", job_raw_nixl, (setup, point, "READ", d)),
         ]
     return jobs
@@ -727,7 +768,7 @@ def run(args: argparse.Namespace) -> Results:
     """Start everything, measure, stop everything (also on failure)."""
     pts = points(args.sizes, args.batches)
     with contextlib.ExitStack() as stack, progress() as bar:
-        jobs = sum(1 + 8 * sum(fits(p, d) for d in args.depth) for p in pts)
+        jobs = sum(1 + 9 * sum(fits(p, d) for d in args.depth) for p in pts)
         total = 6 + jobs + 4 * (args.e2e_reps + 1) + args.idle_after
         task = bar.add_task("starting kvstore serve --transport ucx", total=total)
 
