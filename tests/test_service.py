@@ -241,3 +241,35 @@ async def test_full_pool_evicts_without_corrupting_reads(transport: str) -> None
     finally:
         rc, out = srv.stop()
     assert rc == 0 and "pinned_slots=0" in out
+
+
+def _put_bytes(server: Server, transport: str) -> float:
+    """Chunk bytes the node has received in puts over ``transport`` (its /metrics)."""
+    body = urllib.request.urlopen(f"http://{server.addresses['metrics']}/metrics", timeout=5)
+    for line in body.read().decode().splitlines():
+        if line.startswith(f'kvstore_transfer_bytes_total{{op="put",transport="{transport}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_put_skips_blocks_a_held_match_pinned(server: Server, transport: str) -> None:
+    """After ``match_prefix(hold_s=...)`` pinned a prefix, a put of those blocks encodes
+    and sends nothing for them (they are stored and cannot be evicted) and still counts
+    them stored; the blocks after the prefix go out as usual."""
+    ns = namespace(2)
+    tokens = prompt(512 + 256, seed=31)
+    async with await kvclient.KVClient.connect(server.grpc, ns) as kv:
+        for layer in range(2):
+            assert await kv.put_layer(tokens[:512], layer, layer_kv(512, layer, 31)) == 512
+        assert await kv.match_prefix(tokens, hold_s=30) == 512
+        before = _put_bytes(server, transport)
+        poison = torch.full((2, 512, 8, 128), float("nan"), dtype=torch.bfloat16)
+        assert await kv.put_layer(tokens[:512], 1, poison) == 512  # nothing encoded: no NaN
+        assert _put_bytes(server, transport) == before
+        assert await kv.put_layer(tokens, 0, layer_kv(768, 0, 31)) == 768
+        assert _put_bytes(server, transport) > before  # only the third block was sent
+        got = await kv.get_layer(tokens, 1)
+        assert torch.equal(got, await kv.get_layer(tokens[:512], 1)) and got.shape[1] == 512
+    async with await kvclient.KVClient.connect(server.grpc, ns) as other:  # no holds of its own
+        with pytest.raises(kvclient.errors.KVStoreError):
+            await other.put_layer(tokens[:512], 1, poison)

@@ -49,7 +49,7 @@ from kvstore.errors import (
 from kvstore.master.client import MasterClient
 
 from .engine import EngineOps
-from .handles import no_blocks, prefix_len
+from .handles import prefix_len
 from .pool import ConnectionPool
 from .reads import ChunkReader, LayerRead, NodeEntry
 from .stream import StreamState, next_batch
@@ -68,6 +68,12 @@ Encoded = Callable[[torch.Tensor | None], Awaitable[list[torch.Tensor]]]
 """A started encode: awaited with staging rows (or None), yields the host chunks."""
 
 _NODES_TTL_S = 1.0  # how long a placement snapshot of the node list is reused
+
+_HOLD_TRUST = 0.8
+"""Share of a hold's ``hold_s`` a client counts on (the node's clock starts later)."""
+
+_MAX_HELD = 65536
+"""Held blocks a client remembers (expired ones are dropped first; past it, no more)."""
 
 _MAX_NODE_CLIENTS = 4096
 """Node clients kept (one per data URI; dropped all at once past this)."""
@@ -121,6 +127,8 @@ class ClientCore:
         self._nodes: list[NodeEntry] = []
         self._by_uri: dict[str, NodeEntry] = {}
         self._uri_of: dict[str, str] = {}
+        self._held: dict[bytes, float] = {}
+        """Block hash → loop time its pins (by ``match_prefix(hold_s=...)``) surely last."""
         self._allow_ucx = ucx
         self._ucx = UcxPath(staging_bytes)
         self._nodes_at = -1e9
@@ -319,14 +327,27 @@ class ClientCore:
         hashes = self.block_hashes(token_ids)
         self._check_layer_tensor(t, len(token_ids))
         index = self._chunk_index(layer, shard)
-        if not hashes:
-            return hashes, no_blocks
-        encoded = self._launch_encode(t, hashes, layer, shard)
+        k = self._held_prefix(hashes)  # pinned for us: stored, nothing to encode or send
+        if k == len(hashes):
+            return hashes, lambda: _all_of(k)
+        rest, B = hashes[k:], self.ns.block_tokens
+        encoded = self._launch_encode(t[:, k * B :], rest, layer, shard)
 
         async def put() -> set[int]:
-            return await self._put_encoded(hashes, index, encoded)
+            return {k + i for i in await self._put_encoded(rest, index, encoded)} | set(range(k))
 
-        return hashes, lambda: self._tracked_put(put, hashes, timeout, what)
+        return hashes, lambda: self._tracked_put(put, rest, timeout, what)
+
+    def _held_prefix(self, hashes: list[bytes]) -> int:
+        """How many leading blocks of ``hashes`` a ``match_prefix(hold_s=...)`` of this client
+        found complete and pinned on every holder, the pins not yet expired: every chunk of
+        them is stored and cannot be evicted, so a put skips them before encoding."""
+        if not self._held:
+            return 0
+        now, k = self._loop.time(), 0
+        while k < len(hashes) and self._held.get(hashes[k], 0.0) > now:
+            k += 1
+        return k
 
     def _launch_encode(
         self, t: torch.Tensor, hashes: list[bytes], layer: int, shard: int
@@ -613,20 +634,31 @@ class ClientCore:
             skip_holders=hold_s <= 0,
         )
         if hold_s > 0 and blocks:
-            by_uri: dict[str, list[int]] = {}
+            by_uri: dict[str, list[bytes]] = {}
             for i, block in enumerate(holders[:blocks]):
                 for h in block:
-                    by_uri.setdefault(h.data_uri, []).append(i)
-            await asyncio.gather(
-                *(self._hold(uri, [hashes[i] for i in idx], hold_s) for uri, idx in by_uri.items())
-            )
+                    by_uri.setdefault(h.data_uri, []).append(hashes[i])
+            until = self._loop.time() + hold_s * _HOLD_TRUST
+            uris = list(by_uri)
+            pinned = await asyncio.gather(*(self._hold(u, by_uri[u], hold_s) for u in uris))
+            held = dict(zip(uris, pinned, strict=True))
+            if len(self._held) > _MAX_HELD:
+                self._held = {h: t for h, t in self._held.items() if t > self._loop.time()}
+            for i, block in enumerate(holders[:blocks]):
+                if len(self._held) < _MAX_HELD and all(
+                    hashes[i] in held[h.data_uri] for h in block
+                ):
+                    self._held[hashes[i]] = until
         return blocks * self.ns.block_tokens
 
-    async def _hold(self, uri: str, hashes: list[bytes], hold_s: float) -> None:
+    async def _hold(self, uri: str, hashes: list[bytes], hold_s: float) -> set[bytes]:
+        """Pin ``hashes`` on the node at ``uri``; the ones it pinned (a leading run)."""
         try:
-            await self._node(uri).hold(self.ns.id, hashes, hold_s)
+            held = await self._node(uri).hold(self.ns.id, hashes, hold_s)
         except TransportError as exc:
             logger.warning("hold on %s failed: %s", uri, exc)
+            return set()
+        return set(hashes[: held.blocks])
 
     # ------------------------------------------------------------------ streaming
 
@@ -787,6 +819,10 @@ class KVClient(EngineOps, ClientCore):
     Not fork-safe: create clients after an engine forks its workers. Safe to use from many
     tasks of one event loop at once; the ``start_*`` calls from any thread.
     """
+
+
+async def _all_of(n: int) -> set[int]:
+    return set(range(n))
 
 
 def _batches(idx: list[int]) -> list[list[int]]:
