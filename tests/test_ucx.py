@@ -24,7 +24,7 @@ from kvclient.errors import ChunkError, KVStoreError
 from kvclient.ucx import nixl_available
 from kvstore.core.codec import ChunkKey, chunk_nbytes, decode_chunk
 from kvstore.core.kvgen import realistic_kv
-from kvstore.dataplane import ChunkRef, NodeClient
+from kvstore.dataplane import ChunkRef, NodeClient, PutChunk
 from kvstore.dataplane.location import SlotLocation
 from kvstore.dataplane.messages import Lease, Leased, Release, expect
 from kvstore.transport import connect
@@ -267,3 +267,42 @@ async def test_a_stale_or_bogus_location_falls_back_to_the_node(master: Server) 
     finally:
         rc, out = node.stop()
     assert rc == 0, out
+
+
+async def test_layers_after_the_first_are_written_in_one_round_trip(master: Server) -> None:
+    """A ``ucx://`` put's ack grants the writer the next layer's chunk of each block: its
+    put of that layer is a WRITE and one ``write`` exchange. A second writer of the same
+    prefix waits for the grant (it is a claim) and then finds the chunk stored, or stores
+    it itself once the grant ends; a ``write`` without a grant of one's own stores nothing."""
+    node = ucx_node(master)
+    ns, n = _ns(layers=3), 4 * 256
+    tokens = _tokens(13, n)
+    kv_of = [realistic_kv(n, H, D, torch.bfloat16, seed=40 + layer) for layer in range(3)]
+    try:
+        async with (
+            await kvclient.KVClient.connect(master.grpc, ns) as a,
+            await kvclient.KVClient.connect(master.grpc, ns) as b,
+        ):
+            assert await a.put_layer(tokens, 0, kv_of[0]) == n
+            assert len(a._grants) == 4 and (await node_stats(node.data))["grants"] == 4
+            assert await a.put_layer(tokens, 1, kv_of[1]) == n  # WRITE + write: grants used
+            assert (await node_stats(node.data))["grants"] == 4  # ... and layer 2's granted
+            assert await b.put_layer(tokens, 2, kv_of[2]) == n  # waits out a's grant
+            stats = await node_stats(node.data)
+            assert (stats["grants"], stats["inflight"]) == (0, 0)
+            await asyncio.sleep(1.1)  # a's grants are no longer good to it: it reserves
+            assert await a.put_layer(tokens, 2, kv_of[2]) == n
+            spec = [
+                PutChunk(h, None, 1, chunk_nbytes(256, H, D, torch.bfloat16, "int8"))
+                for h in a.block_hashes(tokens)
+            ]
+            forged = await NodeClient(node.data, timeout_s=5).write(ns.canonical_bytes(), spec, "x")
+            assert forged.stored == 0 and forged.failed == (0, 1, 2, 3)
+        async with await kvclient.KVClient.connect(master.grpc, ns, ucx=False) as tcp:
+            for layer in range(3):
+                got = await tcp.get_layer(tokens, layer)
+                err = (got.float() - kv_of[layer].float()).norm() / kv_of[layer].float().norm()
+                assert got.shape[1] == n and err < 0.02, (layer, err)
+    finally:
+        rc, out = node.stop()
+    assert rc == 0 and "pinned_slots=0" in out, out

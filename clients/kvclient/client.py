@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, Self, TypeVar
 
@@ -53,7 +54,7 @@ from .handles import prefix_len
 from .pool import ConnectionPool
 from .reads import ChunkReader, LayerRead, NodeEntry
 from .stream import StreamState, next_batch
-from .ucx import DEFAULT_STAGING_BYTES, UcxPath, prefer_ucx
+from .ucx import DEFAULT_STAGING_BYTES, Grants, UcxPath, prefer_ucx
 
 __all__ = ["DEFAULT_MAX_OBJECT_BYTES", "ClientCore", "KVClient"]
 
@@ -129,6 +130,9 @@ class ClientCore:
         self._uri_of: dict[str, str] = {}
         self._held: dict[bytes, float] = {}
         """Block hash → loop time its pins (by ``match_prefix(hold_s=...)``) surely last."""
+        self._writer = uuid.uuid4().hex
+        """Who this client is to nodes' grants."""
+        self._grants = Grants()
         self._allow_ucx = ucx
         self._ucx = UcxPath(staging_bytes)
         self._nodes_at = -1e9
@@ -480,12 +484,23 @@ class ClientCore:
         wait_s = max(0.0, _PUT_DEADLINE.get(now + self.timeout_s) - now) * _WAIT_SHARE
         peer = self._node(node.data_uri)
         if node.ucx:
+            nxt = index + self.ns.tp_size  # this shard's next layer: granted with the ack
+            grant = (nxt,) if nxt < self._chunks_per_block else ()
+            blocks = [hashes[i] for i in idx]
+            spans = self._grants.take(node.node_id, blocks, index, self._chunk_bytes)
+            if spans is not None:  # one round trip: WRITE, then say so
+                await self._write_ucx(node, spans, [chunks[i] for i in idx])
+                ack = await peer.write(self._ns_raw, spec, self._writer, grant, wait_s)
+            else:
 
-            async def write(ready: Ready) -> None:
-                picked = [chunks[idx[k]] for k in ready.sending()]
-                await self._write_ucx(node, list(ready.spans or ()), picked)
+                async def write(ready: Ready) -> None:
+                    picked = [chunks[idx[k]] for k in ready.sending()]
+                    await self._write_ucx(node, list(ready.spans or ()), picked)
 
-            ack = await peer.reserve(self._ns_raw, spec, write, wait_s)
+                ack = await peer.reserve(
+                    self._ns_raw, spec, write, wait_s, writer=self._writer, grant=grant
+                )
+            self._grants.keep(node.node_id, blocks, ack.grants, ack.grant_s)
         else:
             ack = await peer.put(self._ns_raw, spec, [chunks[i].numpy() for i in idx], wait_s)
         # Failed a check, or busy (another writer's transfer did not end in time): not stored.

@@ -35,10 +35,11 @@ from functools import lru_cache
 import torch
 
 from kvstore.core.arena import Arena
+from kvstore.dataplane.location import SlotLocation
 from kvstore.errors import CapacityError, Closed
 from kvstore.transport.nixl import NixlAgent, Registration, Span
 
-__all__ = ["DEFAULT_STAGING_BYTES", "UcxPath", "nixl_available", "prefer_ucx"]
+__all__ = ["DEFAULT_STAGING_BYTES", "Grants", "UcxPath", "nixl_available", "prefer_ucx"]
 
 logger = logging.getLogger("kvclient.ucx")
 
@@ -46,6 +47,14 @@ DEFAULT_STAGING_BYTES = 256 * 2**20
 """Registered staging memory per client for ``ucx://`` transfers."""
 
 _GRACE_S = 30.0  # how long an extent of a failed transfer stays out of use
+
+_GRANT_TRUST = 0.5
+"""Share of a grant's ``grant_s`` a writer counts on: it never WRITEs into a granted slot
+later than this (the node's clock started first), so a grant the node ended is never
+written into."""
+
+_MAX_GRANTS = 65536
+"""Grants a client remembers at once."""
 
 
 @lru_cache(maxsize=1)
@@ -207,3 +216,57 @@ class UcxPath:
 
 def _span(wire: list[int]) -> Span:
     return Span.from_wire(wire)
+
+
+class Grants:
+    """The chunks nodes granted this writer: ``(node id, block, chunk index)`` → where to
+    WRITE it and until when. A ``ucx://`` put of chunks that are all granted is a WRITE and
+    one ``write`` exchange; a node ends a grant once it is used, so each is taken once.
+    Owned by one loop; never blocks."""
+
+    def __init__(self) -> None:
+        self._by_chunk: dict[tuple[str, bytes, int], tuple[SlotLocation, float]] = {}
+
+    def take(
+        self, node_id: str, blocks: list[bytes], index: int, nbytes: int
+    ) -> list[list[int]] | None:
+        """The spans to WRITE chunk ``index`` (``nbytes`` long) of ``blocks`` at, taking
+        their grants, when every one is granted by ``node_id`` and still good; None (taking
+        nothing) otherwise."""
+        now = asyncio.get_running_loop().time()
+        keys = [(node_id, b, index) for b in blocks]
+        spans = []
+        for k in keys:
+            got = self._by_chunk.get(k)
+            span = got[0].span(index, nbytes) if got is not None and got[1] > now else None
+            if span is None:
+                return None
+            spans.append(span)
+        for k in keys:
+            del self._by_chunk[k]
+        return spans
+
+    def keep(
+        self,
+        node_id: str,
+        blocks: list[bytes],
+        grants: tuple[tuple[int, int, bytes], ...],
+        grant_s: float,
+    ) -> None:
+        """Remember what an ack of ``node_id`` granted for the put of ``blocks`` (for
+        :data:`_GRANT_TRUST` of ``grant_s``; at most :data:`_MAX_GRANTS`)."""
+        if not grants:
+            return
+        now = asyncio.get_running_loop().time()
+        if len(self._by_chunk) + len(grants) > _MAX_GRANTS:
+            self._by_chunk = {k: g for k, g in self._by_chunk.items() if g[1] > now}
+        until = now + grant_s * _GRANT_TRUST
+        for position, index, raw in grants:
+            loc = SlotLocation.unpack(raw)
+            if loc is None or not 0 <= position < len(blocks):
+                continue
+            if len(self._by_chunk) < _MAX_GRANTS:
+                self._by_chunk[node_id, blocks[position], index] = (loc, until)
+
+    def __len__(self) -> int:
+        return len(self._by_chunk)

@@ -116,16 +116,35 @@ class NodeClient:
         chunks: Sequence[PutChunk],
         write: Callable[[Ready], Awaitable[None]],
         wait_s: float = 0.0,
+        *,
+        writer: str = "",
+        grant: Sequence[int] = (),
     ) -> Ack:
         """``ucx://`` put: the node pins slots and answers their spans; ``write(ready)``
         WRITEs each SEND chunk (``ready.sending()``) into its span; then ``landed``, and the
-        node checks and commits them; its ack says what is stored."""
+        node checks and commits them; its ack says what is stored (and, given ``writer``
+        and ``grant``, which of those chunk indices of these blocks it granted)."""
         async with self._use() as conn:
-            request = Put(ns, tuple(chunks), wait_s, ucx=True)
+            request = Put(ns, tuple(chunks), wait_s, True, False, writer, tuple(grant))
             ready = expect(await self._ask(conn, request), Ready, "reserved")
             self._check_accept(ready, len(chunks))
             await write(ready)
             return expect(await self._ask(conn, Landed()), Ack)
+
+    async def write(
+        self,
+        ns: bytes,
+        chunks: Sequence[PutChunk],
+        writer: str,
+        grant: Sequence[int] = (),
+        wait_s: float = 0.0,
+    ) -> Ack:
+        """``ucx://`` put of chunks this writer has already WRITTEN at the locations of its
+        grants: one round trip. The node checks and commits those it granted (the rest are
+        ``failed``) and may grant ``grant`` again."""
+        async with self._use() as conn:
+            request = Put(ns, tuple(chunks), wait_s, True, True, writer, tuple(grant))
+            return expect(await self._ask(conn, request), Ack)
 
     @staticmethod
     def _check_accept(ready: Ready, n: int) -> None:

@@ -23,6 +23,12 @@ One request is in flight per connection; every exchange starts with a client hea
               C: one-sided NIXL WRITE of each SEND chunk into its span, then Landed{op: landed}
               N: Ack as for put     (no ``landed`` within the I/O timeout: the slots are
                    quarantined, since the writer may still be writing into them)
+                   With {writer, grant: [index ..]} in the reserve (or write): the Ack also
+                   carries grants: [[position, index, location] ..], grant_s — that chunk of
+                   that block is claimed for this writer for grant_s, its slot pinned.
+    write     C: one-sided NIXL WRITE of each chunk at its grant's location, then
+                 Put{op: write, ns, chunks, writer, grant}             (ucx://, granted)
+              N: Ack as for put  (a chunk without a live grant of this writer: failed)
     get       C: Get{op: get, ns_id, chunks: [[block, index] ..]}
               N: Found{op: data, found: [0|1 ..]} + one buffer per found chunk
     lease     C: Lease{op: lease, ns_id, chunks, lease_s}              (ucx://)
@@ -115,6 +121,12 @@ MAX_KEY_LEN = 1024
 
 MAX_NS_HEX = 8192
 """Longest canonical namespace, in hex digits."""
+
+MAX_WRITER_LEN = 64
+"""Longest writer id."""
+
+MAX_GRANT_CHUNKS = 64
+"""Most chunk indices per block a put may ask to be granted."""
 
 STORED = 0
 """``accept`` value: the chunk is landed and checked on this node already; not sent."""
@@ -262,7 +274,11 @@ def _refs_wire(refs: tuple[ChunkRef, ...]) -> list[list[Any]]:
 class Put(Message):
     """A put: over ``tcp://`` (``ucx=False``, op ``put``) the chunks travel in this frame's
     payload; over ``ucx://`` (op ``reserve``) the writer WRITEs them into the spans of the
-    :class:`Ready` answer and says :class:`Landed`."""
+    :class:`Ready` answer and says :class:`Landed`; with ``granted`` (op ``write``) it has
+    WRITTEN them already, into slots a grant of an earlier ack gave it.
+
+    ``writer`` names the writer (grants are its own); ``grant``: the chunk indices of these
+    blocks it will write next (``ucx://``), which the ack may grant."""
 
     OP: ClassVar[str] = "put"
     ns: bytes
@@ -270,12 +286,18 @@ class Put(Message):
     chunks: tuple[PutChunk, ...]
     wait_s: float = 0.0
     ucx: bool = False
+    granted: bool = False
+    writer: str = ""
+    grant: tuple[int, ...] = ()
 
     def header(self) -> dict[str, Any]:
         spec = [[c.block.hex(), c.parent.hex() if c.parent else "", c.chunk, c.nbytes]
                 for c in self.chunks]  # fmt: skip
-        return {"op": "reserve" if self.ucx else "put", "ns": self.ns.hex(), "chunks": spec,
-                "wait_s": self.wait_s}  # fmt: skip
+        op = "write" if self.granted else "reserve" if self.ucx else "put"
+        out = {"op": op, "ns": self.ns.hex(), "chunks": spec, "wait_s": self.wait_s}
+        if self.writer:
+            out["writer"], out["grant"] = self.writer, list(self.grant)
+        return out
 
     @classmethod
     def parse(cls, header: dict[str, Any]) -> Self:
@@ -296,7 +318,17 @@ class Put(Message):
             chunks.append(
                 PutChunk(_hex16(block), _hex16(parent, "parent") if parent else None, index, nbytes)
             )
-        return cls(raw, tuple(chunks), _number(header, "wait_s", 0.0), header["op"] == "reserve")
+        op = header["op"]
+        writer = _field(header, "writer", str, "")
+        if len(writer) > MAX_WRITER_LEN:
+            raise ProtocolError(f"field 'writer' is longer than {MAX_WRITER_LEN}")
+        grant = _ints(header, "grant") if "grant" in header else ()
+        if len(grant) > MAX_GRANT_CHUNKS:
+            raise ProtocolError(f"a put asks for at most {MAX_GRANT_CHUNKS} chunks per block")
+        if op == "write" and not writer:
+            raise ProtocolError("a 'write' names its writer")
+        return cls(raw, tuple(chunks), _number(header, "wait_s", 0.0), op != "put",
+                   op == "write", writer, grant)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,22 +382,43 @@ class Landed(Message):
 @dataclass(frozen=True, slots=True)
 class Ack(Message):
     """The end of a put: chunks stored, skipped (landed already), and the request positions
-    that failed a check or were busy (neither is stored)."""
+    that failed a check or were busy (neither is stored). ``grants``: ``(position, chunk
+    index, slot location)`` — the writer may WRITE that chunk of that position's block at
+    the location (:class:`~kvstore.dataplane.location.SlotLocation`) and then say so with a
+    ``write``, for ``grant_s`` seconds from the node's sending this ack."""
 
     OP: ClassVar[str] = "ack"
     stored: int
     skipped: int = 0
     failed: tuple[int, ...] = ()
     busy: tuple[int, ...] = ()
+    grants: tuple[tuple[int, int, bytes], ...] = ()
+    grant_s: float = 0.0
 
     def header(self) -> dict[str, Any]:
-        return {"op": "ack", "stored": self.stored, "skipped": self.skipped,
-                "failed": list(self.failed), "busy": list(self.busy)}  # fmt: skip
+        out = {"op": "ack", "stored": self.stored, "skipped": self.skipped,
+               "failed": list(self.failed), "busy": list(self.busy)}  # fmt: skip
+        if self.grants:
+            out["grants"] = [[p, c, loc.hex()] for p, c, loc in self.grants]
+            out["grant_s"] = self.grant_s
+        return out
 
     @classmethod
     def parse(cls, header: dict[str, Any]) -> Self:
+        grants = []
+        for item in _list(header, "grants", empty=True) if "grants" in header else []:
+            if not isinstance(item, list) or len(item) != 3:
+                raise ProtocolError("a grant is [position, chunk index, location]")
+            position, chunk, loc = item
+            if type(position) is not int or type(chunk) is not int or not isinstance(loc, str):
+                raise ProtocolError("a grant is [int, int, hex]")
+            try:
+                grants.append((position, chunk, bytes.fromhex(loc)))
+            except ValueError as exc:
+                raise ProtocolError("a grant's location is not hex") from exc
         return cls(_count(header, "stored"), _count(header, "skipped"),
-                   _ints(header, "failed"), _ints(header, "busy"))  # fmt: skip
+                   _ints(header, "failed"), _ints(header, "busy"), tuple(grants),
+                   _number(header, "grant_s", 0.0))  # fmt: skip
 
     def not_stored(self) -> set[int]:
         """Request positions whose chunk is not stored."""
@@ -666,7 +719,8 @@ class Stats(Message):
 @dataclass(frozen=True, slots=True)
 class NodeStats(Message):
     """The node's counters, as a JSON object: node_id, epoch, slots, pinned_slots, leases,
-    holds, inflight (chunks a put is transferring now), objects, capacity_bytes, used_bytes,
+    holds, inflight (chunks a put is transferring or has granted now), grants (chunks
+    claimed for a writer's next ``write``), objects, capacity_bytes, used_bytes,
     tiers: [{name, slots, pinned_slots, capacity_bytes, used_bytes}]."""
 
     OP: ClassVar[str] = "stats"
@@ -709,6 +763,7 @@ class Error(Message):
 REQUESTS: dict[str, type[Message]] = {
     "put": Put,
     "reserve": Put,
+    "write": Put,
     "get": Get,
     "lease": Lease,
     "hold": Hold,

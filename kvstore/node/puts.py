@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,13 +29,33 @@ from kvstore.node.scrub import Scrub, ScrubBatch
 from kvstore.node.tiers import MemoryTier, Tiers
 from kvstore.transport.base import Connection
 
-__all__ = ["MAX_ASIDE_BYTES", "Puts", "count_transfer"]
+__all__ = ["GRANT_S", "MAX_ASIDE_BYTES", "MAX_GRANTS", "Puts", "count_transfer"]
 
 MAX_ASIDE_BYTES = 64 * 2**20
 """Host memory for ``tcp://`` chunks received while another writer transfers them."""
 
+GRANT_S = 2.0
+"""How long a grant lasts (``ucx://``): the chunk stays claimed for its writer, its slot
+pinned, until the writer's ``write`` of it or this long after the ack that granted it."""
+
+MAX_GRANTS = 65536
+"""Grants a node holds at once; past this, acks grant nothing more."""
+
 _Chunk = tuple[SlotKey, bytes | None, int]
 """A chunk a put names, resolved: (slot key, parent block hash, chunk index)."""
+
+
+@dataclass(eq=False)
+class _Grant:
+    """A chunk claimed for one writer across exchanges: it WRITEs it at the slot's location,
+    then says ``write``. ``lease`` pins the slot; ``claim`` is its entry in the claims."""
+
+    writer: str
+    slot: Slot
+    lease: Lease[Slot]
+    claim: asyncio.Future[None]
+    expires: float
+    """Loop time."""
 
 
 def count_transfer(metrics: Metrics, op: str, transport: str, nbytes: int, t0: float) -> None:
@@ -67,17 +88,24 @@ class Puts:
         """Chunks a put exchange is transferring now → resolved when that exchange ends."""
         self._aside_bytes = 0
         self._unquarantine_at: dict[Slot, asyncio.TimerHandle] = {}
+        self._grants: dict[tuple[SlotKey, int], _Grant] = {}
 
     @property
     def inflight(self) -> int:
-        """Chunks being transferred by a put now."""
+        """Chunks being transferred by a put now (grants included)."""
         return len(self._inflight)
 
+    @property
+    def grants(self) -> int:
+        """Grants held now."""
+        return len(self._grants)
+
     def close(self) -> None:
-        """Cancel the quarantine timers (the node stops)."""
+        """Cancel the quarantine timers and end every grant (the node stops)."""
         for timer in self._unquarantine_at.values():
             timer.cancel()
         self._unquarantine_at.clear()
+        self._end_grants(list(self._grants), float("inf"))  # (their timers find none left)
 
     def quarantine(self, slots: Iterable[Slot]) -> None:
         """Quarantine ``slots`` for one I/O timeout (a peer may still write into them)."""
@@ -115,16 +143,23 @@ class Puts:
         wait = min(put.wait_s, self.io_timeout_s)
         scrub = ScrubBatch()
         try:
-            slots = self._allocate(wanted, chunk_bytes, num_chunks, leases, tier)
             t0 = time.perf_counter()
-            if put.ucx:
-                accept, sent, failed = await self._put_ucx(
-                    conn, ns, wanted, slots, claims, wait, scrub
-                )
+            if put.granted:
+                slots, accept, sent = self._take_grants(put.writer, wanted, claims, leases)
+                items = [self._landing(i, wanted[i], slot) for i, slot in sent.items()]
+                bad = await self._check_written(conn, ns, items, sent, scrub)
+                # A chunk without a live grant of this writer: failed (not stored).
+                failed = sorted({*bad, *(i for i in range(len(wanted)) if i not in sent)})
             else:
-                accept, sent, failed = await self._put_tcp(
-                    conn, ns, wanted, slots, claims, wait, chunk_bytes
-                )
+                slots = self._allocate(wanted, chunk_bytes, num_chunks, leases, tier)
+                if put.ucx:
+                    accept, sent, failed = await self._put_ucx(
+                        conn, ns, wanted, slots, claims, wait, scrub, put.writer
+                    )
+                else:
+                    accept, sent, failed = await self._put_tcp(
+                        conn, ns, wanted, slots, claims, wait, chunk_bytes
+                    )
             stored = await self._commit_landed(wanted, sent, failed)
             # Scrubbed once committed: a drop then reaches the master after the add.
             self.scrub.add(ns, scrub)
@@ -133,7 +168,9 @@ class Puts:
                 self.metrics, "put", "ucx" if put.ucx else "tcp", len(sent) * chunk_bytes, t0
             )
             busy = tuple(i for i, a in enumerate(accept) if a == BUSY)
-            await self._send(conn, Ack(stored, accept.count(STORED), tuple(failed), busy))
+            grants = self._grant(put, wanted, slots, num_chunks) if put.ucx else ()
+            ack = Ack(stored, accept.count(STORED), tuple(failed), busy, grants, GRANT_S)
+            await self._send(conn, ack)
         finally:
             self.scrub.add(ns, scrub)  # (gives back its room, when not queued already)
             self._settle(claims)
@@ -149,25 +186,133 @@ class Puts:
         claims: dict[tuple[SlotKey, int], asyncio.Future[None]],
         wait: float,
         scrub: ScrubBatch,
+        writer: str,
     ) -> tuple[list[int], dict[int, Slot], list[int]]:
-        """Claim (waiting up to ``wait`` for other writers), hand the writer the spans of
+        """Claim (waiting up to ``wait`` for other writers; chunks granted to ``writer``
+        are its own already), hand the writer the spans of
         its chunks, wait for ``landed``, check them; (accept codes, position → slot of each
         chunk written, positions that failed a check). Chunks in host memory get their
         header checked now and are put in ``scrub`` for the rest (the caller hands them to
         the scrub once committed), when the scrub has room."""
+        self._take_own_grants(writer, wanted, slots, claims)
         accept = await self._claim(wanted, slots, claims, wait, range(len(wanted)))
         sent = {i: slot for i, a in enumerate(accept) if a == SEND and (slot := slots[i])}
         items = [self._landing(i, wanted[i], slot) for i, slot in sent.items()]
         await self._land_by_ucx(conn, accept, items, list(sent.values()))
-        # Host memory: headers now, every byte in the scrub (unless it is full); the GPU
-        # tier: every byte now, off the loop.
+        return accept, sent, await self._check_written(conn, ns, items, sent, scrub)
+
+    async def _check_written(
+        self,
+        conn: Connection,
+        ns: Namespace,
+        items: list[LandedChunk],
+        sent: dict[int, Slot],
+        scrub: ScrubBatch,
+    ) -> list[int]:
+        """Check chunks a writer WROTE one-sidedly; the positions that failed. In host
+        memory: headers now, every byte in the scrub (unless it is full); the GPU tier:
+        every byte now, off the loop."""
         in_host = self.tiers.host.holds
         if all(in_host(it.view) for it in items) and self.scrub.reserve(scrub, items):
             failed = self.checks.headers(conn.peer, ns, items)
             bad = set(failed)
             scrub.chunks = [(sent[it.position], it) for it in items if it.position not in bad]
-            return accept, sent, failed
-        return accept, sent, await self.checks.written(conn.peer, ns, items, in_host)
+            return failed
+        return await self.checks.written(conn.peer, ns, items, in_host)
+
+    # -- grants ----------------------------------------------------------------------------
+
+    def _grant(
+        self, put: Put, wanted: list[_Chunk], slots: list[Slot | None], num_chunks: int
+    ) -> tuple[tuple[int, int, bytes], ...]:
+        """Claim the chunk indices ``put.grant`` of the put's blocks for its writer, each for
+        :data:`GRANT_S` with its slot pinned: ``(position, index, location)`` per grant.
+        Only free chunks (not landed, not claimed) of live slots in registered memory,
+        within :data:`MAX_GRANTS`."""
+        if not put.writer or not put.grant:
+            return ()
+        loop = asyncio.get_running_loop()
+        expires = loop.time() + GRANT_S
+        out: list[tuple[int, int, bytes]] = []
+        keys: list[tuple[SlotKey, int]] = []
+        seen: set[SlotKey] = set()
+        for position, ((key, _, _), slot) in enumerate(zip(wanted, slots, strict=True)):
+            if slot is None or key in seen or not slot.alive or slot.quarantined:
+                continue
+            seen.add(key)
+            tier = self.tiers.owner(slot)
+            location = self.tiers.location(slot, tier) if tier is not None else b""
+            if not location:
+                continue
+            for index in dict.fromkeys(put.grant):
+                chunk = (key, index)
+                free = 0 <= index < num_chunks and not slot.landed_mask >> index & 1
+                if not free or chunk in self._inflight or len(self._grants) >= MAX_GRANTS:
+                    continue
+                claim = self._inflight[chunk] = loop.create_future()
+                lease = tier.table.pin(slot)  # type: ignore[union-attr]
+                self._grants[chunk] = _Grant(put.writer, slot, lease, claim, expires)
+                keys.append(chunk)
+                out.append((position, index, location))
+        if keys:
+            loop.call_later(GRANT_S, lambda: self._end_grants(keys, loop.time()))
+        return tuple(out)
+
+    def _take_own_grants(
+        self,
+        writer: str,
+        wanted: list[_Chunk],
+        slots: list[Slot | None],
+        claims: dict[tuple[SlotKey, int], asyncio.Future[None]],
+    ) -> None:
+        """A ``reserve`` of chunks granted to its own writer takes those grants over (their
+        claims move into ``claims``; the reserve pinned the slots itself), so the writer
+        never waits on itself."""
+        if not writer or not self._grants:
+            return
+        for (key, _, index), slot in zip(wanted, slots, strict=True):
+            grant = self._grants.get((key, index))
+            if grant is not None and grant.writer == writer and grant.slot is slot:
+                del self._grants[key, index]
+                claims[key, index] = grant.claim
+                grant.lease.release()
+
+    def _take_grants(
+        self,
+        writer: str,
+        wanted: list[_Chunk],
+        claims: dict[tuple[SlotKey, int], asyncio.Future[None]],
+        leases: list[Lease[Slot]],
+    ) -> tuple[list[Slot | None], list[int], dict[int, Slot]]:
+        """A ``write``: each chunk's live grant of ``writer`` moves into this exchange (its
+        claim into ``claims``, its pin into ``leases``): (slot per position, accept codes,
+        position → slot of each granted chunk). Every chunk counts as sent: one without such
+        a grant is then reported failed, not busy (this writer has written it already)."""
+        now = asyncio.get_running_loop().time()
+        slots: list[Slot | None] = [None] * len(wanted)
+        accept = [SEND] * len(wanted)
+        sent: dict[int, Slot] = {}
+        for i, (key, _, index) in enumerate(wanted):
+            grant = self._grants.get((key, index))
+            if grant is None or grant.writer != writer or grant.expires <= now:
+                continue
+            del self._grants[key, index]
+            claims[key, index], slots[i] = grant.claim, grant.slot
+            leases.append(grant.lease)
+            if grant.slot.alive and not grant.slot.quarantined:
+                sent[i] = grant.slot
+        return slots, accept, sent
+
+    def _end_grants(self, keys: list[tuple[SlotKey, int]], now: float) -> None:
+        """End the grants of ``keys`` that are due by ``now`` and not taken by a ``write``:
+        claims end (writers waiting on them look again), pins are released."""
+        for chunk in keys:
+            grant = self._grants.get(chunk)
+            if grant is None or grant.expires > now:
+                continue
+            del self._grants[chunk]
+            self._settle({chunk: grant.claim})
+            grant.lease.release()
 
     async def _put_tcp(
         self,
@@ -253,6 +398,8 @@ class Puts:
                     continue
                 if slot.landed_mask >> index & 1:
                     accept[i] = STORED
+                elif (own := claims.get((key, index))) is not None and not own.done():
+                    accept[i] = SEND  # claimed by this exchange already (a grant taken over)
                 elif (other := self._inflight.get((key, index))) is not None:
                     waits.append(other)
                     later.append(i)

@@ -575,6 +575,7 @@ class StorageNode:
                 "leases": sum(st.leases for _, st in stats),
                 "holds": len(self._holds),
                 "inflight": self.puts.inflight,
+                "grants": self.puts.grants,
                 "scrub_pending": self.scrub.pending,
                 "scrubbed": self.scrub.scrubbed,
                 "scrub_dropped": self.scrub.dropped,
