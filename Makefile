@@ -1,4 +1,7 @@
 # kvstore developer targets. `make test` is what CI runs; `make demo` is the quick start.
+# `make test` runs pytest through scripts/pytest_redis.py: against $KVSTORE_TEST_REDIS when
+# set, else a throwaway redis-server on a free loopback port when one is installed, else it
+# says how many Redis tests were skipped.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -34,7 +37,7 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m mypy kvstore clients
-	$(BIN)/python -m pytest -q
+	$(BIN)/python scripts/pytest_redis.py -q
 
 demo: setup
 	$(BIN)/python examples/demo.py

@@ -1,8 +1,16 @@
-"""``kvstore serve | master | node``: thin entry points over the library.
+"""``kvstore serve | master | node | config``: thin entry points over the library.
 
-Each command parses flags, builds typed configs, starts its servers in one event loop and
+Each server command resolves its settings (flags > ``KVSTORE_*`` environment > ``--config``
+TOML file > defaults, :mod:`kvstore.config`), starts its servers in one event loop and
 prints one flushed line containing ``kvstore ready`` and its addresses once it can serve.
-A bad flag or an unbindable port exits non-zero with one line on stderr. SIGTERM (or
+``kvstore config [serve|master|node] [FLAGS]`` prints the effective configuration as TOML,
+each value commented with where it came from, and starts nothing.
+
+Errors: a bad flag, variable or file value exits 2 with one line on stderr, answered before
+torch, grpc or the servers are imported (this module imports argparse and
+:mod:`kvstore.config` only; the servers come with :func:`_run`). A port that cannot be bound
+or a master that cannot be reached exits 1 with one line: each port is probed before the
+servers start, so gRPC's own log line about a taken port does not come first. SIGTERM (or
 SIGINT) stops accepting, drains, stops the gRPC server with a grace period and exits 0.
 
 ``serve`` runs a master and one node in one process: the node registers and commits by
@@ -14,157 +22,204 @@ client that reaches it always finds a node.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import logging
 import os
-import signal
+import socket
 import sys
-from collections.abc import Iterator, Sequence
-from typing import NoReturn
-
-from prometheus_client.core import CounterMetricFamily, Metric
-from prometheus_client.registry import Collector
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 from kvstore import __version__
-from kvstore.core.arena import parse_size
-from kvstore.errors import KVStoreError
-from kvstore.master.client import MasterClient
-from kvstore.master.redis_store import RedisIndexStore
-from kvstore.master.server import MasterConfig, MasterServer, grpc_address
-from kvstore.metrics import Metrics, MetricsServer
-from kvstore.node.server import NodeConfig, StorageNode
+from kvstore.config import (
+    COMMANDS,
+    CONFIG_ENV,
+    Resolved,
+    Setting,
+    render_toml,
+    resolve,
+    settings_for,
+)
+from kvstore.errors import InvalidArgument, KVStoreError
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from kvstore.master.server import MasterServer
+    from kvstore.metrics import Metrics
+    from kvstore.node.server import StorageNode
 
-log = logging.getLogger("kvstore")
+__all__ = ["EXIT_RUNTIME", "EXIT_USAGE", "build_parser", "configure", "main"]
+
+EXIT_USAGE = 2
+"""A bad flag, environment variable or config file value; nothing was started."""
+EXIT_RUNTIME = 1
+"""A port could not be bound, the master could not be reached, or a server failed."""
+
+_HELP = {
+    "serve": "master + one node in one process",
+    "master": "the control plane only",
+    "node": "one storage node",
+}
 
 
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line and exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except KVStoreError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
+def _argtype(setting: Setting) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        try:
+            return setting.parse(text)
+        except InvalidArgument as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    parse.__name__ = setting.name  # argparse names it in "invalid <name> value"
+    return parse
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a port: {text!r}") from exc
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port {port} outside 0..65535")
-    return port
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from exc
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
+def _add_settings(parser: argparse.ArgumentParser, command: str) -> None:
+    """One flag per setting of ``command``, each with its default and variable in its help;
+    flags default to nothing so that only the given ones take precedence."""
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        default=argparse.SUPPRESS,
+        help=f"a TOML file of settings: keys as the flags without --, a [{command}] table "
+        f"over the top level (default: none; env {CONFIG_ENV})",
+    )
+    for s in settings_for(command):
+        default = s.shown(s.default_for(command))
+        required = " (required)" if command in s.required else ""
+        parser.add_argument(
+            s.flag,
+            dest=s.dest,
+            metavar=s.metavar or None,
+            type=_argtype(s),
+            default=argparse.SUPPRESS,
+            help=f"{s.help}{required} (default: {default}; env {s.env})",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvstore`` argument parser (one subcommand per process kind)."""
-    parser = _Parser(prog="kvstore", description="KV-cache pool for disaggregated inference")
-    parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
-    parser.add_argument("--log-level", default=os.environ.get("KVSTORE_LOG", "WARNING"))
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    def common(p: argparse.ArgumentParser, metrics_port: int) -> None:
-        p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-        p.add_argument("--metrics-port", type=_port, default=metrics_port)
-
-    def master_flags(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--grpc-port", type=_port, default=50051)
-        p.add_argument("--node-lease-s", type=_positive, default=10.0)
-
-    def node_flags(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--data-port", type=_port, default=50052)
-        p.add_argument("--node-id", default="")
-        p.add_argument("--host-mem", type=_size, default=parse_size("512MiB"))
-        p.add_argument(
-            "--gpu-mem",
-            type=_size,
-            default=0,
-            help="a GPU tier of this size on the current CUDA device, where ucx:// puts land "
-            "(default none)",
-        )
-        p.add_argument(
-            "--transport",
-            choices=["tcp", "ucx"],
-            default="tcp",
-            help="ucx: also serve one-sided NIXL/UCX reads and writes (needs nixl-cu12)",
-        )
-        p.add_argument(
-            "--io-timeout-s",
-            type=_positive,
-            default=NodeConfig.io_timeout_s,
-            help="deadline of each step of a data-plane exchange; also how long a stalled "
-            "writer can hold a chunk others wait for (default %(default)s)",
-        )
-        p.add_argument(
-            "--max-connections",
-            type=_count,
-            default=NodeConfig.max_connections,
-            help="data-port connections served at once; more are refused with a capacity "
-            "error (default %(default)s, lowered to fit the file descriptor limit)",
-        )
-        p.add_argument(
-            "--idle-timeout-s",
-            type=_positive,
-            default=NodeConfig.idle_timeout_s,
-            help="close a data connection that carried no request for this long "
-            "(default %(default)s)",
-        )
-        p.add_argument(
-            "--header-timeout-s",
-            type=_positive,
-            default=NodeConfig.header_timeout_s,
-            help="a frame header must arrive whole within this long of its first byte "
-            "(default %(default)s)",
-        )
-
-    serve = sub.add_parser("serve", help="master + one node in one process")
-    common(serve, 9400)
-    master_flags(serve)
-    node_flags(serve)
-    master = sub.add_parser("master", help="the control plane only")
-    common(master, 9400)
-    master_flags(master)
-    master.add_argument(
-        "--redis",
-        metavar="URL",
-        help="keep the index in Redis (redis://host:port/db) instead of this process",
+    """The ``kvstore`` argument parser: one subcommand per process kind, plus ``config``.
+    Parsing imports nothing heavy; values are parsed and checked by :mod:`kvstore.config`."""
+    parser = _Parser(
+        prog="kvstore",
+        description="KV-cache pool for disaggregated inference. Settings: flags > "
+        "KVSTORE_* environment > --config TOML file > defaults.",
+        epilog="exit codes: 0 stopped cleanly, 1 a port or the master failed, 2 usage error",
     )
-    node = sub.add_parser("node", help="one storage node")
-    common(node, 9401)
-    node_flags(node)
-    node.add_argument("--master", required=True, help="HOST:PORT of the master")
+    parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
+    [log_level] = [s for s in settings_for("serve") if s.name == "log-level"]
+    parser.add_argument(
+        "--log-level",
+        metavar=log_level.metavar,
+        type=_argtype(log_level),
+        default=argparse.SUPPRESS,
+        help="as each command's --log-level, which wins (kept for `kvstore --log-level L "
+        f"serve`) (default: {log_level.shown(log_level.default_for('serve'))}; env "
+        f"{log_level.env})",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for command in COMMANDS:
+        p = sub.add_parser(command, help=_HELP[command], description=_HELP[command])
+        _add_settings(p, command)
+    config = sub.add_parser(
+        "config",
+        help="print the effective configuration of a command (TOML) and where each value came from",
+        description="Print the effective configuration of `kvstore COMMAND` (default: serve) "
+        "with these flags, environment and config file, as TOML that --config reads back; "
+        "starts nothing.",
+    )
+    targets = config.add_subparsers(dest="target", parser_class=_Parser, metavar="COMMAND")
+    for command in COMMANDS:
+        _add_settings(targets.add_parser(command, help=f"settings of `kvstore {command}`"), command)
     return parser
 
 
-async def _run(args: argparse.Namespace) -> int:
+def configure(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[str, Resolved]:
+    """Parse ``argv`` and resolve the settings against ``environ`` (default the process's):
+    returns (``"serve" | "master" | "node" | "config"``, the effective configuration).
+    Raises SystemExit(2) with one line on stderr for any bad value."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    given = dict(vars(args))
+    command = given.pop("command")
+    target = command
+    if command == "config":
+        target = given.pop("target", None) or "serve"
+    config_file = given.pop("config", None)
+    try:
+        resolved = resolve(target, given, os.environ if environ is None else environ, config_file)
+    except InvalidArgument as exc:
+        parser.exit(EXIT_USAGE, f"kvstore {command}: error: {exc}\n")
+    return command, resolved
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point; returns the exit status."""
+    command, cfg = configure(argv)
+    if command == "config":
+        sys.stdout.write(render_toml(cfg))
+        return 0
+    try:
+        _probe_ports(cfg)
+    except OSError as exc:
+        print(f"kvstore {command}: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_RUNTIME
+    import asyncio
+    import logging
+
+    logging.basicConfig(
+        level=getattr(logging, cfg["log_level"]),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return asyncio.run(_run(cfg))
+    except (KVStoreError, OSError) as exc:
+        print(f"kvstore {command}: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_RUNTIME
+
+
+def _probe_ports(cfg: Resolved) -> None:
+    """Bind and release each fixed port this command will open (as the servers do, with
+    SO_REUSEADDR), so that a taken port is reported in one line of ours before any server
+    starts — gRPC logs its own line before it fails. Raises OSError naming the port."""
+    ports = [("gRPC", "grpc_port"), ("data", "data_port"), ("metrics", "metrics_port")]
+    for what, dest in ports:
+        port = cfg.values.get(dest)
+        if not isinstance(port, int) or port == 0:
+            continue
+        address = f"{cfg['host']}:{port}"
+        try:
+            family, kind, proto, _, addr = socket.getaddrinfo(
+                cfg["host"], port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(addr)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            flag = "--" + dest.replace("_", "-")
+            raise OSError(f"cannot bind the {what} port {address} ({flag}): {reason}") from exc
+
+
+async def _run(cfg: Resolved) -> int:
+    import asyncio
+    import contextlib
+    import logging
+    import signal
+
+    from kvstore.master.client import MasterClient
+    from kvstore.master.redis_store import RedisIndexStore
+    from kvstore.master.server import MasterConfig, MasterServer, grpc_address
+    from kvstore.metrics import Metrics, MetricsServer
+    from kvstore.node.server import NodeConfig, StorageNode
+
+    command = cfg.command
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -174,16 +229,16 @@ async def _run(args: argparse.Namespace) -> int:
     async with exits:
         parts: list[str] = []
         node: StorageNode | None = None
-        if args.command in ("serve", "master"):
-            private = args.command == "serve"
+        if command in ("serve", "master"):
+            private = command == "serve"
             mcfg = MasterConfig(
-                host="127.0.0.1" if private else args.host,
-                grpc_port=0 if private else args.grpc_port,
-                node_lease_s=args.node_lease_s,
+                host="127.0.0.1" if private else cfg["host"],
+                grpc_port=0 if private else cfg["grpc_port"],
+                node_lease_s=cfg["node_lease_s"],
             )
             store = None
-            if getattr(args, "redis", None):
-                store = RedisIndexStore(args.redis)
+            if cfg.values.get("redis"):
+                store = RedisIndexStore(cfg["redis"])
                 await store.start()
                 exits.push_async_callback(store.close)
             master = MasterServer(mcfg, store)
@@ -193,50 +248,64 @@ async def _run(args: argparse.Namespace) -> int:
             _wire_master_counters(master, metrics)
             await master.start()
             exits.push_async_callback(master.stop, 5.0)
-            master_addr = master.address
             if not private:
                 parts.append(f"grpc={master.address}")
-        if args.command in ("serve", "node"):
-            target = master_addr if args.command == "serve" else args.master
+        if command in ("serve", "node"):
             node = StorageNode(
                 NodeConfig(
-                    master=target,
-                    host=args.host,
-                    data_port=args.data_port,
-                    node_id=args.node_id,
-                    host_mem=args.host_mem,
-                    gpu_mem=args.gpu_mem,
-                    transport=args.transport,
-                    io_timeout_s=args.io_timeout_s,
-                    max_connections=args.max_connections,
-                    idle_timeout_s=args.idle_timeout_s,
-                    header_timeout_s=args.header_timeout_s,
+                    master=master.address if command == "serve" else cfg["master"],
+                    host=cfg["host"],
+                    data_port=cfg["data_port"],
+                    node_id=cfg["node_id"],
+                    host_mem=cfg["host_mem"],
+                    gpu_mem=cfg["gpu_mem"],
+                    transport=cfg["transport"],
+                    io_timeout_s=cfg["io_timeout_s"],
+                    max_connections=cfg["max_connections"],
+                    idle_timeout_s=cfg["idle_timeout_s"],
+                    header_timeout_s=cfg["header_timeout_s"],
                 ),
                 metrics,
                 # serve: the node commits straight to its in-process master, not over gRPC.
-                master=MasterClient.in_process(master.service) if args.command == "serve" else None,
+                master=MasterClient.in_process(master.service) if command == "serve" else None,
             )
             await node.start()
             exits.push_async_callback(node.stop, 5.0)
-        if args.command == "serve":
-            port = await master.listen(args.host, args.grpc_port)
-            parts.append(f"grpc={grpc_address(args.host, port)}")
+        if command == "serve":
+            port = await master.listen(cfg["host"], cfg["grpc_port"])
+            parts.append(f"grpc={grpc_address(cfg['host'], port)}")
         if node is not None:
             parts.append(f"data={node.data_uri}")
+            if cfg["transport"] == "ucx":
+                parts.append(f"ucx={await _ucx_uri(node)}")
             parts.append(f"node={node.node_id}")
-        msrv = MetricsServer(metrics, args.host, args.metrics_port)
+        msrv = MetricsServer(metrics, cfg["host"], cfg["metrics_port"])
         exits.callback(msrv.close)
         parts.append(f"metrics={msrv.address}")
         print(f"kvstore ready {' '.join(parts)}", flush=True)
         await stop.wait()
-        log.info("stopping")
+        logging.getLogger("kvstore").info("stopping")
     pins = node.pinned_slots if node is not None else 0
     print(f"kvstore stopped pinned_slots={pins}", flush=True)
     return 0
 
 
+async def _ucx_uri(node: StorageNode) -> str:
+    """``ucx://HOST/AGENT``: the NIXL agent this node registered with the master (what
+    clients load from ``Nodes()`` to READ and WRITE its slots one-sidedly)."""
+    from kvstore.transport.nixl_binding import agent_name_of
+
+    [me] = [n for n in await node.link.master.nodes() if n.node_id == node.node_id]
+    return f"ucx://{me.host or node.config.host}/{agent_name_of(me.nixl_metadata) or '?'}"
+
+
 def _wire_master_counters(master: MasterServer, metrics: Metrics) -> None:
     """Export the master's prefix counters as the Prometheus metrics it owns."""
+    from collections.abc import Iterator
+
+    from prometheus_client.core import CounterMetricFamily, Metric
+    from prometheus_client.registry import Collector
+
     counters = master.service.counters
 
     class _PrefixCollector(Collector):
@@ -253,25 +322,6 @@ def _wire_master_counters(master: MasterServer, metrics: Metrics) -> None:
             yield tokens
 
     metrics.registry.register(_PrefixCollector())
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    try:
-        return asyncio.run(_run(args))
-    except KVStoreError as exc:
-        print(f"kvstore {args.command}: error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    except OSError as exc:
-        print(f"kvstore {args.command}: error: {exc}", file=sys.stderr, flush=True)
-        return 1
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 
 import kvclient
 from kvstore.core.kvgen import realistic_kv
-from tests.cluster import start_server
+from tests.cluster import TRANSPORTS, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +46,35 @@ def test_unbindable_port_exits_nonzero_with_one_line() -> None:
     lines = [ln for ln in out.stderr.strip().splitlines() if ln]
     assert len(lines) == 1 and port in lines[0], out.stderr
     assert "kvstore ready" not in out.stdout
+
+
+def test_master_on_a_busy_port_prints_one_line_of_ours() -> None:
+    """Not gRPC's own ``add_port.cc`` log line first: the port is probed before gRPC binds."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        out = _run("master", "--grpc-port", port, "--metrics-port", "0")
+    assert out.returncode == 1
+    lines = [ln for ln in out.stderr.strip().splitlines() if ln]
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("kvstore master: error:") and port in lines[0], out.stderr
+    assert "--grpc-port" in lines[0] and out.stdout == ""
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_ready_line_names_every_data_uri(transport: str) -> None:
+    server = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port",
+                          "0", "--host-mem", "16MiB", "--transport", transport)  # fmt: skip
+    try:
+        assert server.data.startswith("tcp://127.0.0.1:")
+        if transport == "ucx":
+            assert server.addresses["ucx"].startswith("ucx://127.0.0.1/node-"), server.lines
+        else:
+            assert "ucx" not in server.addresses
+    finally:
+        rc, out = server.stop()
+    assert rc == 0, out
 
 
 def test_node_and_master_split_and_sigterm() -> None:

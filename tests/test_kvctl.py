@@ -1,6 +1,7 @@
 """``kvctl`` against a real master: a ``grpc.aio`` master on 127.0.0.1:0 in the test's loop,
 nodes registered and blocks committed through :class:`MasterClient`, and ``kvctl.main.main``
-run in a worker thread (its own event loop) or, twice, as a subprocess."""
+run in a worker thread (its own event loop) or, twice, as a subprocess. ``kvctl top`` runs
+against a real ``kvstore serve`` subprocess that carried a little traffic."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import asyncio
 import contextlib
 import io
 import json
+import signal
 import socket
+import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +21,14 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 
+import kvclient
 from kvctl.explain import explain_prefix, format_ranges, report_json
 from kvctl.main import main
+from kvstore import __version__
 from kvstore.core.hashing import Namespace, block_hashes
+from kvstore.core.kvgen import realistic_kv
 from kvstore.errors import ProtocolError
 from kvstore.master import (
     BlockAdd,
@@ -37,6 +45,7 @@ from kvstore.master import (
     Tier,
 )
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tests.cluster import Server, start_server
 
 NS = Namespace(
     model="llama-test",
@@ -462,3 +471,129 @@ def test_long_lookup_table_shows_the_head_and_the_rows_around_the_stop() -> None
     assert next(r for r in rows if r[0] == "3-26") == ["3-26", "...", "24", "ok"]
     assert next(r for r in rows if r[0] == "38-39") == ["38-39", "...", "2", "no_holder"]
     assert "stops at block 30: no_holder" in out.getvalue()
+
+
+# -- kvctl --version and kvctl top ---------------------------------------------------------------
+
+
+async def test_version_prints_the_package_version() -> None:
+    run = await kvctl("--version")
+    assert (run.rc, run.out, run.err) == (0, f"kvctl {__version__}\n", "")
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[Server]:
+    """``kvstore serve`` with a 1 MiB pool that took 16 one-block prompts (so it evicted),
+    one read and one prefix match."""
+    srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
+                       "--host-mem", "1MiB")  # fmt: skip
+
+    async def traffic() -> None:
+        ns = kvclient.Namespace(model="top", revision="r1", num_layers=1, num_kv_heads=2,
+                                head_dim=64, dtype=torch.float16)  # fmt: skip
+        # 60 s, not 10: a process's first put may compile the codec (kvstore.core.fused),
+        # which takes over 10 s on a busy 2-core machine.
+        async with await kvclient.KVClient.connect(srv.grpc, ns, timeout_s=60) as kv:
+            prompts = [list(range(i * 1000, i * 1000 + 256)) for i in range(16)]
+            for i, tokens in enumerate(prompts):
+                t = realistic_kv(256, 2, 64, torch.float16, seed=i)
+                assert await kv.put_layer(tokens, 0, t) == 256
+            assert await kv.match_prefix(prompts[-1]) == 256
+            assert (await kv.get_layer(prompts[-1], 0)).shape[1] == 256
+
+    try:
+        asyncio.run(traffic())
+        yield srv
+    finally:
+        rc, out = srv.stop()
+    assert rc == 0 and "pinned_slots=0" in out, out
+
+
+def kvctl_process(*argv: str) -> subprocess.Popen[str]:
+    """``kvctl argv`` as its own process (the console script's code path)."""
+    code = "import sys; from kvctl.main import main; sys.exit(main())"
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_top_once_prints_one_snapshot_of_a_real_pool(pool: Server) -> None:
+    metrics = pool.addresses["metrics"]
+    proc = kvctl_process("--master", pool.grpc, "top", "--once", "--interval", "0.3",
+                         "--metrics", metrics)  # fmt: skip
+    out, err = proc.communicate(timeout=30)
+    assert (proc.returncode, err) == (0, ""), err
+    lines = out.splitlines()
+    assert f" kvstore pool at {pool.grpc}: 1 node (1 live)" in lines[0], lines[0]
+    assert "hit ratio 100.0%" in lines[0] and "(last 0.3 s:" in lines[0], lines[0]
+    node_row = next(ln for ln in lines if pool.addresses["node"] in ln)
+    assert "alive" in node_row and "host" in node_row and "/ 1.0 MiB" in node_row
+    metrics_row = next(ln for ln in lines if ln.strip().startswith(metrics))
+    assert "tcp 0 B/s" in metrics_row and "host 0.0/s" in metrics_row, metrics_row
+
+
+async def test_top_once_json_has_totals_and_rates(pool: Server) -> None:
+    metrics = pool.addresses["metrics"]
+    with dead_port() as port:
+        run = await kvctl("--master", pool.grpc, "top", "--once", "--json", "--interval", "0.2",
+                          "--metrics", metrics, "--node-metrics-port", str(port))  # fmt: skip
+    assert (run.rc, run.err) == (0, "")
+    doc = run.json()
+    assert list(doc) == ["pool", "interval_s", "hit_ratio", "recent_hit_ratio", "nodes",
+                         "tiers", "metrics"]  # fmt: skip
+    assert (doc["pool"]["live_nodes"], doc["pool"]["capacity_bytes"]) == (1, 2**20)
+    assert doc["interval_s"] >= 0.2 and doc["hit_ratio"] == 1.0
+    assert doc["recent_hit_ratio"] is None  # no lookup between the two snapshots
+    assert [n["id"] for n in doc["nodes"]] == [pool.addresses["node"]]
+    assert [t["name"] for t in doc["tiers"]] == ["host"]
+    served, refused = doc["metrics"]
+    assert served["endpoint"] == metrics and served["error"] == ""
+    moved = {(t["op"], t["transport"]): t for t in served["transfers"]}
+    assert set(moved) == {("put", "tcp"), ("get", "tcp")}
+    assert moved["put", "tcp"]["bytes"] > 16 * 2 * 256 * 2 * 64 // 2  # 16 INT8 chunks
+    assert moved["put", "tcp"]["exchanges"] == 16 and moved["get", "tcp"]["exchanges"] >= 1
+    assert moved["put", "tcp"]["bytes_per_s"] == 0.0  # nothing moved between the snapshots
+    [evictions] = served["evictions"]
+    assert evictions["tier"] == "host" and evictions["total"] >= 1 and evictions["per_s"] == 0
+    # The node's data host at the given port: read, refused, reported.
+    assert refused["endpoint"] == f"127.0.0.1:{port}"
+    assert "refused" in refused["error"].lower() and refused["transfers"] == []
+
+
+def test_top_refreshes_until_interrupted(pool: Server) -> None:
+    proc = kvctl_process("--master", pool.grpc, "top", "--interval", "0.2")
+    time.sleep(1.5)  # the import, the first frame and a few refreshes
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=20)
+    assert (proc.returncode, err) == (0, ""), err
+    assert "kvstore pool at" in out and pool.addresses["node"] in out
+    assert "give --metrics HOST:PORT" in out
+
+
+async def test_top_exit_codes() -> None:
+    with dead_port() as port:
+        run = await kvctl("--master", f"127.0.0.1:{port}", "--timeout", "2", "top", "--once")
+        assert (run.rc, run.out) == (1, "")
+        assert run.err == f"kvctl: cannot reach master at 127.0.0.1:{port} (unavailable)\n"
+        run = await kvctl("--master", f"127.0.0.1:{port}", "top", "--json")
+        assert (run.rc, run.err) == (2, "kvctl top: --json needs --once\n")
+        run = await kvctl("top", "--interval", "0")
+        assert run.rc == 2 and "must be > 0" in run.err
+
+
+def test_top_imports_neither_torch_nor_numpy(pool: Server) -> None:
+    code = (
+        "import io, json, sys; from kvctl.main import main; "
+        "rc = main(sys.argv[1:], stdout=io.StringIO()); "
+        "print(json.dumps([rc, sorted(m for m in ('torch', 'numpy', 'nixl_cu12') "
+        "if m in sys.modules)]))"
+    )
+    argv = ["--master", pool.grpc, "top", "--once", "--json", "--interval", "0.1",
+            "--metrics", pool.addresses["metrics"]]  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                         timeout=60, check=False)  # fmt: skip
+    assert json.loads(out.stdout) == [0, []], (out.stdout, out.stderr)

@@ -436,7 +436,8 @@ async def test_mixed_traffic_under_eviction_pressure_never_returns_wrong_bytes(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_gpu_mem_without_a_cuda_device_is_refused_in_one_line() -> None:
-    argv = ["node", "--master", "127.0.0.1:1", "--gpu-mem", "64MiB", "--data-port", "0"]
+    argv = ["node", "--master", "127.0.0.1:1", "--gpu-mem", "64MiB", "--transport", "ucx",
+            "--data-port", "0"]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "kvstore.cli", *argv, "--metrics-port", "0"],
         capture_output=True,

@@ -298,6 +298,9 @@ async def test_layers_after_the_first_are_written_in_one_round_trip(master: Serv
             ]
             forged = await NodeClient(node.data, timeout_s=5).write(ns.canonical_bytes(), spec, "x")
             assert forged.stored == 0 and forged.failed == (0, 1, 2, 3)
+        async with await kvclient.KVClient.connect(master.grpc, ns, write_layers=range(1)) as pp:
+            assert await pp.put_layer(_tokens(14, n), 0, kv_of[0]) == n  # a PP rank: layer 0
+            assert len(pp._grants) == 0 and (await node_stats(node.data))["grants"] == 0
         async with await kvclient.KVClient.connect(master.grpc, ns, ucx=False) as tcp:
             for layer in range(3):
                 got = await tcp.get_layer(tokens, layer)

@@ -95,7 +95,14 @@ def _torch_dtype(name: str) -> torch.dtype:
 class ClientCore:
     """The core of :class:`KVClient`: connection, placement, put, get, match, stream,
     objects. :class:`KVClient` adds the engine-facing calls of
-    :class:`~kvclient.engine.EngineOps` on top."""
+    :class:`~kvclient.engine.EngineOps` on top.
+
+    Options (``KVClient.connect(..., name=value)``): ``replicas``, ``timeout_s`` (every
+    call's default deadline), ``max_object_bytes``, ``connections_per_node``, ``ucx``
+    (False: ``tcp://`` only), ``staging_bytes`` (registered ``ucx://`` staging),
+    ``write_layers`` (the layers this client puts, default all: a pipeline-parallel rank
+    passes its own range, so its ``ucx://`` puts never ask for a grant of the next rank's
+    first layer, which that rank would wait on)."""
 
     def __init__(
         self,
@@ -108,6 +115,7 @@ class ClientCore:
         connections_per_node: int = 4,
         ucx: bool = True,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        write_layers: range | None = None,
     ) -> None:
         if replicas < 1:
             raise InvalidArgument(f"replicas must be >= 1, got {replicas}")
@@ -133,6 +141,10 @@ class ClientCore:
         self._writer = uuid.uuid4().hex
         """Who this client is to nodes' grants."""
         self._grants = Grants()
+        self._write_layers = range(ns.num_layers) if write_layers is None else write_layers
+        """The layers this client writes (a pipeline-parallel rank: its own); a ``ucx://``
+        put of layer l asks for a grant of layer l + 1 only when it is in here, so the
+        next rank never waits on a grant of this one."""
         self._allow_ucx = ucx
         self._ucx = UcxPath(staging_bytes)
         self._nodes_at = -1e9
@@ -485,7 +497,7 @@ class ClientCore:
         peer = self._node(node.data_uri)
         if node.ucx:
             nxt = index + self.ns.tp_size  # this shard's next layer: granted with the ack
-            grant = (nxt,) if nxt < self._chunks_per_block else ()
+            grant = (nxt,) if nxt // self.ns.tp_size in self._write_layers else ()
             blocks = [hashes[i] for i in idx]
             spans = self._grants.take(node.node_id, blocks, index, self._chunk_bytes)
             if spans is not None:  # one round trip: WRITE, then say so

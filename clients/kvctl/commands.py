@@ -58,7 +58,7 @@ async def fetch_status(client: MasterClient) -> MasterStats:
 
 
 def status_json(stats: MasterStats) -> dict[str, int]:
-    """``kvctl status --json``: exactly the eight pool totals of DESIGN.md."""
+    """``kvctl status --json``: exactly the eight pool totals of docs/architecture.md."""
     return {
         "nodes": stats.nodes,
         "live_nodes": stats.live_nodes,
@@ -80,7 +80,7 @@ async def fetch_nodes(client: MasterClient) -> list[NodeInfo]:
 
 
 def nodes_json(nodes: Sequence[NodeInfo]) -> dict[str, Any]:
-    """``kvctl nodes --json``: exactly the fields of DESIGN.md, per node."""
+    """``kvctl nodes --json``: exactly the fields of docs/architecture.md, per node."""
     return {
         "nodes": [
             {

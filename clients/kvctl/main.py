@@ -1,4 +1,4 @@
-"""``kvctl``: the operators' admin CLI for a kvstore master (DESIGN.md, "Admin CLI").
+"""``kvctl``: the operators' admin CLI for a kvstore master (docs/architecture.md, "Admin CLI").
 
 ::
 
@@ -9,8 +9,13 @@
         lookup ...          why a prompt does or does not match, block by block
                             (Lookup + MatchPrefix + Nodes)
         drain NODE          mark a node draining, ``--undrain`` clears the mark (Drain)
+        top                 a live view of nodes, tiers, hit ratio, transfer rates and
+                            evictions, redrawn every second; ``--once`` prints one
+                            snapshot (Stats + Nodes, and each ``--metrics`` endpoint's
+                            /metrics: see :mod:`kvctl.top`)
 
-``--master`` defaults to ``$KVSTORE_MASTER`` or ``127.0.0.1:50051``; ``--master`` and
+``kvctl --version`` prints the package version. ``--master`` defaults to
+``$KVSTORE_MASTER`` or ``127.0.0.1:50051``; ``--master`` and
 ``--timeout`` may also follow the command. ``--json`` prints one JSON document instead of
 a table. Exit codes: 0 ok, 1 the master could not be reached or answered with an error
 (one line on stderr), 2 usage errors (bad flags, tokens, namespace).
@@ -84,6 +89,8 @@ def main(
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2), already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if args.command == "top":
+        return _top(args, out, err)
     try:
         job = args.prepare(args, sys.stdin if stdin is None else stdin)
     except InvalidArgument as exc:
@@ -103,6 +110,32 @@ def main(
         out.write("\n")
     else:
         job.to_table(result, out)
+    return EXIT_OK
+
+
+def _top(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``kvctl top``: 0 after ``--once`` or Ctrl-C, 1 when the first snapshot fails."""
+    from kvctl import top
+
+    if args.json and not args.once:
+        err.write("kvctl top: --json needs --once\n")
+        return EXIT_USAGE
+    opts = top.TopOptions(
+        master=args.master,
+        timeout_s=args.timeout,
+        interval_s=args.interval,
+        once=args.once,
+        json=args.json,
+        metrics=tuple(args.metrics),
+        node_metrics_port=args.node_metrics_port,
+    )
+    try:
+        top.run(opts, out)
+    except KVStoreError as exc:
+        err.write(_describe(exc, args.master, args.timeout) + "\n")
+        return EXIT_MASTER
+    except KeyboardInterrupt:
+        return EXIT_OK  # how the live view is left
     return EXIT_OK
 
 
@@ -239,6 +272,10 @@ class _Parser(argparse.ArgumentParser):
     def print_usage(self, file: SupportsWrite[str] | None = None) -> None:
         super().print_usage(self._out if file is None else file)
 
+    def write_out(self, text: str) -> None:
+        """Write ``text`` to the parser's output stream."""
+        self._out.write(text)
+
     def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
         if message:
             self._err.write(message)
@@ -257,6 +294,34 @@ def _seconds(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
     return value
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r}") from exc
+    if not 0 < port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} outside 1..65535")
+    return port
+
+
+class _Version(argparse.Action):
+    """``--version``: print ``kvctl VERSION`` to the parser's output and exit 0."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        kwargs.setdefault("help", "print the version and exit")
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from kvstore import __version__
+
+        line = f"kvctl {__version__}\n"
+        if isinstance(parser, _Parser):
+            parser.write_out(line)
+        else:
+            sys.stdout.write(line)
+        raise SystemExit(EXIT_OK)
 
 
 def _address(text: str) -> str:
@@ -317,6 +382,7 @@ def build_parser(out: TextIO, err: TextIO, default_master: str = DEFAULT_MASTER)
         out=out,
         err=err,
     )
+    parser.add_argument("--version", action=_Version)
     _connection_options(parser, default_master)
     subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands: list[tuple[str, str, Callable[[argparse.Namespace, TextIO], _Job[Any]]]] = [
@@ -339,4 +405,37 @@ def build_parser(out: TextIO, err: TextIO, default_master: str = DEFAULT_MASTER)
         elif name == "drain":
             sub.add_argument("node", metavar="NODE", help="node id")
             sub.add_argument("--undrain", action="store_true", help="clear the draining mark")
+    _top_parser(subs, out, err)
     return parser
+
+
+def _top_parser(subs: Any, out: TextIO, err: TextIO) -> None:
+    help_text = "a live view of the pool: nodes, tiers, hit ratio, transfer rates, evictions"
+    sub = subs.add_parser("top", help=help_text, description=help_text, out=out, err=err)
+    _connection_options(sub, None)
+    sub.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    sub.add_argument(
+        "--interval",
+        type=_seconds,
+        default=1.0,
+        metavar="S",
+        help="seconds between refreshes; --once takes its two snapshots this far apart, "
+        "for the rates (default 1)",
+    )
+    sub.add_argument(
+        "--metrics",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a kvstore process's Prometheus endpoint, for transfer rates, evictions and "
+        "stale misses (repeatable)",
+    )
+    sub.add_argument(
+        "--node-metrics-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="also read every live node's /metrics at its data host and this port "
+        "(kvstore node's default is 9401)",
+    )
+    sub.add_argument("--json", action="store_true", help="with --once: print JSON")

@@ -21,7 +21,11 @@ if TYPE_CHECKING:
     from kvstore.master.records import MasterStats, NodeInfo
 
 __all__ = [
+    "console_for",
     "human_bytes",
+    "new_table",
+    "node_state",
+    "percent",
     "print_drain",
     "print_evict",
     "print_lookup",
@@ -51,18 +55,21 @@ def human_bytes(n: int) -> str:
     return f"{size:.1f} TiB"
 
 
-def _percent(part: int, whole: int) -> str:
+def percent(part: int, whole: int) -> str:
+    """``part`` of ``whole`` as ``"12.5%"``; ``"-"`` when ``whole`` is 0."""
     return f"{100 * part / whole:.1f}%" if whole else "-"
 
 
-def _console(out: TextIO) -> Console:
+def console_for(out: TextIO) -> Console:
+    """A rich console writing plain cells to ``out`` (160 columns when not a terminal)."""
     from rich.console import Console
 
     tty = out.isatty()
     return Console(file=out, markup=False, highlight=False, width=None if tty else _PLAIN_WIDTH)
 
 
-def _table(*columns: str, title: str | None = None) -> Table:
+def new_table(*columns: str, title: str | None = None) -> Table:
+    """An empty table with these column headings, in the style of every kvctl table."""
     from rich import box
     from rich.table import Table
 
@@ -74,14 +81,14 @@ def _table(*columns: str, title: str | None = None) -> Table:
 
 def print_status(stats: MasterStats, out: TextIO) -> None:
     """The pool totals as a two-column table."""
-    table = _table("", "", title="kvstore pool")
+    table = new_table("", "", title="kvstore pool")
     table.show_header = False
     rows = [
         ("nodes", f"{stats.nodes} ({stats.live_nodes} live)"),
         ("capacity", human_bytes(stats.capacity_bytes)),
         (
             "used",
-            f"{human_bytes(stats.used_bytes)} ({_percent(stats.used_bytes, stats.capacity_bytes)})",
+            f"{human_bytes(stats.used_bytes)} ({percent(stats.used_bytes, stats.capacity_bytes)})",
         ),
         ("blocks", str(stats.blocks)),
         ("objects", str(stats.objects)),
@@ -90,10 +97,11 @@ def print_status(stats: MasterStats, out: TextIO) -> None:
     ]
     for key, value in rows:
         table.add_row(key, value)
-    _console(out).print(table)
+    console_for(out).print(table)
 
 
-def _node_state(node: NodeInfo) -> str:
+def node_state(node: NodeInfo) -> str:
+    """``alive`` / ``suspect`` / ``dead``, with ``, draining`` when marked."""
     state = "dead" if not node.alive else "suspect" if node.suspect else "alive"
     return f"{state}, draining" if node.draining else state
 
@@ -110,12 +118,14 @@ def print_nodes(nodes: Sequence[NodeInfo], out: TextIO) -> None:
     transport, data URI, tiers, version."""
     from rich.text import Text
 
-    table = _table("NODE", "STATE", "LEASE AGE", "EPOCH", "TRANSPORT", "DATA", "TIERS", "VERSION")
+    table = new_table(
+        "NODE", "STATE", "LEASE AGE", "EPOCH", "TRANSPORT", "DATA", "TIERS", "VERSION"
+    )
     for node in nodes:
         style = "red" if not node.alive else "yellow" if node.suspect or node.draining else ""
         table.add_row(
             node.node_id,
-            Text(_node_state(node), style=style),
+            Text(node_state(node), style=style),
             f"{node.lease_age_s:.1f} s",
             str(node.epoch),
             node.transport,
@@ -123,7 +133,7 @@ def print_nodes(nodes: Sequence[NodeInfo], out: TextIO) -> None:
             _tiers_cell(node),
             node.version,
         )
-    console = _console(out)
+    console = console_for(out)
     console.print(table)
     if not nodes:
         console.print("no nodes registered")
@@ -133,8 +143,8 @@ def print_stats(report: StatsReport, out: TextIO) -> None:
     """The master's counters and the per-tier sums over live nodes."""
     stats = report.stats
     ratio = report.hit_ratio
-    console = _console(out)
-    counters = _table("", "", title="master counters")
+    console = console_for(out)
+    counters = new_table("", "", title="master counters")
     counters.show_header = False
     for key, value in [
         ("nodes", f"{stats.nodes} ({stats.live_nodes} live)"),
@@ -146,21 +156,21 @@ def print_stats(report: StatsReport, out: TextIO) -> None:
     ]:
         counters.add_row(key, value)
     console.print(counters)
-    tiers = _table("TIER", "NODES", "CAPACITY", "USED", "USED %", title="tiers (live nodes)")
+    tiers = new_table("TIER", "NODES", "CAPACITY", "USED", "USED %", title="tiers (live nodes)")
     for t in report.tiers:
         tiers.add_row(
             t.name,
             str(t.nodes),
             human_bytes(t.capacity_bytes),
             human_bytes(t.used_bytes),
-            _percent(t.used_bytes, t.capacity_bytes),
+            percent(t.used_bytes, t.capacity_bytes),
         )
     tiers.add_row(
         "total",
         str(stats.live_nodes),
         human_bytes(stats.capacity_bytes),
         human_bytes(stats.used_bytes),
-        _percent(stats.used_bytes, stats.capacity_bytes),
+        percent(stats.used_bytes, stats.capacity_bytes),
     )
     console.print(tiers)
 
@@ -242,13 +252,13 @@ def print_lookup(report: PrefixReport, out: TextIO) -> None:
     prompts show the head and the rows around the stop; ``--json`` has every block)."""
     from rich.text import Text
 
-    console = _console(out)
+    console = console_for(out)
     for line in _lookup_header(report):
         console.print(line)
     if not report.blocks:
         return
     stop = report.stop.block if report.stop is not None else report.full_blocks
-    table = _table("BLOCK", "HASH", "STATUS", "HOLDERS", "LAYERS")
+    table = new_table("BLOCK", "HASH", "STATUS", "HOLDERS", "LAYERS")
     for item in _visible(report.full_blocks, stop):
         if isinstance(item, range):
             counts = Counter(report.blocks[i].status for i in item)

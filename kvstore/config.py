@@ -1,0 +1,496 @@
+"""Configuration of ``kvstore serve | master | node``: one table of settings, four sources.
+
+Every setting is one :class:`Setting` in :data:`SETTINGS` and has, derived from its name,
+a flag, an environment variable and a key in a TOML file::
+
+    flag            environment              file key       (default)
+    --host-mem      KVSTORE_HOST_MEM         host-mem       512MiB
+    --log-level     KVSTORE_LOG_LEVEL        log-level      WARNING   (also $KVSTORE_LOG)
+    --master        KVSTORE_MASTER           master         (node: required)
+
+Precedence, per setting: **flag > environment > file > default**. The file is named by
+``--config PATH`` (or ``$KVSTORE_CONFIG``) and read with :mod:`tomllib`; its top-level keys
+apply to every command that has the setting (``host-mem`` to serve and node, not to
+master), and a ``[serve]``, ``[master]`` or ``[node]`` table applies to that command only
+(over the top level), so one file can configure every process of a pool. At the top
+level, ``master = "HOST:PORT"`` (a string) is the node's ``--master`` and ``[master]`` (a
+table) the master command's settings; TOML allows only one of them in a file, so a file
+for every command names the node's master under ``[node]``::
+
+    log-level = "INFO"
+    host = "0.0.0.0"
+    [master]
+    redis = "redis://redis:6379/0"
+    [node]
+    master = "kvstore-master:50051"
+    host-mem = "4GiB"
+
+Everything is validated here, before the servers (and torch) are imported: a bad size, a
+port outside 0..65535, an unknown log level, ``--master`` without a port, a key in the
+file that is no setting (of that table's command), or ``--gpu-mem`` without
+``--transport ucx`` raise :class:`~kvstore.errors.InvalidArgument` naming where the value
+came from; the CLI prints it as one line and exits 2. Environment variables with the
+``KVSTORE_`` prefix that name no setting (``KVSTORE_TOKEN``, ``KVSTORE_TEST_REDIS``) are
+left alone: other tools share the prefix. An empty variable counts as unset (a Kubernetes
+``env`` entry with an empty value, an unset compose interpolation).
+
+:func:`resolve` returns a :class:`Resolved` (each value and where it came from);
+:func:`render_toml` prints it as a TOML file that ``--config`` reads back unchanged
+(``kvstore config``). This module imports the standard library and ``kvstore.errors`` only.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from kvstore.errors import InvalidArgument
+
+__all__ = [
+    "COMMANDS",
+    "CONFIG_ENV",
+    "LOG_LEVELS",
+    "SETTINGS",
+    "Resolved",
+    "Setting",
+    "format_size",
+    "parse_size",
+    "render_toml",
+    "resolve",
+    "settings_for",
+]
+
+COMMANDS = ("serve", "master", "node")
+"""The server commands that take settings (``kvstore config`` shows any of them)."""
+
+CONFIG_ENV = "KVSTORE_CONFIG"
+"""The environment variable naming the config file when ``--config`` is not given."""
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+Value = str | int | float | None
+
+# -- values: each parser takes flag/environment text or a TOML value ------------------------
+
+_SIZE_UNITS = {
+    **dict.fromkeys(("", "b"), 1),
+    **{u: 1 << 10 for u in ("k", "ki", "kib")},
+    **{u: 1 << 20 for u in ("m", "mi", "mib")},
+    **{u: 1 << 30 for u in ("g", "gi", "gib")},
+    **{u: 1 << 40 for u in ("t", "ti", "tib")},
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(value: object) -> int:
+    """A byte size: ``"512MiB"``, ``"4GiB"``, ``"1G"``, ``"100MB"``, ``"4096"`` or an int.
+
+    The same grammar as :func:`kvstore.core.arena.parse_size` (tests/test_config.py holds
+    them to it), which imports torch: binary suffixes and bare letters are powers of 1024,
+    ``KB MB GB TB`` powers of 1000, case-insensitive; fractions must come out whole.
+    """
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise InvalidArgument(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidArgument(f"size must be >= 0, got {value}")
+        return value
+    match = _SIZE_RE.fullmatch(value)
+    unit = _SIZE_UNITS.get(match.group(2).lower()) if match else None
+    if match is None or unit is None:
+        raise InvalidArgument(f"not a size: {value!r} (examples: 4096, 512MiB, 4GiB, 1G, 100MB)")
+    size = Fraction(match.group(1)) * unit
+    if size.denominator != 1:
+        raise InvalidArgument(f"size {value!r} is not a whole number of bytes")
+    return int(size)
+
+
+def format_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that divides it: 536870912 -> ``"512MiB"``."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def _integer(value: object) -> int:
+    if isinstance(value, bool):
+        raise InvalidArgument(f"not an integer: {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise InvalidArgument(f"not an integer: {value!r}")
+
+
+def _port(value: object) -> int:
+    try:
+        port = _integer(value)
+    except InvalidArgument:
+        raise InvalidArgument(f"not a port: {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise InvalidArgument(f"port {port} outside 0..65535")
+    return port
+
+
+def _count(value: object) -> int:
+    n = _integer(value)
+    if n < 1:
+        raise InvalidArgument(f"must be >= 1, got {n}")
+    return n
+
+
+def _seconds(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise InvalidArgument(f"not a number of seconds: {value!r}")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise InvalidArgument(f"not a number of seconds: {value!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise InvalidArgument(f"must be > 0 seconds, got {value!r}")
+    return seconds
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"not a string: {value!r}")
+    return value.strip()
+
+
+def _host(value: object) -> str:
+    host = _text(value)
+    if not host:
+        raise InvalidArgument("the host must not be empty")
+    return host
+
+
+def _log_level(value: object) -> str:
+    level = _text(value).upper()
+    if level not in LOG_LEVELS:
+        raise InvalidArgument(f"unknown log level {value!r}: one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def _transport(value: object) -> str:
+    transport = _text(value).lower()
+    if transport not in ("tcp", "ucx"):
+        raise InvalidArgument(f"unknown transport {value!r}: tcp or ucx")
+    return transport
+
+
+def _master_address(value: object) -> str:
+    """``HOST:PORT`` (``[v6]:PORT``) of a master, port 1..65535."""
+    text = _text(value)
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or host in ("[", "[]") or (":" in host and not host.startswith("[")):
+        raise InvalidArgument(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
+    number = _port(port)
+    if number == 0:
+        raise InvalidArgument(f"{text!r}: the master's port must not be 0")
+    return text
+
+
+def _redis_url(value: object) -> str:
+    url = _text(value)
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise InvalidArgument(f"{url!r} is not a redis://, rediss:// or unix:// URL")
+    return url
+
+
+def _node_id(value: object) -> str:
+    node_id = _text(value)
+    if len(node_id) > 128 or any(c.isspace() for c in node_id):
+        raise InvalidArgument(f"{node_id!r}: a node id has no spaces and at most 128 chars")
+    return node_id
+
+
+def _render_plain(value: Value) -> str:
+    return str(value)
+
+
+def _render_size(value: Value) -> str:
+    return format_size(value) if isinstance(value, int) else str(value)
+
+
+# -- the table ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting of one or more commands: ``--NAME``, ``KVSTORE_NAME``, file key NAME."""
+
+    name: str
+    """The flag without its dashes, also the key in a config file: ``"host-mem"``."""
+    parse: Callable[[object], Value]
+    """Flag/environment text or a TOML value -> the value; raises InvalidArgument."""
+    default: Value | Mapping[str, Value]
+    """The default, or one per command (``metrics-port``); None: unset."""
+    help: str
+    commands: tuple[str, ...]
+    metavar: str = ""
+    render: Callable[[Value], str] = _render_plain
+    """How a value is shown in help and written to a file (sizes: ``512MiB``)."""
+    aliases: tuple[str, ...] = ()
+    """Older environment variables read when the canonical one is unset."""
+    required: tuple[str, ...] = ()
+    """Commands that refuse to start without this setting."""
+
+    @property
+    def flag(self) -> str:
+        """``--host-mem``."""
+        return f"--{self.name}"
+
+    @property
+    def dest(self) -> str:
+        """``host_mem``: the attribute name (argparse, :class:`Resolved`)."""
+        return self.name.replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        """``KVSTORE_HOST_MEM``."""
+        return "KVSTORE_" + self.dest.upper()
+
+    def default_for(self, command: str) -> Value:
+        """The default under ``command``."""
+        if isinstance(self.default, Mapping):
+            return self.default[command]
+        return self.default
+
+    def shown(self, value: Value) -> str:
+        """``value`` as help text and ``kvstore config`` show it."""
+        if value is None:
+            return "unset"
+        return '""' if value == "" else self.render(value)
+
+
+_BOTH = ("serve", "master", "node")
+_MASTERS = ("serve", "master")
+_NODES = ("serve", "node")
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("log-level", _log_level, "WARNING", "log level on stderr: "
+            + " | ".join(LOG_LEVELS), _BOTH, "LEVEL", aliases=("KVSTORE_LOG",)),
+    Setting("host", _host, "127.0.0.1", "address to bind every port on", _BOTH, "ADDR"),
+    Setting("metrics-port", _port, {"serve": 9400, "master": 9400, "node": 9401},
+            "Prometheus /metrics port (0: a free one)", _BOTH, "PORT"),
+    Setting("grpc-port", _port, 50051, "the master's gRPC port (0: a free one)", _MASTERS,
+            "PORT"),
+    Setting("node-lease-s", _seconds, 10.0, "a node silent for half this long is suspect, "
+            "for this long dead; heartbeats every third of it", _MASTERS, "S"),
+    Setting("redis", _redis_url, None, "keep the index, membership and watches in Redis "
+            "(redis://host:port/db) so several masters share one pool; unset: in this "
+            "process", ("master",), "URL"),
+    Setting("master", _master_address, None, "HOST:PORT of the master this node registers "
+            "with", ("node",), "HOST:PORT", required=("node",)),
+    Setting("data-port", _port, 50052, "the node's tcp:// data port (0: a free one)", _NODES,
+            "PORT"),
+    Setting("node-id", _node_id, "", "this node's id (empty: node-<random>); a node that "
+            "restarts with its id keeps its place in placement", _NODES, "ID"),
+    Setting("host-mem", parse_size, 512 << 20, "host-memory tier of this node "
+            "(4096, 512MiB, 4GiB, 1G, 100MB)", _NODES, "SIZE", render=_render_size),
+    Setting("gpu-mem", parse_size, 0, "a GPU tier of this size on the current CUDA device, "
+            "where ucx:// puts land (0: none; needs --transport ucx)", _NODES, "SIZE",
+            render=_render_size),
+    Setting("transport", _transport, "tcp", "tcp: the tcp:// data port only; ucx: also "
+            "one-sided NIXL/UCX reads and writes (needs nixl-cu12)", _NODES, "tcp|ucx"),
+    Setting("io-timeout-s", _seconds, 30.0, "deadline of each step of a data-plane "
+            "exchange; also how long a stalled writer can hold a chunk others wait for",
+            _NODES, "S"),
+    Setting("max-connections", _count, 1024, "data-port connections served at once; more "
+            "are refused with a capacity error (lowered to fit the file descriptor limit)",
+            _NODES, "N"),
+    Setting("idle-timeout-s", _seconds, 60.0, "close a data connection that carried no "
+            "request for this long", _NODES, "S"),
+    Setting("header-timeout-s", _seconds, 5.0, "a frame header must arrive whole within "
+            "this long of its first byte", _NODES, "S"),
+)  # fmt: skip
+"""Every setting of every server command, in the order help and ``kvstore config`` show."""
+
+
+_NAMES = frozenset(s.name for s in SETTINGS)
+
+
+def settings_for(command: str) -> tuple[Setting, ...]:
+    """The settings ``command`` takes, in :data:`SETTINGS` order."""
+    if command not in COMMANDS:
+        raise InvalidArgument(f"unknown command {command!r}: one of {', '.join(COMMANDS)}")
+    return tuple(s for s in SETTINGS if command in s.commands)
+
+
+# -- resolution ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The effective configuration of one command: each value and where it came from."""
+
+    command: str
+    values: Mapping[str, Value]
+    """By :attr:`Setting.dest`."""
+    sources: Mapping[str, str]
+    """By dest: ``"flag --host-mem"``, ``"env KVSTORE_HOST_MEM"``, ``"file PATH"`` or
+    ``"default"``."""
+    config_file: str | None = None
+    config_source: str = ""
+    """Where the file's name came from (``flag --config``, ``env KVSTORE_CONFIG``)."""
+
+    def __getitem__(self, dest: str) -> Any:
+        """The value of the setting named ``dest`` (``"host_mem"``)."""
+        return self.values[dest]
+
+
+def resolve(
+    command: str,
+    flags: Mapping[str, Value],
+    environ: Mapping[str, str],
+    config_file: str | None = None,
+) -> Resolved:
+    """The effective configuration of ``command``.
+
+    ``flags``: values given on the command line (already parsed), by dest; ``environ``: the
+    process environment; ``config_file``: ``--config`` (else ``$KVSTORE_CONFIG`` is used).
+    Reads the file (blocking, small). Raises InvalidArgument naming the flag, variable or
+    file and key of the first bad value.
+    """
+    settings = settings_for(command)
+    config_source = "flag --config" if config_file else ""
+    if not config_file and environ.get(CONFIG_ENV):
+        config_file, config_source = environ[CONFIG_ENV], f"env {CONFIG_ENV}"
+    from_file = _read_file(config_file, command) if config_file else {}
+    values: dict[str, Value] = {}
+    sources: dict[str, str] = {}
+    for s in settings:
+        values[s.dest], sources[s.dest] = _pick(s, command, flags, environ, from_file, config_file)
+    _check_together(values, sources)
+    return Resolved(command, values, sources, config_file, config_source)
+
+
+def _pick(
+    s: Setting,
+    command: str,
+    flags: Mapping[str, Value],
+    environ: Mapping[str, str],
+    from_file: Mapping[str, object],
+    config_file: str | None,
+) -> tuple[Value, str]:
+    if s.dest in flags:
+        return flags[s.dest], f"flag {s.flag}"
+    for var in (s.env, *s.aliases):
+        if environ.get(var, "") != "":
+            return _parsed(s, environ[var], var), f"env {var}"
+    if s.name in from_file:
+        return _parsed(s, from_file[s.name], f"{config_file}: {s.name}"), f"file {config_file}"
+    if command in s.required:
+        raise InvalidArgument(f"{s.flag} is required (or {s.env}, or {s.name} in a --config file)")
+    return s.default_for(command), "default"
+
+
+def _parsed(s: Setting, raw: object, where: str) -> Value:
+    try:
+        return s.parse(raw)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{where}: {exc}") from None
+
+
+def _check_together(values: Mapping[str, Value], sources: Mapping[str, str]) -> None:
+    """Checks across settings (decisions: "--gpu-mem without --transport ucx is refused")."""
+    gpu_mem = values.get("gpu_mem")
+    if isinstance(gpu_mem, int) and gpu_mem > 0 and values.get("transport") != "ucx":
+        raise InvalidArgument(
+            f"--gpu-mem {format_size(gpu_mem)} (from {sources['gpu_mem']}) needs --transport "
+            "ucx: only ucx:// puts land in the GPU tier, so without it the tier would never "
+            "be written"
+        )
+
+
+def _read_file(path: str, command: str) -> dict[str, object]:
+    """The keys of ``path`` that apply to ``command``: its table over the top level.
+
+    A top-level key must be a setting of some command and applies to the commands that
+    have it (``host-mem`` to serve and node, not to master); a key in a ``[serve]``,
+    ``[master]`` or ``[node]`` table must be a setting of that command."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidArgument(f"{path}: not valid TOML: {exc}") from None
+    tables: dict[str, dict[str, object]] = {}
+    top: dict[str, object] = {}
+    for key, value in doc.items():
+        if key in COMMANDS and isinstance(value, dict):
+            for name in value:
+                _known_key(f"{path}: [{key}] {name}", name, key)
+            tables[key] = value
+        elif key in COMMANDS and key not in _NAMES:
+            raise InvalidArgument(f"{path}: {key} must be a table ([{key}])")
+        else:  # (``master = "HOST:PORT"`` is the node's setting, ``[master]`` the table)
+            _known_key(f"{path}: {key}", key, None)
+            top[key] = value
+    own = {s.name for s in settings_for(command)}
+    return {**{k: v for k, v in top.items() if k in own}, **tables.get(command, {})}
+
+
+def _known_key(where: str, key: str, command: str | None) -> None:
+    """Raise InvalidArgument unless ``key`` is a setting of ``command`` (None: of any)."""
+    names = [s.name for s in (SETTINGS if command is None else settings_for(command))]
+    if key in names:
+        return
+    whose = "any command" if command is None else f"`kvstore {command}`"
+    owners = [", ".join(s.commands) for s in SETTINGS if s.name == key]
+    close = difflib.get_close_matches(key.replace("_", "-"), names, n=1)
+    if owners:
+        hint = f"only of {owners[0]}"
+    elif close:
+        hint = f"did you mean {close[0]}?"
+    else:
+        hint = f"known: {', '.join(names)}"
+    raise InvalidArgument(f"{where}: not a setting of {whose} ({hint})")
+
+
+# -- rendering -----------------------------------------------------------------------------
+
+
+def _toml_value(s: Setting, value: Value) -> str:
+    if s.render is _render_size:
+        return json.dumps(s.render(value)) if value else "0"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # JSON strings are TOML basic strings
+    return repr(value)
+
+
+def render_toml(resolved: Resolved) -> str:
+    """``resolved`` as a TOML file (``--config`` reads it back to the same values), each
+    line commented with where its value came from."""
+    command = resolved.command
+    lines = [
+        f"# kvstore {command}: effective configuration "
+        "(flag > environment KVSTORE_* > file > default)"
+    ]
+    if resolved.config_file:
+        lines.append(f"# config file: {resolved.config_file} ({resolved.config_source})")
+    rows = []
+    for s in settings_for(command):
+        value, source = resolved.values[s.dest], resolved.sources[s.dest]
+        if value is None:
+            rows.append((f"# {s.name} = ", f"unset ({source})"))
+        else:
+            rows.append((f"{s.name} = {_toml_value(s, value)}", source))
+    width = max(len(left) for left, _ in rows)
+    lines += [f"{left.ljust(width)}  # {source}" for left, source in rows]
+    return "\n".join(lines) + "\n"
