@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN.md, "Metrics").
+"""Prometheus metrics (docs/architecture.md, "Metrics").
 
 Each server process builds one :class:`Metrics` on its own ``CollectorRegistry`` and hands
 it to the parts it runs. In ``kvstore serve`` the master and the node share that one

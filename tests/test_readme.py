@@ -81,6 +81,21 @@ def test_docs_refer_to_nothing_outside_the_repository() -> None:
             assert (root / ref).exists(), f"{page.name} names {ref}, which does not exist"
 
 
+def test_no_file_refers_to_anything_outside_the_repository() -> None:
+    """Code, docstrings, the proto and the deploy files point inside the repository too."""
+    root = README.parent
+    skip = {".venv", ".git", "build", "node_modules", "__pycache__"}
+    this = {Path(__file__).name, "test_deploy.py"}  # (they spell out what they look for)
+    kinds = {".py", ".md", ".proto", ".toml", ".yaml", ".yml", ".json", ".cfg", ".txt"}
+    for path in root.rglob("*"):
+        rel = path.relative_to(root)
+        if skip & set(rel.parts) or rel.parts[0].endswith(".egg-info") or path.name in this:
+            continue
+        if path.is_file() and (path.suffix in kinds or path.name in ("Makefile", "run")):
+            text = path.read_text(errors="replace")
+            assert "DESIGN.md" not in text and "../shared" not in text, rel
+
+
 _REDIS_PROBE = """
 import os
 import socket

@@ -1,4 +1,4 @@
-"""The async client engines embed: :class:`KVClient` (DESIGN.md, "Client library").
+"""The async client engines embed: :class:`KVClient` (docs/architecture.md, "Client library").
 
 A client talks to the master over gRPC for *where* (placement candidates, lookups, prefix
 matches, watches) and straight to storage nodes over the data plane for the bytes. Every

@@ -1,4 +1,4 @@
-"""Namespaces and prefix block hashes (DESIGN.md, "Data model").
+"""Namespaces and prefix block hashes (docs/architecture.md, "Data model").
 
 A :class:`Namespace` has a canonical byte serialisation; ``ns.id`` is its xxh3-128
 digest. Token ids are written as little-endian u32 and cut into full blocks of

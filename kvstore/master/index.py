@@ -12,8 +12,8 @@ Events (COMMIT, EVICT, ABORT, NODE_DEAD) go to bounded subscriptions. A subscrip
 snapshot and its events are atomic: every change after the snapshot arrives as an event
 and none before it does, so nothing is lost between "subscribe" and "read what is there".
 
-A Redis implementation maps onto the same contract (DESIGN.md, "Master and index"):
-``kv:b:{ns}:{hash}`` hash node -> packed (epoch, mask) updated by one Lua call per batch;
+A Redis implementation maps onto the same contract (docs/architecture.md, "Control plane"):
+``kv:b:{ns}:{hash}`` hash node -> "epoch:mask[:location]", updated by one Lua call a batch;
 ``kv:n:{id}`` registry (epoch, applied seq, record); an ``INCR`` epoch counter;
 ``kv:ns:{ns}`` set of blocks; events on a Stream (``XADD MAXLEN ~``); ``subscribe`` reads
 the snapshot and the stream's last id in one Lua call, then ``XREAD BLOCK`` from it.
