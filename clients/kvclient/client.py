@@ -24,7 +24,6 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, Self, TypeVar
 
 import torch
-import xxhash
 
 from kvstore.core.codec import (
     ChunkKey,
@@ -36,10 +35,9 @@ from kvstore.core.codec import (
 from kvstore.core.hashing import Namespace, block_hashes, dtype_name
 from kvstore.core.placement import Candidate, rank_nodes, weight_for_free
 from kvstore.dataplane import NodeClient, PutChunk
-from kvstore.dataplane.messages import MAX_CHUNKS_PER_REQUEST, MAX_KEY_LEN, Ready
+from kvstore.dataplane.messages import MAX_CHUNKS_PER_REQUEST, Ready
 from kvstore.errors import (
     BadShape,
-    CapacityError,
     Closed,
     InvalidArgument,
     KVStoreError,
@@ -51,6 +49,7 @@ from kvstore.master.client import MasterClient
 
 from .engine import EngineOps
 from .handles import prefix_len
+from .objects import ObjectOps
 from .pool import ConnectionPool
 from .reads import ChunkReader, LayerRead, NodeEntry
 from .stream import StreamState, next_batch
@@ -776,71 +775,8 @@ class ClientCore:
                 return target
         return await self.get_layer(token_ids, layer, device=device, shard=shard)
 
-    # ------------------------------------------------------------------ objects
 
-    def _object_key(self, key: str) -> bytes:
-        if not isinstance(key, str) or not key or len(key.encode()) > MAX_KEY_LEN:
-            raise InvalidArgument(f"object key must be a non-empty str of <= {MAX_KEY_LEN} bytes")
-        return xxhash.xxh3_128_digest(key.encode())
-
-    async def put_object(
-        self, key: str, value: bytes | bytearray | memoryview, *, timeout: float | None = None
-    ) -> None:
-        """Store ``value`` under ``key`` (replacing nothing: the first writer wins).
-
-        Raises :class:`CapacityError` over ``max_object_bytes`` or when the node is full,
-        :class:`KVTimeout`, transport errors.
-        """
-        hkey = self._object_key(key)
-        view = memoryview(value).cast("B")
-        if view.nbytes > self.max_object_bytes:
-            raise CapacityError(
-                f"object of {view.nbytes} bytes exceeds max_object_bytes={self.max_object_bytes}"
-            )
-
-        async def run() -> None:
-            nodes = await self._live_nodes()
-            for node in self._place(hkey, nodes):
-                await self._node(node.data_uri).put_object(key, view)
-
-        await self._deadline(run(), timeout, "put_object")
-
-    async def get_object(self, key: str, *, timeout: float | None = None) -> bytes | None:
-        """The value stored under ``key``, or ``None`` when it is not in the pool."""
-        self._object_key(key)
-
-        async def run() -> bytes | None:
-            for holder in await self._master.lookup_object(key):
-                try:
-                    value = await self._node(holder.data_uri).get_object(key)
-                    if value is not None:
-                        return value
-                except TransportError as exc:
-                    logger.warning("get_object from %s failed: %s", holder.data_uri, exc)
-            return None
-
-        return await self._deadline(run(), timeout, "get_object")  # type: ignore[no-any-return]
-
-    async def exists(self, key: str, *, timeout: float | None = None) -> bool:
-        """Whether a live node holds ``key``."""
-        self._object_key(key)
-        holders = await self._deadline(self._master.lookup_object(key), timeout, "exists")
-        return bool(holders)
-
-    async def remove(self, key: str, *, timeout: float | None = None) -> bool:
-        """Remove ``key`` from every holder; True if something was removed."""
-        self._object_key(key)
-
-        async def run() -> bool:
-            removed = False
-            for holder in await self._master.lookup_object(key):
-                removed = await self._node(holder.data_uri).remove_object(key) or removed
-            return removed
-
-        return bool(await self._deadline(run(), timeout, "remove"))
-
-
-class KVClient(EngineOps, ClientCore):
+class KVClient(EngineOps, ObjectOps, ClientCore):
     """Reads and writes one namespace's KV in the pool. Create with :meth:`connect`.
 
     Not fork-safe: create clients after an engine forks its workers. Safe to use from many

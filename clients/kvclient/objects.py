@@ -1,0 +1,87 @@
+"""``put_object`` / ``get_object`` / ``exists`` / ``remove`` of :class:`~kvclient.KVClient`:
+small named values beside the KV (engine metadata, say), placed like
+blocks (HRW on the key's hash), never evicted automatically, the first writer wins."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from kvstore.dataplane.messages import MAX_KEY_LEN
+from kvstore.errors import CapacityError, InvalidArgument, TransportError
+
+if TYPE_CHECKING:
+    from .client import ClientCore as _Base
+else:
+    _Base = object
+
+__all__ = ["ObjectOps"]
+
+logger = logging.getLogger("kvclient")
+
+
+class ObjectOps(_Base):
+    """Mixin of :class:`~kvclient.KVClient` with the object calls."""
+
+    def _object_key(self, key: str) -> bytes:
+        if not isinstance(key, str) or not key or len(key.encode()) > MAX_KEY_LEN:
+            raise InvalidArgument(f"object key must be a non-empty str of <= {MAX_KEY_LEN} bytes")
+        return xxhash.xxh3_128_digest(key.encode())
+
+    async def put_object(
+        self, key: str, value: bytes | bytearray | memoryview, *, timeout: float | None = None
+    ) -> None:
+        """Store ``value`` under ``key`` (replacing nothing: the first writer wins).
+
+        Raises :class:`CapacityError` over ``max_object_bytes`` or when the node is full,
+        :class:`KVTimeout`, transport errors.
+        """
+        hkey = self._object_key(key)
+        view = memoryview(value).cast("B")
+        if view.nbytes > self.max_object_bytes:
+            raise CapacityError(
+                f"object of {view.nbytes} bytes exceeds max_object_bytes={self.max_object_bytes}"
+            )
+
+        async def run() -> None:
+            nodes = await self._live_nodes()
+            for node in self._place(hkey, nodes):
+                await self._node(node.data_uri).put_object(key, view)
+
+        await self._deadline(run(), timeout, "put_object")
+
+    async def get_object(self, key: str, *, timeout: float | None = None) -> bytes | None:
+        """The value stored under ``key``, or ``None`` when it is not in the pool."""
+        self._object_key(key)
+
+        async def run() -> bytes | None:
+            for holder in await self._master.lookup_object(key):
+                try:
+                    value = await self._node(holder.data_uri).get_object(key)
+                    if value is not None:
+                        return value
+                except TransportError as exc:
+                    logger.warning("get_object from %s failed: %s", holder.data_uri, exc)
+            return None
+
+        return await self._deadline(run(), timeout, "get_object")  # type: ignore[no-any-return]
+
+    async def exists(self, key: str, *, timeout: float | None = None) -> bool:
+        """Whether a live node holds ``key``."""
+        self._object_key(key)
+        holders = await self._deadline(self._master.lookup_object(key), timeout, "exists")
+        return bool(holders)
+
+    async def remove(self, key: str, *, timeout: float | None = None) -> bool:
+        """Remove ``key`` from every holder; True if something was removed."""
+        self._object_key(key)
+
+        async def run() -> bool:
+            removed = False
+            for holder in await self._master.lookup_object(key):
+                removed = await self._node(holder.data_uri).remove_object(key) or removed
+            return removed
+
+        return bool(await self._deadline(run(), timeout, "remove"))
