@@ -44,7 +44,7 @@ TARGETS = {"ucx": 0.70, "tcp": 0.80}
 """kvstore ÷ baseline GB/s targets: ``ucx://`` ÷ raw NIXL, ``tcp://`` ÷ raw asyncio."""
 IDLE_TARGET = 0.15
 """Most idle CPU of the node, in cores."""
-PUT_PATHS = ("kv tcp put", "kv ucx put", "raw asyncio put", "raw NIXL WRITE")
+PUT_PATHS = ("kv tcp put", "kv ucx put", "kv ucx layers put", "raw asyncio put", "raw NIXL WRITE")
 GET_PATHS = (
     "kv tcp get", "kv ucx get", "kv ucx leased get", "raw asyncio get", "raw NIXL READ"
 )  # fmt: skip
@@ -86,13 +86,13 @@ def kv_table(res: Results, warmup: int, region: int) -> Table:
         ["op", "chunk", "chunks", "MiB", "depth", "transport", "n", "GB/s", "p50 ms", "p99 ms",
          "control ms", "move ms", "after ms", "node CPU s/GB"],
     )  # fmt: skip
-    ways = ("tcp", "ucx", "ucx leased")
+    ways = ("tcp", "ucx", "ucx layers", "ucx leased")
     rows = itertools.product(("put", "get"), res.points, res.setup.depths, ways)
     for op, p, d, transport in rows:
         head = (op, p.label, p.batch, f"{p.exchange_bytes / MiB:.1f}", d, f"{transport}://")
         m = res.by.get((p.name, f"kv {transport} {op}", d))
-        if m is None and transport == "ucx leased":
-            continue  # (gets only)
+        if m is None and transport not in ("tcp", "ucx"):
+            continue  # (one direction, or depth 1, only)
         if m is None:
             table.add(*head, *["-"] * 8)
             continue
@@ -120,6 +120,10 @@ def kv_table(res: Results, warmup: int, region: int) -> Table:
         "get = sending release (no answer). ucx get READs each slot at the location the "
         "master's lookup gave (looked up before the timing) with no node exchange; ucx "
         "leased get is the lease → READ → release a reader falls back to.",
+        "ucx layers put: an engine's per-layer puts of one prompt (up to 32 layers of the "
+        "same blocks, fewer where two prompts' slots would not fit half the pool; depth 1): "
+        "its layer 0 is a reserve as above, every later layer a WRITE at the slot locations "
+        "the previous ack granted, then write → ack (control: none; after: write → ack).",
         "put: writer process, fresh keys every exchange. get: reader process, reading back "
         "the ucx:// puts of the same point and depth (cycling over those that fit half the "
         "pool).",
@@ -220,10 +224,12 @@ def ratio_table(res: Results) -> Table:
     table = Table(
         f"4. kvstore ÷ baseline (GB/s); targets: ucx:// ÷ raw NIXL ≥ {TARGETS['ucx']:.2f}, "
         f"tcp:// ÷ raw asyncio ≥ {TARGETS['tcp']:.2f}",
-        ["chunk", "chunks", "depth", "put ucx ÷ NIXL WRITE", "get ucx ÷ NIXL READ",
-         "put tcp ÷ asyncio", "get tcp ÷ asyncio"],
+        ["chunk", "chunks", "depth", "put ucx ÷ NIXL WRITE", "put ucx layers ÷ NIXL WRITE",
+         "get ucx ÷ NIXL READ", "put tcp ÷ asyncio", "get tcp ÷ asyncio"],
     )  # fmt: skip
-    pairs = [("kv ucx put", "raw NIXL WRITE", "ucx"), ("kv ucx get", "raw NIXL READ", "ucx"),
+    pairs = [("kv ucx put", "raw NIXL WRITE", "ucx"),
+             ("kv ucx layers put", "raw NIXL WRITE", "ucx"),
+             ("kv ucx get", "raw NIXL READ", "ucx"),
              ("kv tcp put", "raw asyncio put", "tcp"),
              ("kv tcp get", "raw asyncio get", "tcp")]  # fmt: skip
     for p in (p for p in res.points if p.label in RATIO_SIZES):

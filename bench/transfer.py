@@ -71,6 +71,7 @@ from _transfer_report import (
 from service import BLOCK, HEAD_DIM, HEADS, big_namespace, layer_kv, prompt
 
 from kvclient import KVClient
+from kvclient.ucx import Grants
 from kvstore.core.arena import parse_size
 from kvstore.core.codec import (
     ChunkKey,
@@ -138,12 +139,12 @@ class Point:
     def name(self) -> str:
         return f"{self.label} x {self.batch}"
 
-    def namespace(self) -> Namespace:
-        """A one-layer namespace whose chunks are exactly this point's chunks."""
+    def namespace(self, layers: int = 1) -> Namespace:
+        """A namespace of ``layers`` layers whose chunks are exactly this point's chunks."""
         rev = self.label.replace(" ", "")
-        return Namespace(model="bench-transfer", revision=rev, num_layers=1, num_kv_heads=H,
-                         head_dim=D, dtype=torch.bfloat16, block_tokens=self.tokens,
-                         quant="none")  # fmt: skip
+        return Namespace(model="bench-transfer", revision=rev, num_layers=layers,
+                         num_kv_heads=H, head_dim=D, dtype=torch.bfloat16,
+                         block_tokens=self.tokens, quant="none")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -304,15 +305,16 @@ def _flush_caches() -> None:
     _STATE["scratch"][:FLUSH].add_(1)
 
 
-def _encode(point: Point, tag: str, i: int) -> list[bytes]:
-    """Encode exchange ``i``'s chunks (fresh keys) into its rows; their block hashes."""
+def _encode(point: Point, tag: str, i: int, layer: int = 0, row: int | None = None) -> list[bytes]:
+    """Encode exchange ``i``'s chunks (fresh keys; layer ``layer``) into the rows of
+    exchange ``row`` (default ``i``); their block hashes."""
     src = _STATE.get("source")
     if src is None or src.shape[1] < point.batch * point.tokens:
         # One bf16 tensor serves every exchange: under quant "none" the content is moot.
         src = _STATE["source"] = torch.randn(2, point.batch * point.tokens, H, D).bfloat16()
     keys = block_keys(tag, i, point.batch)
-    out = _rows(point, i)
-    encode_blocks(src, point.tokens, [ChunkKey(k, 0, 0) for k in keys], "none", out=out)
+    out = _rows(point, i if row is None else row)
+    encode_blocks(src, point.tokens, [ChunkKey(k, layer, 0) for k in keys], "none", out=out)
     return keys
 
 
@@ -393,6 +395,47 @@ def _refs(keys: list[bytes]) -> list[ChunkRef]:
 
 def _sends_all(ready: Ready, n: int) -> None:
     expect(ready.accept == (SEND,) * n, f"node did not take every chunk: {list(ready.accept)}")
+
+
+def layers_for(setup: Setup, point: Point) -> int:
+    """Layers per prompt of the layered put (``ucx layers``): 32, or fewer where two
+    prompts' slots would not fit half the pool."""
+    return max(2, min(32, setup.pool_bytes // 4 // point.exchange_bytes))
+
+
+async def put_ucx_layers(lane: int, ns: bytes, keys: list[bytes], rows: Rows, layer: int,
+                         last: int) -> Phases:  # fmt: skip
+    """An engine's per-layer put: layer ``layer`` of the same blocks as the layers before
+    it. Layer 0: ``reserve → reserved → WRITE → landed → ack``; every later layer: WRITE at
+    the locations the previous ack granted, then ``write → ack`` (one round trip). Each ack
+    grants the next layer (none after ``last``)."""
+    grants: Grants = _STATE.setdefault("grants", Grants())
+    t = [time.perf_counter()]
+    chunks = tuple(PutChunk(k, None, layer, rows.shape[1]) for k in keys)
+    ask = (layer + 1,) if layer < last else ()
+    node = _STATE["nodes"][lane]
+    spans = grants.take("node", keys, layer, rows.shape[1])
+    if spans is not None:
+        t.append(t[0])
+        await _STATE["agent"].write(_STATE["peer"], [Span.from_wire(w) for w in spans],
+                                    list(rows.unbind(0)), timeout=IO_TIMEOUT_S)  # fmt: skip
+        t.append(time.perf_counter())
+        ack = await node.write(ns, chunks, _STATE["writer"], ask)
+    else:
+
+        async def write(ready: Ready) -> None:
+            _sends_all(ready, len(keys))
+            spans = [Span.from_wire(s) for s in ready.spans or ()]
+            t.append(time.perf_counter())
+            await _STATE["agent"].write(_STATE["peer"], spans, list(rows.unbind(0)),
+                                        timeout=IO_TIMEOUT_S)  # fmt: skip
+            t.append(time.perf_counter())
+
+        ack = await node.reserve(ns, chunks, write, writer=_STATE["writer"], grant=ask)
+    _stored_all(ack, len(keys))
+    grants.keep("node", keys, ack.grants, ack.grant_s)
+    t0, t1, t2 = t
+    return {"control": t1 - t0, "move": t2 - t1, "after": time.perf_counter() - t2}
 
 
 def _stored_all(ack: Ack, n: int) -> None:
@@ -512,6 +555,26 @@ def job_put(setup: Setup, point: Point, transport: str, depth: int) -> Measured:
 
     async def put(i: int, lane: int) -> Phases:
         return await KV[(transport, "put")](lane, ns, keys.pop(i), _rows(point, i))
+
+    return _measure(setup, point, depth, in_lanes(put, depth), prepare)
+
+
+def job_put_layers(setup: Setup, point: Point, depth: int) -> Measured:
+    """Writer: an engine's per-layer puts (:func:`put_ucx_layers`): exchange ``i`` is layer
+    ``i % L`` of prompt ``i // L`` (``L`` = :func:`layers_for`), one exchange in flight."""
+    layers = layers_for(setup, point)
+    ns = point.namespace(layers).canonical_bytes()
+    tag, total, keys = f"layers/{point.name}", setup.exchanges(point, depth), {}
+    _STATE.setdefault("writer", uuid.uuid4().hex)
+
+    def prepare(i: int) -> None:
+        if i % _slots(point) == 0:
+            for j in range(i, min(total, i + _slots(point))):
+                keys[j] = _encode(point, tag, j // layers, layer=j % layers, row=j)
+
+    async def put(i: int, lane: int) -> Phases:
+        return await put_ucx_layers(lane, ns, keys.pop(i), _rows(point, i), i % layers,
+                                    layers - 1)  # fmt: skip
 
     return _measure(setup, point, depth, in_lanes(put, depth), prepare)
 
@@ -747,9 +810,12 @@ Job = tuple[str, int, str, Callable[..., Any], tuple[Any, ...]]
 
 def _point_jobs(setup: Setup, point: Point) -> list[Job]:
     """(path, depth, worker, job, args) of one point: memcpy, then per depth that fits each
-    kvstore path right before its baseline, puts before gets (gets read the ucx puts)."""
+    kvstore path right before its baseline, puts before gets (gets read the ucx puts), the
+    layered puts last (their baseline: the raw NIXL WRITE of the same point)."""
     jobs: list[Job] = [("memcpy", 1, "writer", job_memcpy, (setup, point))]
     for d in (d for d in setup.depths if fits(point, d)):
+        layers = ("kv ucx layers put", d, "writer", job_put_layers, (setup, point, d))
+        layered = [layers] if d == 1 else []  # (an engine's per-layer puts: depth 1)
         jobs += [
             ("kv tcp put", d, "writer", job_put, (setup, point, "tcp", d)),
             ("raw asyncio put", d, "writer", job_raw, (setup, point, "put", d)),
@@ -760,6 +826,7 @@ def _point_jobs(setup: Setup, point: Point) -> list[Job]:
             ("kv ucx get", d, "reader", job_get, (setup, point, "ucx", d)),
             ("kv ucx leased get", d, "reader", job_get, (setup, point, "ucx leased", d)),
             ("raw NIXL READ", d, "writer", job_raw_nixl, (setup, point, "READ", d)),
+            *layered,  # (after the gets, which read back the ucx puts it would evict)
         ]
     return jobs
 
@@ -768,7 +835,7 @@ def run(args: argparse.Namespace) -> Results:
     """Start everything, measure, stop everything (also on failure)."""
     pts = points(args.sizes, args.batches)
     with contextlib.ExitStack() as stack, progress() as bar:
-        jobs = sum(1 + 9 * sum(fits(p, d) for d in args.depth) for p in pts)
+        jobs = sum(1 + sum((9 + (d == 1)) * fits(p, d) for d in args.depth) for p in pts)
         total = 6 + jobs + 4 * (args.e2e_reps + 1) + args.idle_after
         task = bar.add_task("starting kvstore serve --transport ucx", total=total)
 
