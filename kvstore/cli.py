@@ -42,6 +42,7 @@ from kvstore.errors import InvalidArgument, KVStoreError
 
 if TYPE_CHECKING:
     from kvstore.master.server import MasterServer
+    from kvstore.master.service import PoolState
     from kvstore.metrics import Metrics
     from kvstore.node.server import StorageNode
 
@@ -318,10 +319,22 @@ def _wire_master_counters(master: MasterServer, metrics: Metrics) -> None:
                 "kvstore_prefix_hit_tokens", "Tokens matched by match_prefix"
             )
             tokens.add_metric([], counters.hit_tokens)
+            missed = CounterMetricFamily(
+                "kvstore_prefix_miss_tokens", "Tokens of match_prefix requests not matched"
+            )
+            missed.add_metric([], counters.miss_tokens)
             yield lookups
             yield tokens
+            yield missed
 
     metrics.registry.register(_PrefixCollector())
+
+    def on_sweep(state: PoolState) -> None:
+        for name, n in state.nodes.items():
+            metrics.nodes.labels(state=name).set(n)
+        metrics.blocks.labels(role="master").set(state.blocks)
+
+    master.service.add_pool_observer(on_sweep)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,17 @@ import pytest
 import torch
 
 import kvclient
-from kvclient.errors import BadShape, CapacityError, KVStoreError, KVTimeout, Unreachable
+from kvclient.errors import (
+    BadShape,
+    CapacityError,
+    KVStoreError,
+    KVTimeout,
+    ProtocolError,
+    Unreachable,
+)
 from kvstore.core.kvgen import realistic_kv
+from kvstore.dataplane.messages import Ack, expect
+from kvstore.transport import connect
 from tests.cluster import TRANSPORTS, Server, start_server
 from tests.kvproc import layer_kv, namespace, prompt
 
@@ -273,3 +282,41 @@ async def test_put_skips_blocks_a_held_match_pinned(server: Server, transport: s
     async with await kvclient.KVClient.connect(server.grpc, ns) as other:  # no holds of its own
         with pytest.raises(kvclient.errors.KVStoreError):
             await other.put_layer(tokens[:512], 1, poison)
+
+
+def _samples(server: Server) -> dict[str, float]:
+    """Every sample of the server's /metrics, by its name and labels as exposed."""
+    body = urllib.request.urlopen(f"http://{server.addresses['metrics']}/metrics", timeout=5)
+    out = {}
+    for line in body.read().decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+async def test_metrics_count_errors_nodes_blocks_and_misses(server: Server, transport: str) -> None:
+    """What operators alert on is exported: refused and failed exchanges and rejected
+    chunks by op and reason, the nodes the master knows by state, the blocks in the index,
+    and the tokens match_prefix did not find."""
+    before = _samples(server)
+    conn = await connect(server.data, timeout=5)
+    await conn.send({"op": "no-such-op"}, timeout=5)
+    with pytest.raises(ProtocolError):
+        expect((await conn.recv_header(5)).header, Ack)
+    await conn.close()
+    ns = namespace(1)
+    tokens = prompt(512, seed=77)
+    async with await kvclient.KVClient.connect(server.grpc, ns) as kv:
+        assert await kv.match_prefix(tokens) == 0
+        assert await kv.put_layer(tokens[:256], 0, layer_kv(256, 0, 77)) == 256
+        assert await kv.match_prefix(tokens) == 256
+    errors = 'kvstore_transfer_errors_total{op="other",reason="protocol",transport="tcp"}'
+    missed = "kvstore_prefix_miss_tokens_total"
+    deadline = time.monotonic() + 10  # gauges are set after each lease sweep (1 s)
+    while (now := _samples(server)).get('kvstore_blocks{role="master"}', 0) < 1:
+        assert time.monotonic() < deadline, now
+        await asyncio.sleep(0.2)
+    assert now[errors] == before.get(errors, 0) + 1
+    assert now[missed] == before.get(missed, 0) + 512 + 256
+    assert now['kvstore_nodes{state="alive"}'] == 1 and now['kvstore_nodes{state="dead"}'] == 0

@@ -290,11 +290,15 @@ class Put(Message):
     writer: str = ""
     grant: tuple[int, ...] = ()
 
+    @property
+    def op(self) -> str:
+        """``put``, ``reserve`` or ``write``."""
+        return "write" if self.granted else "reserve" if self.ucx else "put"
+
     def header(self) -> dict[str, Any]:
         spec = [[c.block.hex(), c.parent.hex() if c.parent else "", c.chunk, c.nbytes]
                 for c in self.chunks]  # fmt: skip
-        op = "write" if self.granted else "reserve" if self.ucx else "put"
-        out = {"op": op, "ns": self.ns.hex(), "chunks": spec, "wait_s": self.wait_s}
+        out = {"op": self.op, "ns": self.ns.hex(), "chunks": spec, "wait_s": self.wait_s}
         if self.writer:
             out["writer"], out["grant"] = self.writer, list(self.grant)
         return out

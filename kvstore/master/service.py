@@ -37,7 +37,7 @@ from kvstore.master.watch import WatchView
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-__all__ = ["MasterCounters", "MasterService", "RpcObserver", "status_for"]
+__all__ = ["MasterCounters", "MasterService", "PoolState", "RpcObserver", "status_for"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,8 @@ class MasterCounters:
     miss_blocks: int = 0
     hit_tokens: int = 0
     """Matched blocks times the request's ``block_tokens`` (0 when a client omits it)."""
+    miss_tokens: int = 0
+    """Unmatched blocks of each request times its ``block_tokens``."""
     object_hits: int = 0
     object_misses: int = 0
     commits: int = 0
@@ -100,6 +102,16 @@ class MasterCounters:
     def misses(self) -> int:
         """Prefix blocks not found plus objects not found."""
         return self.miss_blocks + self.object_misses
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """The pool as the master sees it after a sweep: node counts by state (``alive``,
+    ``suspect``: silent for half a lease, ``draining``: of the live ones, ``dead``: records
+    kept a while) and the blocks in the index."""
+
+    nodes: dict[str, int]
+    blocks: int
 
 
 _Req = TypeVar("_Req")
@@ -156,6 +168,7 @@ class MasterService(pb_grpc.MasterServicer):
         self.rpc_calls: dict[str, int] = {}
         self.rpc_seconds: dict[str, float] = {}
         self._observers: list[RpcObserver] = []
+        self._pool_observers: list[Callable[[PoolState], None]] = []
         self._clock = clock
         self._watch_queue = watch_queue
         self._watch_max_s = watch_max_s
@@ -167,6 +180,11 @@ class MasterService(pb_grpc.MasterServicer):
     def add_rpc_observer(self, observer: RpcObserver) -> None:
         """Call ``observer(method, seconds)`` after every RPC (must not block or raise)."""
         self._observers.append(observer)
+
+    def add_pool_observer(self, observer: Callable[[PoolState], None]) -> None:
+        """Call ``observer(state)`` after every lease sweep with the pool as the master sees
+        it (nodes by state, blocks in the index); it must not block or raise."""
+        self._pool_observers.append(observer)
 
     async def restore(self) -> int:
         """Give every node the store knows as alive one full lease of grace (after a master
@@ -191,7 +209,20 @@ class MasterService(pb_grpc.MasterServicer):
                 self._records[node_id] = replace(rec, alive=False)
             self.node_counters.pop(node_id, None)
         self.counters.nodes_expired += len(dead)
+        if self._pool_observers:
+            state = await self.pool_state()
+            for observe in self._pool_observers:
+                observe(state)
         return dead
+
+    async def pool_state(self) -> PoolState:
+        """Nodes by state and blocks in the index, now. Raises what the store raises."""
+        nodes = dict.fromkeys(("alive", "suspect", "draining", "dead"), 0)
+        for info in await self._node_infos():
+            state = "dead" if not info.alive else "suspect" if info.suspect else "alive"
+            nodes[state] += 1
+            nodes["draining"] += int(info.alive and info.draining)
+        return PoolState(nodes, (await self.store.counts()).blocks)
 
     def close_watches(self) -> None:
         """End every open Watch stream (they finish with UNAVAILABLE). Never blocks."""
@@ -320,6 +351,7 @@ class MasterService(pb_grpc.MasterServicer):
         self.counters.hit_blocks += matched
         self.counters.hit_tokens += matched * request.block_tokens
         self.counters.miss_blocks += len(hashes) - matched
+        self.counters.miss_tokens += (len(hashes) - matched) * request.block_tokens
         return pb.MatchPrefixResponse(
             blocks=matched,
             holders=[]

@@ -168,6 +168,10 @@ class Puts:
                 self.metrics, "put", "ucx" if put.ucx else "tcp", len(sent) * chunk_bytes, t0
             )
             busy = tuple(i for i, a in enumerate(accept) if a == BUSY)
+            if failed:
+                self.metrics.transfer_errors.labels(
+                    op=put.op, transport="ucx" if put.ucx else "tcp", reason="chunk"
+                ).inc(len(failed))
             grants = self._grant(put, wanted, slots, num_chunks) if put.ucx else ()
             ack = Ack(stored, accept.count(STORED), tuple(failed), busy, grants, GRANT_S)
             await self._send(conn, ack)

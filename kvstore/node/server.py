@@ -37,6 +37,7 @@ from kvstore.core.codec import chunk_nbytes
 from kvstore.core.hashing import Namespace
 from kvstore.core.slots import Lease, ObjectStore, Slot, SlotKey, TierStats
 from kvstore.dataplane.messages import (
+    REQUESTS,
     SEND,
     Ack,
     ChunkRef,
@@ -95,6 +96,8 @@ __all__ = ["NodeConfig", "StorageNode"]
 logger = logging.getLogger("kvstore.node")
 
 _MAX_NAMESPACES = 1024
+_UCX_OPS = frozenset({"reserve", "write", "lease"})
+"""Requests of the ``ucx://`` exchanges (control over this port, bytes one-sided)."""
 _MAX_HOLDS = 65536
 
 
@@ -326,15 +329,25 @@ class StorageNode:
                     self._serving -= 1
             except (InvalidArgument, CapacityError, ProtocolError, ChunkError) as exc:
                 # The request was refused before any payload moved: the stream is intact.
+                self._count_error(frame.header, Error.of(exc).code)
                 if conn.closed:
                     return
                 await conn.discard_payload(self.config.io_timeout_s)
                 await self._send(conn, Error.of(exc))
             except (TransportError, KVTimeout) as exc:
                 # Mid-exchange: the stream may be unframed, so the connection goes.
+                reason = "timeout" if isinstance(exc, KVTimeout) else "dropped"
+                self._count_error(frame.header, reason)
                 logger.info("connection %s dropped: %s", conn.peer, exc)
                 await conn.close()
                 return
+
+    def _count_error(self, header: dict[str, Any], reason: str) -> None:
+        """Count an exchange that failed, by its op (``other`` for an unknown one)."""
+        op = header.get("op")
+        op = op if isinstance(op, str) and op in REQUESTS else "other"
+        transport = "ucx" if op in _UCX_OPS else "tcp"
+        self.metrics.transfer_errors.labels(op=op, transport=transport, reason=reason).inc()
 
     async def _handle(self, conn: Connection, request: Message, sizes: list[int]) -> None:
         match request:
