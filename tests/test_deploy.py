@@ -337,6 +337,10 @@ def test_grafana_provisioning_matches_compose_and_dashboard() -> None:
         "latency percentiles",
         "evictions",
         "nodes alive",
+        "nodes by state",
+        "blocks in the index",
+        "hit ratio",
+        "transfer errors by reason",
     ):
         assert topic in titles, topic
 

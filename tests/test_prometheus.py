@@ -4,11 +4,13 @@
 (``deploy/prometheus/alerts_test.yml``: each alert fires, with its labels and text, on
 synthetic series, and stays quiet beside healthy ones). Then a real ``kvstore serve``
 and a real ``kvstore node`` joined to it, on free loopback ports, carry a little traffic
-through ``kvclient`` (puts into pools small enough to evict, a read), and a real
-``prometheus`` scrapes both every second with deploy's own scrape config (only targets
-and intervals swapped) and rule file. Every PromQL expression of the Grafana dashboard
-and every recorded expression of the rules must return data; every alert expression must
-evaluate, and every rule must report healthy. Skipped, saying so, where Debian's
+through ``kvclient`` (puts into pools small enough to evict, a read, a prefix that hits
+and one that misses) and one request the node refuses (so the error series exist), and
+a real ``prometheus`` scrapes both every second with deploy's own scrape config (only
+targets and intervals swapped) and rule file. Every PromQL expression of the Grafana
+dashboard and every recorded expression of the rules must return data; every alert
+expression must evaluate, and every rule must report healthy; the error, node, index
+and prefix series must count exactly that traffic. Skipped, saying so, where Debian's
 ``prometheus`` package (``prometheus``, ``promtool``) is not installed: ``.ci/run``
 installs it.
 """
@@ -35,7 +37,10 @@ import torch
 import yaml
 
 import kvclient
+from kvclient.errors import ProtocolError
 from kvstore.core.kvgen import realistic_kv
+from kvstore.dataplane.messages import Ack, expect
+from kvstore.transport import connect
 from tests.cluster import Server, start_server
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -113,6 +118,7 @@ def test_every_alert_compares_a_recorded_series() -> None:
         "KVStorePoolFull",
         "KVStoreEvictionStorm",
         "KVStoreStaleMissRate",
+        "KVStoreTransferErrors",
     }
     for alert in alerts:
         used = set(re.findall(r"kvstore:[a-z0-9_:]+", alert["expr"]))
@@ -209,9 +215,18 @@ def stop_prometheus(prom: Prometheus) -> None:
         prom.proc.wait(timeout=5)
 
 
-async def traffic(master: str) -> None:
+async def traffic(master: str, node_data: str) -> None:
     """40 one-block prompts into two 1 MiB pools that hold ~12 blocks each (so they
-    evict), a read of the last one and a prefix match."""
+    evict), a read of the last one, a prefix match that hits and one that misses, and one
+    request the node at ``node_data`` refuses: an unknown op on its data port, counted as
+    ``kvstore_transfer_errors_total{op="other", reason="protocol"}``."""
+    conn = await connect(node_data, timeout=5)
+    try:
+        await conn.send({"op": "no-such-op"}, timeout=5)
+        with pytest.raises(ProtocolError):  # the node answers an error, not an Ack
+            expect((await conn.recv_header(5)).header, Ack)
+    finally:
+        await conn.close()
     ns = kvclient.Namespace(
         model="prometheus-test",
         revision="r1",
@@ -227,6 +242,7 @@ async def traffic(master: str) -> None:
         for i, tokens in enumerate(prompts):
             assert await kv.put_layer(tokens, 0, realistic_kv(256, 2, 64, torch.float16, seed=i))
         assert await kv.match_prefix(prompts[-1]) == 256
+        assert await kv.match_prefix(list(range(999_000, 999_256))) == 0
         assert (await kv.get_layer(prompts[-1], 0)).shape[1] == 256
 
 
@@ -250,7 +266,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
         prom = start_prometheus(scrape_config(tmp, serve.addresses["metrics"], node_metrics), tmp)
         node = start_server("node", "--master", serve.grpc, "--data-port", "0", "--metrics-port",
                             node_metrics.rsplit(":", 1)[1], "--host-mem", "1MiB")  # fmt: skip
-        asyncio.run(traffic(serve.grpc))
+        asyncio.run(traffic(serve.grpc, node.data))
         yield Pool(serve, node, prom)
     finally:
         if prom is not None:
@@ -323,6 +339,59 @@ def test_every_rule_evaluates_and_every_recorded_series_has_data(pool: Pool) -> 
     names = {r.get("record") or r.get("alert") for r in all_rules}
     assert set(states) == names, set(states) ^ names
     assert all(h == "ok" for h, _ in states.values()), states
+
+
+@needs_prometheus
+def test_master_and_error_series_count_the_traffic(pool: Pool) -> None:
+    """The series behind the hit ratio, nodes, index and transfer error panels and alerts
+    say what the traffic did: the node's refused request by op, transport and reason, both
+    nodes alive at the master and none dead, blocks in its index, the prefix that hit and
+    the one that missed; the recorded error ratio has a series for each node and the
+    recorded live node count is 2."""
+    node, serve = pool.node.addresses["metrics"], pool.serve.addresses["metrics"]
+    expected: dict[str, dict[tuple[tuple[str, str], ...], float | None]] = {
+        'kvstore_transfer_errors_total{job="kvstore-node"}': {
+            (("instance", node), ("op", "other"), ("reason", "protocol"), ("transport", "tcp")): 1
+        },
+        'sum by (state) (kvstore_nodes{state=~"alive|dead"})': {
+            (("state", "alive"),): 2,
+            (("state", "dead"),): 0,
+        },
+        "kvstore:nodes_alive": {(("instance", serve),): 2},
+        'sum(kvstore_blocks{role="master"}) > 0': {(): None},  # any number
+        # The match of the last prompt found its 256 tokens, the other found none of its 256.
+        "sum(kvstore_prefix_hit_tokens_total)": {(): 256},
+        "sum(kvstore_prefix_miss_tokens_total)": {(): 256},
+        "kvstore:transfer_errors_per_exchange:rate5m >= 0": {
+            (("instance", node),): None,
+            (("instance", serve),): None,
+        },
+    }
+
+    def labelled(answer: dict[str, Any]) -> dict[tuple[tuple[str, str], ...], float]:
+        return {
+            tuple(sorted((k, v) for k, v in r["metric"].items() if k not in ("__name__", "job"))):
+            float(r["value"][1])
+            for r in answer["data"]["result"]
+        }  # fmt: skip
+
+    deadline = time.monotonic() + DATA_TIMEOUT_S
+    while True:
+        got = {}
+        for expr in expected:
+            answer = pool.prometheus.query(expr)
+            assert answer["status"] == "success", (expr, answer.get("error"))
+            got[expr] = labelled(answer)
+        wrong = {
+            expr: got[expr]
+            for expr, want in expected.items()
+            if set(got[expr]) != set(want)
+            or any(v is not None and got[expr][k] != v for k, v in want.items())
+        }
+        if not wrong or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not wrong, wrong
 
 
 @needs_prometheus

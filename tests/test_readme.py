@@ -153,7 +153,9 @@ def test_architecture_names_every_setting_and_metric() -> None:
     for s in SETTINGS:
         assert f"| `{s.name}` |" in page, s.name
     declared = set(re.findall(r'"(kvstore_\w+)"', (root / "kvstore" / "metrics.py").read_text()))
-    declared |= {"kvstore_prefix_lookups_total", "kvstore_prefix_hit_tokens_total"}  # cli.py's
+    collected = re.findall(r'"(kvstore_prefix_\w+)"', (root / "kvstore" / "cli.py").read_text())
+    declared |= {f"{name}_total" for name in collected}  # cli.py's collector (counters)
+    assert len(collected) == 3, collected
     assert len(declared) >= 9
     for name in declared:
         assert f"| `{name}` |" in page, name
