@@ -46,6 +46,7 @@ from kvstore.errors import (
     TransportError,
 )
 from kvstore.master.client import MasterClient
+from kvstore.master.records import Holder
 
 from .engine import EngineOps
 from .handles import prefix_len
@@ -101,7 +102,10 @@ class ClientCore:
     (False: ``tcp://`` only), ``staging_bytes`` (registered ``ucx://`` staging),
     ``write_layers`` (the layers this client puts, default all: a pipeline-parallel rank
     passes its own range, so its ``ucx://`` puts never ask for a grant of the next rank's
-    first layer, which that rank would wait on)."""
+    first layer, which that rank would wait on), ``node_timeout_s`` (each read of one node,
+    default a quarter of ``timeout_s``: a frozen holder costs that, then the block's next
+    holder is read), ``min_replicas`` (of the ``replicas`` nodes a block is put on, how many
+    must store it for it to count as stored; default all)."""
 
     def __init__(
         self,
@@ -115,6 +119,8 @@ class ClientCore:
         ucx: bool = True,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         write_layers: range | None = None,
+        node_timeout_s: float | None = None,
+        min_replicas: int | None = None,
     ) -> None:
         if replicas < 1:
             raise InvalidArgument(f"replicas must be >= 1, got {replicas}")
@@ -123,6 +129,12 @@ class ClientCore:
         self.ns = ns
         self.replicas = replicas
         self.timeout_s = float(timeout_s)
+        self.node_timeout_s = self.timeout_s / 4 if node_timeout_s is None else node_timeout_s
+        if self.node_timeout_s <= 0:
+            raise InvalidArgument(f"node_timeout_s must be > 0, got {node_timeout_s}")
+        self.min_replicas = replicas if min_replicas is None else min_replicas
+        if not 1 <= self.min_replicas <= replicas:
+            raise InvalidArgument(f"min_replicas must be in [1, replicas={replicas}]")
         self.max_object_bytes = max_object_bytes
         self._master = master
         self._pool = ConnectionPool(connections_per_node)
@@ -158,6 +170,7 @@ class ClientCore:
             spec=self._spec,
             chunk_bytes=self._chunk_bytes,
             timeout_s=self.timeout_s,
+            node_timeout_s=self.node_timeout_s,
             ucx=self._ucx,
             node=self._node,
             discard=self._pool.discard,
@@ -451,30 +464,34 @@ class ClientCore:
     async def _send_chunks(
         self, hashes: list[bytes], index: int, chunks: Sequence[torch.Tensor]
     ) -> set[int]:
-        """Send chunk ``i`` of ``hashes[i]`` to its placement nodes; the indices stored on
-        every one of them."""
+        """Send chunk ``i`` of ``hashes[i]`` to its placement nodes, all at once; the
+        indices stored on ``min_replicas`` of them."""
         nodes = await self._live_nodes()
         groups: dict[str, list[int]] = {}
         by_id: dict[str, NodeEntry] = {}
+        placed = [0] * len(hashes)
         for i, h in enumerate(hashes):
             for node in self._place(h, nodes):
                 groups.setdefault(node.node_id, []).append(i)
                 by_id[node.node_id] = node
+                placed[i] += 1
         parts = [(nid, part) for nid, idx in groups.items() for part in _batches(idx)]
         results = await asyncio.gather(
             *(self._put_to_node(by_id[nid], part, hashes, index, chunks) for nid, part in parts),
             return_exceptions=True,
         )
-        stored = set(range(len(hashes)))
+        copies = [0] * len(hashes)
         errors = []
-        for (_, part), res in zip(parts, results, strict=True):
+        for res in results:
             if isinstance(res, BaseException):
                 if not isinstance(res, KVStoreError):
                     raise res
                 errors.append(res)
-                stored.difference_update(part)
             else:
-                stored.difference_update(set(part) - res)
+                for i in res:
+                    copies[i] += 1
+        # Stored: on min_replicas of its nodes (on all of them, when fewer are placeable).
+        stored = {i for i, n in enumerate(copies) if n >= min(self.min_replicas, placed[i])}
         if errors and not stored:
             raise errors[0]
         return stored
@@ -591,17 +608,20 @@ class ClientCore:
 
         return sink
 
-    async def _locate(self, hashes: list[bytes], index: int, *, load_all: bool) -> dict[int, Any]:
-        """Block index → a live holder of chunk ``index``: the leading run of blocks that
-        have one, or (``load_all``) every block that has one."""
+    async def _locate(
+        self, hashes: list[bytes], index: int, *, load_all: bool
+    ) -> dict[int, list[Holder]]:
+        """Block index → the live holders of chunk ``index``, in the order to try them:
+        the leading run of blocks that have one, or (``load_all``) every block that has
+        one."""
         if not hashes:
             return {}
         holders = await self._master.lookup(self.ns.id, hashes, self._chunks_per_block)
-        located: dict[int, Any] = {}
+        located: dict[int, list[Holder]] = {}
         for i, block in enumerate(holders):
-            having = [h for h in block if h.has(index)]
+            having = self._reads.ranked([h for h in block if h.has(index)])
             if having:
-                located[i] = having[0]
+                located[i] = having
             elif not load_all:
                 break
         return located
@@ -611,27 +631,35 @@ class ClientCore:
         hashes: list[bytes],
         layer: int,
         shard: int,
-        located: dict[int, Any],
+        located: dict[int, list[Holder]],
         sink: Callable[[int, torch.Tensor, ChunkKey], None],
     ) -> set[int]:
-        """Read the located chunks (one read per node per batch, see
-        :class:`~kvclient.reads.ChunkReader`) and hand each intact one to ``sink`` on the
-        codec thread; the block indices loaded. ``located[i]``: block ``i``'s holder."""
+        """Read the located chunks and hand each intact one to ``sink`` on the codec
+        thread; the block indices loaded. ``located[i]``: block ``i``'s holders in the order
+        to try them. Each round reads every block still missing from its next holder, one
+        read per node per batch (:class:`~kvclient.reads.ChunkReader`); a block whose
+        holder failed, passed its per-node deadline or lacked it goes to the next one in
+        the next round, within the call's deadline."""
         want = LayerRead(hashes, layer, shard, layer * self.ns.tp_size + shard)
-        plan: dict[str, list[int]] = {}
-        for i, holder in located.items():
-            plan.setdefault(holder.data_uri, []).append(i)
-        if any(uri not in self._by_uri for uri in plan):
-            await self._live_nodes(refresh=True)
-        locations = {i: h.location for i, h in located.items()}
-        got = await asyncio.gather(
-            *(
-                self._reads.read(self._by_uri.get(uri), uri, part, want, locations, sink)
-                for uri, idx in plan.items()
-                for part in _batches(idx)
+        todo = {i: list(hs) for i, hs in located.items() if hs}
+        loaded: set[int] = set()
+        while todo:
+            plan: dict[str, list[int]] = {}
+            for i, holders in todo.items():
+                plan.setdefault(holders[0].data_uri, []).append(i)
+            if any(uri not in self._by_uri for uri in plan):
+                await self._live_nodes(refresh=True)
+            locations = {i: hs[0].location for i, hs in todo.items()}
+            got = await asyncio.gather(
+                *(
+                    self._reads.read(self._by_uri.get(uri), uri, part, want, locations, sink)
+                    for uri, idx in plan.items()
+                    for part in _batches(idx)
+                )
             )
-        )
-        return set().union(*got) if got else set()
+            loaded |= set().union(*got)
+            todo = {i: hs[1:] for i, hs in todo.items() if i not in loaded and len(hs) > 1}
+        return loaded
 
     # ------------------------------------------------------------------ prefix match
 
@@ -767,6 +795,7 @@ class ClientCore:
             await self._live_nodes(refresh=True)
             located = state.located(chunk, self._uri_of)
         if located is not None:
+            located = {i: self._reads.ranked(hs) for i, hs in located.items()}
             n, B = len(hashes), self.ns.block_tokens
             shape = (2, n * B, self.ns.num_kv_heads, self.ns.head_dim)
             target = torch.empty(shape, dtype=self._dtype, device=device)

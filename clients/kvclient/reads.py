@@ -16,13 +16,19 @@ chunk that verifies to a sink (which dequantizes it into the caller's tensor):
 
 A chunk that fails its checks on the leased or ``tcp://`` path is a miss for its block and
 is reported to its node in the background (the node re-checks it and drops a bad one).
+
+**Failover.** Each read of a node has a per-node deadline (``node_timeout_s``, well under
+a call's), so a frozen node costs that, not the call. A node whose read failed or timed out
+is ranked last among a block's holders for :data:`FAILED_FOR_S` (:meth:`ChunkReader.ranked`),
+and the caller tries the block's next holder.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -32,10 +38,11 @@ from kvstore.core.codec import ChunkKey, ChunkSpec, check_header
 from kvstore.dataplane import ChunkRef, NodeClient
 from kvstore.dataplane.location import SlotLocation
 from kvstore.errors import ChunkError, ChunkKeyMismatch, KVStoreError, TransportError
+from kvstore.master.records import Holder
 
 from .ucx import UcxPath
 
-__all__ = ["ChunkReader", "LayerRead", "NodeEntry", "ReadStats", "Sink"]
+__all__ = ["FAILED_FOR_S", "ChunkReader", "LayerRead", "NodeEntry", "ReadStats", "Sink"]
 
 logger = logging.getLogger("kvclient")
 
@@ -46,6 +53,12 @@ Sink = Callable[[int, torch.Tensor, ChunkKey], None]
 
 _MAX_REPORTS = 16
 """Bad-chunk reports to nodes in flight at once, per client."""
+
+FAILED_FOR_S = 5.0
+"""How long a node whose read failed is ranked last among a block's holders."""
+
+_MAX_FAILED = 4096
+"""Failed nodes remembered at once."""
 
 
 @dataclass
@@ -92,6 +105,9 @@ class ReadStats:
     """Chunks read through a ``lease`` exchange (``ucx://``)."""
     tcp: int = 0
     """Chunks read through a ``get`` exchange (``tcp://``)."""
+    failed_reads: int = 0
+    """Reads of a node that failed or passed the per-node deadline (its blocks went on to
+    their next holder, if any)."""
 
 
 class ChunkReader:
@@ -99,7 +115,7 @@ class ChunkReader:
 
     ``node(uri)`` gives the node's data-plane client, ``discard(uri)`` drops its pooled
     connections after a failure, ``run_codec`` runs verification and decoding on the
-    client's codec thread.
+    client's codec thread; ``node_timeout_s`` bounds each read of one node.
     """
 
     def __init__(
@@ -109,6 +125,7 @@ class ChunkReader:
         spec: ChunkSpec,
         chunk_bytes: int,
         timeout_s: float,
+        node_timeout_s: float,
         ucx: UcxPath,
         node: Callable[[str], NodeClient],
         discard: Callable[[str], Awaitable[None]],
@@ -119,6 +136,9 @@ class ChunkReader:
         self._spec = spec
         self._chunk_bytes = chunk_bytes
         self._timeout_s = timeout_s
+        self._node_timeout_s = node_timeout_s
+        self._failed: dict[str, float] = {}
+        """Data URI → monotonic time until which it is ranked last."""
         self._ucx = ucx
         self._node = node
         self._discard = discard
@@ -138,23 +158,51 @@ class ChunkReader:
         intact ones to ``sink``; the block indices loaded. A node that fails is a miss for
         its blocks. ``locations[i]``: block ``i``'s slot location as the index gave it (may
         be absent or empty)."""
+        loaded: set[int] = set()  # (what arrived before a failure still counts)
         try:
-            if node is not None and node.ucx:
-                todo = idx
-                spans = _direct_spans(idx, want.chunk, locations, self._chunk_bytes)
-                if spans is not None:
-                    loaded = await self._direct(node, idx, spans, want, sink)
-                    todo = [i for i in idx if i not in loaded]
-                    self.stats.retried += len(todo)
-                    if not todo:
-                        return loaded
-                    return loaded | await self._leased(node, todo, want, sink)
-                return await self._leased(node, todo, want, sink)
-            return await self._tcp(uri, idx, want, sink)
-        except TransportError as exc:
-            logger.warning("get from %s failed: %s", uri, exc)
+            async with asyncio.timeout(self._node_timeout_s):
+                await self._read(node, uri, idx, want, locations, sink, loaded)
+            return loaded
+        except (TransportError, TimeoutError) as exc:
+            logger.warning("get from %s failed: %s", uri, exc or "no answer in time")
+            self.stats.failed_reads += 1
+            if len(self._failed) >= _MAX_FAILED:
+                self._failed.clear()
+            self._failed[uri] = time.monotonic() + FAILED_FOR_S
             await self._discard(uri)
-            return set()
+            return loaded
+
+    def ranked(self, holders: Sequence[Holder]) -> list[Holder]:
+        """``holders`` in the order to try them: as given, but nodes whose read failed in
+        the last :data:`FAILED_FOR_S` last."""
+        if not self._failed:
+            return list(holders)
+        now = time.monotonic()
+        return sorted(holders, key=lambda h: self._failed.get(h.data_uri, 0.0) > now)
+
+    async def _read(
+        self,
+        node: NodeEntry | None,
+        uri: str,
+        idx: list[int],
+        want: LayerRead,
+        locations: Mapping[int, bytes],
+        sink: Sink,
+        loaded: set[int],
+    ) -> None:
+        """The read itself, adding the blocks loaded to ``loaded`` as they arrive: direct,
+        then leased for the rest, over ``ucx://``; a get over ``tcp://``."""
+        if node is None or not node.ucx:
+            loaded |= await self._tcp(uri, idx, want, sink)
+            return
+        todo = idx
+        spans = _direct_spans(idx, want.chunk, locations, self._chunk_bytes)
+        if spans is not None:
+            loaded |= await self._direct(node, idx, spans, want, sink)
+            todo = [i for i in idx if i not in loaded]
+            self.stats.retried += len(todo)
+        if todo:
+            loaded |= await self._leased(node, todo, want, sink)
 
     async def _tcp(self, uri: str, idx: list[int], want: LayerRead, sink: Sink) -> set[int]:
         """``get`` → the found chunks into a receive buffer → verify and decode."""

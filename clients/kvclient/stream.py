@@ -67,21 +67,21 @@ class StreamState:
         bit = 1 << chunk
         return all(any(h.mask & bit for h in block.values()) for block in self._held)
 
-    def located(self, chunk: int, uris: Mapping[str, str]) -> dict[int, Holder] | None:
-        """Block index → a holder of chunk index ``chunk`` (with its slot location), for
-        every block; None when some block's holders are all nodes missing from ``uris``
-        (node id → data URI of the live nodes) or it has none."""
+    def located(self, chunk: int, uris: Mapping[str, str]) -> dict[int, list[Holder]] | None:
+        """Block index → its holders of chunk index ``chunk`` (with their slot locations,
+        by node id), for every block; None when some block has none among the nodes in
+        ``uris`` (node id → data URI of the live nodes)."""
         bit = 1 << chunk
-        out: dict[int, Holder] = {}
+        out: dict[int, list[Holder]] = {}
         for i, block in enumerate(self._held):
-            pick = next(
-                ((node, h) for node, h in sorted(block.items()) if h.mask & bit and node in uris),
-                None,
-            )
-            if pick is None:
+            having = [
+                Holder(node, uris[node], h.epoch, h.mask, h.location)
+                for node, h in sorted(block.items())
+                if h.mask & bit and node in uris
+            ]
+            if not having:
                 return None
-            node, h = pick
-            out[i] = Holder(node, uris[node], h.epoch, h.mask, h.location)
+            out[i] = having
         return out
 
 

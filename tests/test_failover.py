@@ -1,0 +1,95 @@
+"""Reads fail over to a replica, with real processes: a master and two storage nodes as
+subprocesses, every block written to both (``replicas=2``). The holder a reader would ask
+first is killed (``kill -9``) or frozen (``SIGSTOP``) — the master still lists it for a
+lease — and every read still returns the whole prefix, the same bytes, within its deadline:
+per block, the next holder is tried once the first fails or passes its per-node deadline.
+A put that reaches only ``min_replicas`` of its nodes counts as stored."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import kvclient
+from tests.cluster import TRANSPORTS, Server, start_server
+from tests.kvproc import layer_kv, namespace, prompt
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 6.0
+
+
+@pytest.fixture(params=TRANSPORTS)
+def cluster(request: pytest.FixtureRequest) -> Iterator[tuple[Server, list[Server]]]:
+    master = start_server("master", "--grpc-port", "0", "--metrics-port", "0",
+                          "--node-lease-s", "10")  # fmt: skip
+    nodes: list[Server] = []
+    try:
+        for _ in range(2):
+            nodes.append(
+                start_server("node", "--master", master.grpc, "--data-port", "0",
+                             "--metrics-port", "0", "--host-mem", "128MiB",
+                             "--transport", str(request.param))  # fmt: skip
+            )
+        yield master, nodes
+    finally:
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.proc.send_signal(signal.SIGCONT)
+            node.stop()
+        master.stop()
+
+
+async def _connect(master: Server, **options: object) -> kvclient.KVClient:
+    kv = await kvclient.KVClient.connect(master.grpc, namespace(2), replicas=2,
+                                         timeout_s=TIMEOUT_S, **options)  # fmt: skip
+    deadline = time.monotonic() + 10
+    while len(await kv._live_nodes(refresh=True)) < 2:
+        assert time.monotonic() < deadline, "the two nodes did not register"
+        await asyncio.sleep(0.1)
+    return kv
+
+
+def _first_holder(nodes: list[Server]) -> Server:
+    """The node a reader asks first (the master lists holders by node id)."""
+    return min(nodes, key=lambda n: n.addresses["node"])
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+async def test_a_dead_or_frozen_holder_costs_no_tokens(
+    cluster: tuple[Server, list[Server]], fault: str
+) -> None:
+    master, nodes = cluster
+    tokens = prompt(2048, seed=91)
+    async with await _connect(master) as kv:
+        for layer in range(2):
+            assert await kv.put_layer(tokens, layer, layer_kv(2048, layer, 91)) == 2048
+        ref = [(await kv.get_layer(tokens, layer)).clone() for layer in range(2)]
+        victim = _first_holder(nodes)
+        victim.proc.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        for layer in range(2):  # the master still lists the victim first
+            assert torch.equal(await kv.get_layer(tokens, layer), ref[layer])
+        streamed = [t async for _, t in kv.stream_layers(tokens, timeout=TIMEOUT_S)]
+        assert all(torch.equal(t, r) for t, r in zip(streamed, ref, strict=True))
+        assert await kv.match_prefix(tokens) == 2048
+
+
+async def test_a_put_counts_as_stored_on_min_replicas(
+    cluster: tuple[Server, list[Server]],
+) -> None:
+    master, nodes = cluster
+    async with (
+        await _connect(master) as both,
+        await _connect(master, min_replicas=1) as either,
+    ):
+        _first_holder(nodes).proc.send_signal(signal.SIGKILL)  # still listed: placed on
+        tokens = prompt(1024, seed=92)
+        with pytest.raises(kvclient.errors.KVStoreError):  # needs both: none is stored
+            await both.put_layer(tokens, 0, layer_kv(1024, 0, 92))
+        assert await either.put_layer(tokens, 0, layer_kv(1024, 0, 92)) == 1024
+        assert (await either.get_layer(tokens, 0)).shape[1] == 1024
