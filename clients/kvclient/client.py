@@ -48,6 +48,7 @@ from kvstore.errors import (
 from kvstore.master.client import MasterClient
 from kvstore.master.records import Holder
 
+from .encoding import Encoded, launch
 from .engine import EngineOps
 from .handles import prefix_len
 from .objects import ObjectOps
@@ -65,8 +66,6 @@ T = TypeVar("T")
 DEFAULT_MAX_OBJECT_BYTES = 64 * 2**20
 """Largest ``put_object`` value accepted by default."""
 
-Encoded = Callable[[torch.Tensor | None], Awaitable[list[torch.Tensor]]]
-"""A started encode: awaited with staging rows (or None), yields the host chunks."""
 
 _NODES_TTL_S = 1.0  # how long a placement snapshot of the node list is reused
 
@@ -388,33 +387,9 @@ class ClientCore:
     def _launch(
         self, on_cuda: bool, encode: Callable[[torch.Tensor | None], list[torch.Tensor]]
     ) -> Encoded:
-        """Start ``encode``; the returned coroutine function yields the host chunks, written
-        into the ``[N, chunk_bytes]`` rows it is given (registered staging) when not None.
-
-        CUDA: the kernels are queued now, from the calling thread on its current stream,
-        and an event is recorded after them; the coroutine waits on that event (off the
-        loop), never on a device-wide sync, then copies the chunks to the host once. CPU:
-        the coroutine runs ``encode`` on the client's codec thread, straight into the rows.
-        """
-        if on_cuda:
-            chunks = encode(None)
-            event = torch.cuda.Event()
-            event.record()
-
-            async def after_event(rows: torch.Tensor | None) -> list[torch.Tensor]:
-                await self._run_codec(event.synchronize)
-                if rows is None:
-                    return [c.cpu() for c in chunks]
-                for row, c in zip(rows.unbind(0), chunks, strict=True):
-                    row.copy_(c)
-                return list(rows.unbind(0))
-
-            return after_event
-
-        async def on_codec_thread(rows: torch.Tensor | None) -> list[torch.Tensor]:
-            return await self._run_codec(encode, rows)
-
-        return on_codec_thread
+        """Start ``encode`` (see :func:`kvclient.encoding.launch`) on this client's codec
+        thread."""
+        return launch(on_cuda, encode, self._run_codec)
 
     async def _put_encoded(self, hashes: list[bytes], index: int, encoded: Encoded) -> set[int]:
         """Encode and send: into registered staging when a ``ucx://`` node may take the
