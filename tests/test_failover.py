@@ -3,6 +3,8 @@ subprocesses, every block written to both (``replicas=2``). The holder a reader 
 first is killed (``kill -9``) or frozen (``SIGSTOP``) — the master still lists it for a
 lease — and every read still returns the whole prefix, the same bytes, within its deadline:
 per block, the next holder is tried once the first fails or passes its per-node deadline.
+The reader tells the master, which marks the node suspect at once and lists its copies
+last, so other readers go to the replica first.
 A put that reaches only ``min_replicas`` of its nodes counts as stored."""
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 import kvclient
+from kvstore.master.records import NodeInfo
 from tests.cluster import TRANSPORTS, Server, start_server
 from tests.kvproc import layer_kv, namespace, prompt
 
@@ -25,17 +28,20 @@ TIMEOUT_S = 6.0
 
 
 @pytest.fixture(params=TRANSPORTS)
-def cluster(request: pytest.FixtureRequest) -> Iterator[tuple[Server, list[Server]]]:
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def cluster(transport: str) -> Iterator[tuple[Server, list[Server]]]:
     master = start_server("master", "--grpc-port", "0", "--metrics-port", "0",
                           "--node-lease-s", "10")  # fmt: skip
     nodes: list[Server] = []
     try:
+        args = ["--master", master.grpc, "--data-port", "0", "--metrics-port", "0",
+                "--host-mem", "128MiB", "--transport", transport]  # fmt: skip
         for _ in range(2):
-            nodes.append(
-                start_server("node", "--master", master.grpc, "--data-port", "0",
-                             "--metrics-port", "0", "--host-mem", "128MiB",
-                             "--transport", str(request.param))  # fmt: skip
-            )
+            nodes.append(start_server("node", *args))
         yield master, nodes
     finally:
         for node in nodes:
@@ -45,14 +51,19 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[tuple[Server, list[Serve
         master.stop()
 
 
-async def _connect(master: Server, **options: object) -> kvclient.KVClient:
+async def _connect(master: Server, wait: bool = True, **options: object) -> kvclient.KVClient:
     kv = await kvclient.KVClient.connect(master.grpc, namespace(2), replicas=2,
                                          timeout_s=TIMEOUT_S, **options)  # fmt: skip
     deadline = time.monotonic() + 10
-    while len(await kv._live_nodes(refresh=True)) < 2:
+    while wait and len(await kv._live_nodes(refresh=True)) < 2:  # (both placeable)
         assert time.monotonic() < deadline, "the two nodes did not register"
         await asyncio.sleep(0.1)
     return kv
+
+
+async def _info(kv: kvclient.KVClient, node: Server) -> NodeInfo:
+    infos = {i.node_id: i for i in await kv._master.nodes()}
+    return infos[node.addresses["node"]]
 
 
 def _first_holder(nodes: list[Server]) -> Server:
@@ -62,7 +73,7 @@ def _first_holder(nodes: list[Server]) -> Server:
 
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
 async def test_a_dead_or_frozen_holder_costs_no_tokens(
-    cluster: tuple[Server, list[Server]], fault: str
+    cluster: tuple[Server, list[Server]], transport: str, fault: str
 ) -> None:
     master, nodes = cluster
     tokens = prompt(2048, seed=91)
@@ -77,6 +88,19 @@ async def test_a_dead_or_frozen_holder_costs_no_tokens(
         streamed = [t async for _, t in kv.stream_layers(tokens, timeout=TIMEOUT_S)]
         assert all(torch.equal(t, r) for t, r in zip(streamed, ref, strict=True))
         assert await kv.match_prefix(tokens) == 2048
+        if not kv._reads.stats.failed_reads:
+            # Nothing failed: a stopped process's memory is still READable over ucx://.
+            assert fault == "freeze" and transport == "ucx"
+            return
+        deadline = time.monotonic() + 3  # the reader told the master, in the background
+        while not (info := await _info(kv, victim)).suspect:
+            assert time.monotonic() < deadline, info
+            await asyncio.sleep(0.05)
+        assert info.alive  # suspect at once, long before its lease (10 s) runs out
+    async with await _connect(master, wait=False) as fresh:  # knows nothing of the failure
+        for layer in range(2):
+            assert torch.equal(await fresh.get_layer(tokens, layer), ref[layer])
+        assert fresh._reads.stats.failed_reads == 0  # the master listed the victim last
 
 
 async def test_a_put_counts_as_stored_on_min_replicas(

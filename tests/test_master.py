@@ -570,6 +570,17 @@ def test_membership_leases() -> None:
         Membership(0)
 
 
+def test_a_reported_node_is_suspect_until_it_heartbeats() -> None:
+    m = Membership(lease_s=10.0)
+    m.register("a", 5, now=0.0)
+    assert not m.report("a", 4) and not m.report("b", 1)  # another epoch, unknown: no
+    assert m.report("a", 5)
+    status = m.status("a", 1.0)
+    assert status is not None and status.alive and status.suspect
+    assert m.heartbeat("a", 5, now=2.0) and not m.status("a", 2.0).suspect  # type: ignore[union-attr]
+    assert m.sweep(12.0) == [("a", 5)] and not m.report("a", 5)  # dead: nothing to mark
+
+
 def test_watch_view_turns_node_death_into_evicts() -> None:
     view = WatchView([bh(0), bh(1), bh(2)], chunks_per_block=4)
     events = view.snapshot([{"a": Holding(3, 0b10011)}, {"b": Holding(4, 0b1)}, {}])

@@ -174,6 +174,7 @@ class ClientCore:
             node=self._node,
             discard=self._pool.discard,
             run_codec=self._run_codec,
+            report_node=self._master.report_node,
         )
         self._loop = asyncio.get_running_loop()
         self._closed = False
@@ -284,6 +285,7 @@ class ClientCore:
                         self._allow_ucx and prefer_ucx(n.transport, n.host, n.nixl_metadata),
                         n.nixl_metadata,
                         n.host,
+                        n.epoch,
                     )
                     for n in infos
                     if n.alive
@@ -379,17 +381,12 @@ class ClientCore:
     def _launch_encode(
         self, t: torch.Tensor, hashes: list[bytes], layer: int, shard: int
     ) -> Encoded:
-        """Start quantizing a contiguous ``[2, T, H, D]`` layer (see :meth:`_launch`)."""
+        """Start quantizing a contiguous ``[2, T, H, D]`` layer (see
+        :func:`kvclient.encoding.launch`)."""
         keys = [ChunkKey(h, layer, shard) for h in hashes]
         B, quant = self.ns.block_tokens, self.ns.quant
-        return self._launch(t.is_cuda, lambda out: encode_blocks(t, B, keys, quant, out=out))
-
-    def _launch(
-        self, on_cuda: bool, encode: Callable[[torch.Tensor | None], list[torch.Tensor]]
-    ) -> Encoded:
-        """Start ``encode`` (see :func:`kvclient.encoding.launch`) on this client's codec
-        thread."""
-        return launch(on_cuda, encode, self._run_codec)
+        encode = lambda out: encode_blocks(t, B, keys, quant, out=out)  # noqa: E731
+        return launch(t.is_cuda, encode, self._run_codec)
 
     async def _put_encoded(self, hashes: list[bytes], index: int, encoded: Encoded) -> set[int]:
         """Encode and send: into registered staging when a ``ucx://`` node may take the

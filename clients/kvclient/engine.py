@@ -17,6 +17,7 @@ import torch
 from kvstore.core.codec import ChunkKey
 from kvstore.errors import BadShape
 
+from .encoding import launch
 from .handles import Handle, Result, StreamHandle, no_blocks, prefix_len
 from .paged import ChunkView, chunk_views, decode_into, encode_paged
 
@@ -63,8 +64,10 @@ class EngineOps(_Base):
         hashes, views = self._paged_views(token_ids, cache, block_ids, layout, writable=False)
         index = self._chunk_index(layer, shard)
         keys = [ChunkKey(h, layer, shard) for h in hashes]
-        encoded = self._launch(
-            cache.is_cuda, lambda out: encode_paged(views, keys, self.ns.quant, out=out)
+        encoded = launch(
+            cache.is_cuda,
+            lambda out: encode_paged(views, keys, self.ns.quant, out=out),
+            self._run_codec,
         )
 
         async def put() -> set[int]:

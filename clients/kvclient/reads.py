@@ -52,7 +52,7 @@ Sink = Callable[[int, torch.Tensor, ChunkKey], None]
 """Verifies and decodes block ``i``'s chunk (raises :class:`ChunkError` when it fails)."""
 
 _MAX_REPORTS = 16
-"""Bad-chunk reports to nodes in flight at once, per client."""
+"""Reports (bad chunks to nodes, failed nodes to the master) in flight at once."""
 
 FAILED_FOR_S = 5.0
 """How long a node whose read failed is ranked last among a block's holders."""
@@ -72,6 +72,7 @@ class NodeEntry:
     """Move bulk bytes to/from this node by NIXL (see :func:`kvclient.ucx.prefer_ucx`)."""
     nixl_metadata: bytes = b""
     host: str = ""
+    epoch: int = 0
 
 
 class LayerRead(NamedTuple):
@@ -115,7 +116,10 @@ class ChunkReader:
 
     ``node(uri)`` gives the node's data-plane client, ``discard(uri)`` drops its pooled
     connections after a failure, ``run_codec`` runs verification and decoding on the
-    client's codec thread; ``node_timeout_s`` bounds each read of one node.
+    client's codec thread; ``node_timeout_s`` bounds each read of one node;
+    ``report_node(node_id, epoch, why, timeout=)`` (the master client's) is told of a node
+    whose read failed, once per :data:`FAILED_FOR_S`, in the background: the master marks
+    it suspect at once, so other clients read its blocks elsewhere first.
     """
 
     def __init__(
@@ -130,6 +134,7 @@ class ChunkReader:
         node: Callable[[str], NodeClient],
         discard: Callable[[str], Awaitable[None]],
         run_codec: Callable[..., Awaitable[Any]],
+        report_node: Callable[..., Awaitable[bool]] | None = None,
     ) -> None:
         self.stats = ReadStats()
         self._ns_id = ns_id
@@ -143,6 +148,7 @@ class ChunkReader:
         self._node = node
         self._discard = discard
         self._run_codec = run_codec
+        self._report_node = report_node
         self._reports: set[asyncio.Task[None]] = set()
 
     async def read(
@@ -168,9 +174,29 @@ class ChunkReader:
             self.stats.failed_reads += 1
             if len(self._failed) >= _MAX_FAILED:
                 self._failed.clear()
+            if node is not None and self._failed.get(uri, 0.0) <= time.monotonic():
+                self._report_failed(node, str(exc) or "no answer within the per-node deadline")
             self._failed[uri] = time.monotonic() + FAILED_FOR_S
             await self._discard(uri)
             return loaded
+
+    def _report_failed(self, node: NodeEntry, why: str) -> None:
+        report = self._report_node
+        if report is None or len(self._reports) >= _MAX_REPORTS:
+            return
+
+        async def send() -> None:
+            try:
+                await report(node.node_id, node.epoch, why, timeout=2.0)
+            except KVStoreError as exc:
+                logger.info("report of node %s not delivered: %s", node.node_id, exc)
+
+        self._background(send())
+
+    def _background(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     def ranked(self, holders: Sequence[Holder]) -> list[Holder]:
         """``holders`` in the order to try them: as given, but nodes whose read failed in
@@ -307,9 +333,7 @@ class ChunkReader:
             except KVStoreError as exc:
                 logger.info("bad-chunk report to %s not delivered: %s", uri, exc)
 
-        task = asyncio.ensure_future(report())
-        self._reports.add(task)
-        task.add_done_callback(self._reports.discard)
+        self._background(report())
 
     async def close(self) -> None:
         """Cancel reports still in flight."""

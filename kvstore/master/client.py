@@ -254,6 +254,14 @@ class MasterClient:
         resp = await self._call("Drain", pb.DrainRequest(node_id=node_id, undrain=undrain), timeout)
         return bool(resp.draining)
 
+    async def report_node(
+        self, node_id: str, epoch: int, reason: str = "", *, timeout: float | None = None
+    ) -> bool:
+        """Tell the master a read of ``node_id`` (at ``epoch``) failed; True if it marked
+        the node suspect (no new placements, its copies listed last, until it heartbeats)."""
+        request = pb.ReportNodeRequest(node_id=node_id, epoch=epoch, reason=reason[:256])
+        return bool((await self._call("ReportNode", request, timeout)).suspect)
+
     # -- lookups ----------------------------------------------------------------------------
 
     async def lookup(

@@ -2,7 +2,9 @@
 
 A node registers and gets an epoch (from the index store); it heartbeats every
 ``lease_s / 3``. Silent for ``lease_s / 2`` it is *suspect* (still read from, no new
-placements); silent for ``lease_s`` it is *dead*: :meth:`Membership.sweep` returns its
+placements, its copies listed last), and so it is from a client's report that a read of
+it failed until its next heartbeat; silent for ``lease_s`` it is *dead*:
+:meth:`Membership.sweep` returns its
 ``(node_id, epoch)`` once, and the master then drops that epoch from the index. A
 heartbeat from an unknown node, a dead one or with another epoch answers "re-register".
 
@@ -35,6 +37,8 @@ class _Member:
     epoch: int
     last_seen: float
     dead: bool = False
+    reported: bool = False
+    """A client failed to read from it: suspect until its next heartbeat."""
 
 
 class Membership:
@@ -76,6 +80,16 @@ class Membership:
         if member is None or member.dead or member.epoch != epoch:
             return False
         member.last_seen = max(member.last_seen, now)
+        member.reported = False
+        return True
+
+    def report(self, node_id: str, epoch: int) -> bool:
+        """A client failed to read from ``epoch`` of ``node_id``: it is suspect until its
+        next heartbeat (a dead node sends none, a frozen one neither; one that is fine
+        clears it within a third of a lease). False if that epoch is not live."""
+        if not self.is_live(node_id, epoch):
+            return False
+        self._members[node_id].reported = True
         return True
 
     def is_live(self, node_id: str, epoch: int) -> bool:
@@ -93,7 +107,7 @@ class Membership:
         return MemberStatus(
             epoch=member.epoch,
             alive=alive,
-            suspect=alive and age >= self.suspect_after_s,
+            suspect=alive and (age >= self.suspect_after_s or member.reported),
             lease_age_s=age,
         )
 

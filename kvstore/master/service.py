@@ -283,6 +283,24 @@ class MasterService(pb_grpc.MasterServicer):
         self._records[node_id] = replace(rec, draining=draining)
         return pb.DrainResponse(draining=draining)
 
+    @_unary
+    async def ReportNode(
+        self, request: pb.ReportNodeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportNodeResponse:
+        """A client failed to read from a node: suspect at once (until it heartbeats)."""
+        node_id = wire.check_node_id(request.node_id)
+        reason = wire.check_text(request.reason, "reason")
+        suspect = self.membership.report(node_id, request.epoch)
+        if suspect:
+            log.warning("node %s (epoch %d) reported by a reader: %s", node_id, request.epoch,
+                        reason or "read failed")  # fmt: skip
+        return pb.ReportNodeResponse(suspect=suspect)
+
+    def _suspects(self, node_ids: Iterable[str]) -> set[str]:
+        """Which of ``node_ids`` are suspect now (their copies are listed last)."""
+        now = self._clock()
+        return {n for n in node_ids if (st := self.membership.status(n, now)) and st.suspect}
+
     # -- index ------------------------------------------------------------------------------
 
     @_unary
@@ -325,7 +343,10 @@ class MasterService(pb_grpc.MasterServicer):
         uris = await self._uris(n for holders in located for n in holders)
         self.counters.lookups += 1
         self.counters.lookup_blocks += len(hashes)
-        return pb.LookupResponse(blocks=[wire.block_holders_to_pb(h, uris, cpb) for h in located])
+        last = self._suspects(uris)
+        return pb.LookupResponse(
+            blocks=[wire.block_holders_to_pb(h, uris, cpb, last) for h in located]
+        )
 
     @_unary
     async def MatchPrefix(
@@ -356,7 +377,10 @@ class MasterService(pb_grpc.MasterServicer):
             blocks=matched,
             holders=[]
             if request.skip_holders
-            else [wire.block_holders_to_pb(h, uris, cpb) for h in located[:matched]],
+            else [
+                wire.block_holders_to_pb(h, uris, cpb, self._suspects(uris))
+                for h in located[:matched]
+            ],
         )
 
     @_unary

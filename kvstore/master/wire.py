@@ -8,7 +8,7 @@ direction, so both sides agree on one set of limits.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 
 from kvstore.dataplane.location import MAX_LOCATION_BYTES
 from kvstore.errors import InvalidArgument, ProtocolError
@@ -334,10 +334,13 @@ def commit_to_pb(batch: CommitBatch) -> pb.CommitRequest:
 
 
 def block_holders_to_pb(
-    holders: Mapping[str, Holding], uris: Mapping[str, str], chunks_per_block: int
+    holders: Mapping[str, Holding],
+    uris: Mapping[str, str],
+    chunks_per_block: int,
+    last: Set[str] = frozenset(),
 ) -> pb.BlockHolders:
-    """One block's holders (sorted by node id) with their data URIs; nodes without a known
-    URI are left out."""
+    """One block's holders (by node id, those in ``last`` — suspect nodes — after the
+    others) with their data URIs; nodes without a known URI are left out."""
     return pb.BlockHolders(
         holders=[
             pb.Holder(
@@ -347,7 +350,7 @@ def block_holders_to_pb(
                 mask=mask_to_bytes(h.mask, chunks_per_block),
                 location=h.location,
             )
-            for node, h in sorted(holders.items())
+            for node, h in sorted(holders.items(), key=lambda item: (item[0] in last, item[0]))
             if node in uris
         ]
     )

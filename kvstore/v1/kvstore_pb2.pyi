@@ -339,3 +339,19 @@ class DrainResponse(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     draining: bool
     def __init__(self, draining: _Optional[bool] = ...) -> None: ...
+
+class ReportNodeRequest(_message.Message):
+    __slots__ = ("node_id", "epoch", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportNodeResponse(_message.Message):
+    __slots__ = ("suspect",)
+    SUSPECT_FIELD_NUMBER: _ClassVar[int]
+    suspect: bool
+    def __init__(self, suspect: _Optional[bool] = ...) -> None: ...

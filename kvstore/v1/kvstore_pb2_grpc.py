@@ -90,6 +90,11 @@ class MasterStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.ReportNode = channel.unary_unary(
+                '/kvstore.v1.Master/ReportNode',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportNodeRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportNodeResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -175,6 +180,14 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportNode(self, request, context):
+        """A client failed to read from a node: the master marks that epoch suspect at once (no
+        new placements, its copies listed last) until the node's next heartbeat.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -232,6 +245,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DrainRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.DrainResponse.SerializeToString,
+            ),
+            'ReportNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportNode,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportNodeRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportNodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -532,6 +550,33 @@ class Master:
             '/kvstore.v1.Master/Drain',
             kvstore_dot_v1_dot_kvstore__pb2.DrainRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Master/ReportNode',
+            kvstore_dot_v1_dot_kvstore__pb2.ReportNodeRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.ReportNodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
