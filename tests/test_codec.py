@@ -13,7 +13,7 @@ import xxhash
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvstore.core import checksum, codec
+from kvstore.core import checksum, codec, fused
 from kvstore.core.codec import (
     DEFAULT_INT8,
     HEADER_NBYTES,
@@ -317,8 +317,12 @@ def test_threads_keep_their_own_bounded_scratch() -> None:
         for _ in range(3):
             got = list(pool.map(lambda layer: torch.stack(encode_blocks(layer, 16, keys)), layers))
             assert all(torch.equal(g, e) for g, e in zip(got, expect, strict=True))
-    for t in range(1, 2 * codec._SCRATCH_SHAPES + 2):  # more shapes than a thread keeps
-        decode_chunk(encode_chunk(_kv(t, 2, 8, torch.float16)))
+    fused.set_mode("eager")  # the eager path's scratch (kvstore.core.fused keeps its own)
+    try:
+        for t in range(1, 2 * codec._SCRATCH_SHAPES + 2):  # more shapes than a thread keeps
+            decode_chunk(encode_chunk(_kv(t, 2, 8, torch.float16)))
+    finally:
+        fused.set_mode(None)
     assert 0 < len(codec._scratch_local.kept) <= codec._SCRATCH_SHAPES
 
 

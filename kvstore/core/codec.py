@@ -72,6 +72,7 @@ import torch
 import xxhash
 from torch import Tensor
 
+from kvstore.core import fused
 from kvstore.core.checksum import (
     compute_checksum,
     stored_checksum,
@@ -617,6 +618,8 @@ def _quantize(x: Tensor, rows: Tensor, layout: _Layout) -> None:
     codes = _payload_view(rows, layout)  # [N, 2, T, H, D]
     rows16 = rows.view(torch.float16)
     scales = _scale_views(rows16, int(rows16.storage_offset()) + HEADER_NBYTES // 2, layout)
+    if fused.quantize(x, codes, scales, _SCHEME_MODES[layout.scheme]):
+        return  # one compiled call for the layer (kvstore.core.fused)
     work: list[tuple[_Encoder, list[tuple[Tensor, ...]]]] = []
     for half, mode in enumerate(_SCHEME_MODES[layout.scheme]):
         views = [x[half], codes[:, half], *scales[half]]
@@ -973,6 +976,8 @@ def _decode_into(buf: Tensor, layout: _Layout, out: Tensor) -> None:
     region = buf[HEADER_NBYTES : HEADER_NBYTES + layout.scales_nbytes].view(torch.float16)
     scales = _scale_views(region.float(), 0, layout)
     modes = _SCHEME_MODES[layout.scheme]
+    if fused.dequantize(payload, scales, modes, out):
+        return  # one compiled call (kvstore.core.fused)
     tmp = None if out.dtype == torch.float32 else _scratch(layout.shape, out.device)
     for half in (0, 1):
         dst = out[half]
