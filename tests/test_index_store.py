@@ -423,9 +423,7 @@ async def test_slot_locations_are_kept_replaced_and_published(store: IndexStore)
         await store.apply(CommitBatch("a", epoch, 3, (BlockAdd(NS, bh(1), (2,), there),)))
         assert (await store.locate(NS, [bh(1)]))[0]["a"] == Holding(epoch, 0b111, there)
         await store.apply(
-            CommitBatch(
-                "a", epoch, 4, (BlockAdd(NS, bh(1), (3,)),), evicts=(BlockRef(NS, bh(1)),)
-            )
+            CommitBatch("a", epoch, 4, (BlockAdd(NS, bh(1), (3,)),), evicts=(BlockRef(NS, bh(1)),))
         )
         assert (await store.locate(NS, [bh(1)]))[0]["a"] == Holding(epoch, 0b1000)
         events = await sub.read(100, timeout=2)
