@@ -28,8 +28,9 @@ from kvclient.errors import (
 )
 from kvstore.core.kvgen import realistic_kv
 from kvstore.dataplane.messages import Ack, expect
+from kvstore.master.client import MasterClient
 from kvstore.transport import connect
-from tests.cluster import TRANSPORTS, Server, start_server
+from tests.cluster import TRANSPORTS, Server, node_stats, start_server
 from tests.kvproc import layer_kv, namespace, prompt
 
 pytestmark = pytest.mark.slow
@@ -320,3 +321,17 @@ async def test_metrics_count_errors_nodes_blocks_and_misses(server: Server, tran
     assert now[errors] == before.get(errors, 0) + 1
     assert now[missed] == before.get(missed, 0) + 512 + 256
     assert now['kvstore_nodes{state="alive"}'] == 1 and now['kvstore_nodes{state="dead"}'] == 0
+
+
+async def test_nodes_report_their_counters_with_each_heartbeat(server: Server) -> None:
+    """A node's own counters (slots, pins, claims, grants, scrub) reach the master with its
+    heartbeats, and ``Nodes()`` hands them out."""
+    async with MasterClient(server.grpc, timeout_s=5) as mc:
+        deadline = time.monotonic() + 10  # heartbeats every lease / 3 (10 s lease)
+        while not (node := (await mc.nodes())[0]).counters:
+            assert time.monotonic() < deadline, node
+            await asyncio.sleep(0.2)
+    stats = await node_stats(server.data)
+    assert {"slots", "pinned_slots", "inflight", "grants", "scrubbed"} <= set(node.counters)
+    assert all(type(v) is int for v in node.counters.values()) and "node_id" not in node.counters
+    assert node.counters["slots"] >= 0 and stats["slots"] >= 0

@@ -11,8 +11,8 @@ shard``) is present. On the wire it travels as little-endian bytes, which is exa
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 __all__ = [
@@ -275,6 +275,9 @@ class NodeInfo:
     tiers: tuple[Tier, ...]
     version: str
     host: str
+    counters: Mapping[str, int] = field(default_factory=dict)
+    """The node's own counters as of its last heartbeat (slots, pinned_slots, leases,
+    holds, inflight, grants, scrub_pending, scrubbed, scrub_dropped, objects, ...)."""
 
     @property
     def placeable(self) -> bool:

@@ -526,6 +526,7 @@ class MasterService(pb_grpc.MasterServicer):
                     tiers=rec.tiers,
                     version=rec.version,
                     host=rec.host,
+                    counters=dict(self.node_counters.get(rec.node_id, {})) if alive else {},
                 )
             )
         return sorted(infos, key=lambda i: i.node_id)

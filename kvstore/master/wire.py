@@ -226,6 +226,7 @@ def node_info_to_pb(info: NodeInfo) -> pb.NodeInfo:
         tiers=tiers_to_pb(info.tiers),
         version=info.version,
         host=info.host,
+        counters=dict(info.counters),
     )
 
 
@@ -244,6 +245,7 @@ def node_info_from_pb(msg: pb.NodeInfo) -> NodeInfo:
         tiers=tuple(Tier(t.name, t.capacity_bytes, t.used_bytes) for t in msg.tiers),
         version=msg.version,
         host=msg.host,
+        counters=dict(msg.counters),
     )
 
 

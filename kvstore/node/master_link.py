@@ -85,6 +85,8 @@ class MasterLink:
         """Set when the master asks for (or a commit needs) a new registration."""
         self.usage: list[Tier] = []
         """The tiers' latest usage, sent with each heartbeat."""
+        self.counters: dict[str, int] = {}
+        """The node's latest counters (slots, pins, claims, scrub ...), sent likewise."""
         self._seq = 0
         self._me: NodeIdentity | None = None
         self._lock = asyncio.Lock()
@@ -206,7 +208,10 @@ class MasterLink:
                 try:
                     reply = stub.Heartbeat(
                         pb.HeartbeatRequest(
-                            node_id=node_id, epoch=self.epoch, tiers=wire.tiers_to_pb(self.usage)
+                            node_id=node_id,
+                            epoch=self.epoch,
+                            tiers=wire.tiers_to_pb(self.usage),
+                            counters=self.counters,
                         ),
                         timeout=max(1.0, self.lease_s / 3),
                     )

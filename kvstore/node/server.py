@@ -299,6 +299,11 @@ class StorageNode:
 
     def _refresh_usage(self) -> None:
         self.link.usage = self.tiers.usage()
+        self.link.counters = {
+            k: v
+            for k, v in self._stats().counters.items()
+            if type(v) is int and v >= 0 and k != "epoch"
+        }
         g = self.metrics.pool_bytes
         blocks = 0
         for tier in self.tiers:

@@ -185,7 +185,14 @@ class NodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "alive", "suspect", "draining", "lease_age_s", "epoch", "data_uri", "transport", "nixl_metadata", "tiers", "version", "host")
+    __slots__ = ("node_id", "alive", "suspect", "draining", "lease_age_s", "epoch", "data_uri", "transport", "nixl_metadata", "tiers", "version", "host", "counters")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +205,7 @@ class NodeInfo(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     alive: bool
     suspect: bool
@@ -210,7 +218,8 @@ class NodeInfo(_message.Message):
     tiers: _containers.RepeatedCompositeFieldContainer[Tier]
     version: str
     host: str
-    def __init__(self, node_id: _Optional[str] = ..., alive: _Optional[bool] = ..., suspect: _Optional[bool] = ..., draining: _Optional[bool] = ..., lease_age_s: _Optional[float] = ..., epoch: _Optional[int] = ..., data_uri: _Optional[str] = ..., transport: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., version: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
+    counters: _containers.ScalarMap[str, int]
+    def __init__(self, node_id: _Optional[str] = ..., alive: _Optional[bool] = ..., suspect: _Optional[bool] = ..., draining: _Optional[bool] = ..., lease_age_s: _Optional[float] = ..., epoch: _Optional[int] = ..., data_uri: _Optional[str] = ..., transport: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., version: _Optional[str] = ..., host: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class NodesResponse(_message.Message):
     __slots__ = ("nodes",)
