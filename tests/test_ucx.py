@@ -253,7 +253,7 @@ async def test_a_stale_or_bogus_location_falls_back_to_the_node(master: Server) 
                 other = _tokens(2000 + i, 256)
                 await kv.put_layer(other, 0, realistic_kv(256, H, D, torch.bfloat16, seed=i))
             out = torch.zeros(2, 256, H, D, dtype=torch.bfloat16)
-            assert await kv._fetch(hashes, 0, 0, {0: old}, kv._into(out)) == set()
+            assert await kv._fetch(hashes, 0, 0, {0: [old]}, kv._into(out)) == set()
             assert kv._reads.stats.retried == 1 and not out.any()  # another block's bytes: no
             assert await kv.put_layer(tokens, 0, t) == 256  # stored again
             want = (await kv.get_layer(tokens, 0)).clone()
@@ -262,7 +262,7 @@ async def test_a_stale_or_bogus_location_falls_back_to_the_node(master: Server) 
             bogus = dataclasses.replace(
                 old, location=loc._replace(addr=loc.addr + (1 << 44)).pack()
             )  # not registered memory of the node: the READ itself fails
-            assert await kv._fetch(hashes, 0, 0, {0: bogus}, kv._into(out)) == {0}
+            assert await kv._fetch(hashes, 0, 0, {0: [bogus]}, kv._into(out)) == {0}
             assert kv._reads.stats.retried == 2 and torch.equal(out, want)
     finally:
         rc, out = node.stop()
