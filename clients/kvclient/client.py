@@ -487,7 +487,8 @@ class ClientCore:
             nxt = index + self.ns.tp_size  # this shard's next layer: granted with the ack
             grant = (nxt,) if nxt // self.ns.tp_size in self._write_layers else ()
             blocks = [hashes[i] for i in idx]
-            spans = self._grants.take(node.node_id, blocks, index, self._chunk_bytes)
+            granter = f"{node.node_id}@{node.epoch}"  # a restarted node grants afresh
+            spans = self._grants.take(granter, blocks, index, self._chunk_bytes)
             if spans is not None:  # one round trip: WRITE, then say so
                 await self._write_ucx(node, spans, [chunks[i] for i in idx])
                 ack = await peer.write(self._ns_raw, spec, self._writer, grant, wait_s)
@@ -500,7 +501,7 @@ class ClientCore:
                 ack = await peer.reserve(
                     self._ns_raw, spec, write, wait_s, writer=self._writer, grant=grant
                 )
-            self._grants.keep(node.node_id, blocks, ack.grants, ack.grant_s)
+            self._grants.keep(granter, blocks, ack.grants, ack.grant_s)
         else:
             ack = await peer.put(self._ns_raw, spec, [chunks[i].numpy() for i in idx], wait_s)
         # Failed a check, or busy (another writer's transfer did not end in time): not stored.

@@ -219,7 +219,7 @@ def _span(wire: list[int]) -> Span:
 
 
 class Grants:
-    """The chunks nodes granted this writer: ``(node id, block, chunk index)`` → where to
+    """The chunks nodes granted this writer: ``(node, block, chunk index)`` → where to
     WRITE it and until when. A ``ucx://`` put of chunks that are all granted is a WRITE and
     one ``write`` exchange; a node ends a grant once it is used, so each is taken once.
     Owned by one loop; never blocks."""
@@ -231,8 +231,9 @@ class Grants:
         self, node_id: str, blocks: list[bytes], index: int, nbytes: int
     ) -> list[list[int]] | None:
         """The spans to WRITE chunk ``index`` (``nbytes`` long) of ``blocks`` at, taking
-        their grants, when every one is granted by ``node_id`` and still good; None (taking
-        nothing) otherwise."""
+        their grants, when every one is granted by ``node_id`` (the node and its epoch: a
+        restarted node's memory is another) and still good; None (taking nothing)
+        otherwise."""
         now = asyncio.get_running_loop().time()
         keys = [(node_id, b, index) for b in blocks]
         spans = []
