@@ -117,3 +117,36 @@ async def test_a_put_counts_as_stored_on_min_replicas(
             await both.put_layer(tokens, 0, layer_kv(1024, 0, 92))
         assert await either.put_layer(tokens, 0, layer_kv(1024, 0, 92)) == 1024
         assert (await either.get_layer(tokens, 0)).shape[1] == 1024
+
+
+async def test_a_node_stopped_with_sigterm_leaves_at_once(
+    cluster: tuple[Server, list[Server]],
+) -> None:
+    """SIGTERM: the node deregisters as it stops, so the master drops its entries at once
+    (not a lease later) and readers go straight to the replica."""
+    master, nodes = cluster
+    tokens = prompt(1024, seed=93)
+    async with await _connect(master) as kv:
+        assert await kv.put_layer(tokens, 0, layer_kv(1024, 0, 93)) == 1024
+        victim = _first_holder(nodes)
+        rc, out = victim.stop()
+        assert rc == 0, out
+        info = await _info(kv, victim)
+        assert not info.alive  # at once: the lease (10 s) has not run out
+        holders = await kv._master.lookup(kv.ns.id, kv.block_hashes(tokens), 2)
+        assert all(h.node_id != victim.addresses["node"] for block in holders for h in block)
+        assert all(len(block) == 1 for block in holders)
+        assert (await kv.get_layer(tokens, 0)).shape[1] == 1024
+        assert kv._reads.stats.failed_reads == 0
+
+
+async def test_a_put_with_every_node_draining_says_so(
+    cluster: tuple[Server, list[Server]],
+) -> None:
+    master, nodes = cluster
+    async with await _connect(master) as kv:
+        for node in nodes:
+            assert await kv._master.drain(node.addresses["node"])
+        await kv._live_nodes(refresh=True)  # (the client reuses its node list for 1 s)
+        with pytest.raises(kvclient.errors.Unreachable, match="2 draining"):
+            await kv.put_layer(prompt(256, seed=94), 0, layer_kv(256, 0, 94))

@@ -33,9 +33,9 @@ from kvstore.core.codec import (
     encode_blocks,
 )
 from kvstore.core.hashing import Namespace, block_hashes, dtype_name
-from kvstore.core.placement import Candidate, rank_nodes, weight_for_free
+from kvstore.core.placement import Candidate, rank_nodes, unplaceable_reason, weight_for_free
 from kvstore.dataplane import NodeClient, PutChunk
-from kvstore.dataplane.messages import MAX_CHUNKS_PER_REQUEST, Ready
+from kvstore.dataplane.messages import Ready
 from kvstore.errors import (
     BadShape,
     Closed,
@@ -44,6 +44,7 @@ from kvstore.errors import (
     KVTimeout,
     Miss,
     TransportError,
+    Unreachable,
 )
 from kvstore.master.client import MasterClient
 from kvstore.master.records import Holder
@@ -53,7 +54,7 @@ from .engine import EngineOps
 from .handles import prefix_len
 from .objects import ObjectOps
 from .pool import ConnectionPool
-from .reads import ChunkReader, LayerRead, NodeEntry
+from .reads import ChunkReader, LayerRead, NodeEntry, batches
 from .stream import StreamState, next_batch
 from .ucx import DEFAULT_STAGING_BYTES, Grants, UcxPath, prefer_ucx
 
@@ -146,6 +147,7 @@ class ClientCore:
         self._nodes: list[NodeEntry] = []
         self._by_uri: dict[str, NodeEntry] = {}
         self._uri_of: dict[str, str] = {}
+        self._no_place = ""
         self._held: dict[bytes, float] = {}
         """Block hash → loop time its pins (by ``match_prefix(hold_s=...)``) surely last."""
         self._writer = uuid.uuid4().hex
@@ -293,12 +295,16 @@ class ClientCore:
                 self._by_uri = {n.data_uri: n for n in known.values()}
                 self._uri_of = {n.node_id: n.data_uri for n in known.values()}
                 self._nodes = [known[n.node_id] for n in infos if n.placeable]
+                self._no_place = "" if self._nodes else unplaceable_reason(infos)
                 self._nodes_at = now
             return self._nodes
 
     def _place(self, key: bytes, nodes: list[NodeEntry]) -> list[NodeEntry]:
         """The nodes ``key`` goes to (HRW over ``nodes``, weighted by free bytes). The
-        candidates are built once per node snapshot, not once per block."""
+        candidates are built once per node snapshot, not once per block. Raises
+        :class:`Unreachable` saying why when no node takes new blocks."""
+        if not nodes:
+            raise Unreachable(self._no_place or "no live storage node to place a block on")
         if self._placing is None or self._placing[0] is not nodes:
             by_id = {n.node_id: n for n in nodes}
             cands = [Candidate(n.node_id, weight_for_free(n.free_bytes)) for n in nodes]
@@ -447,7 +453,7 @@ class ClientCore:
                 groups.setdefault(node.node_id, []).append(i)
                 by_id[node.node_id] = node
                 placed[i] += 1
-        parts = [(nid, part) for nid, idx in groups.items() for part in _batches(idx)]
+        parts = [(nid, part) for nid, idx in groups.items() for part in batches(idx)]
         results = await asyncio.gather(
             *(self._put_to_node(by_id[nid], part, hashes, index, chunks) for nid, part in parts),
             return_exceptions=True,
@@ -627,7 +633,7 @@ class ClientCore:
                 *(
                     self._reads.read(self._by_uri.get(uri), uri, part, want, locations, sink)
                     for uri, idx in plan.items()
-                    for part in _batches(idx)
+                    for part in batches(idx)
                 )
             )
             loaded |= set().union(*got)
@@ -788,10 +794,3 @@ class KVClient(EngineOps, ObjectOps, ClientCore):
 
 async def _all_of(n: int) -> set[int]:
     return set(range(n))
-
-
-def _batches(idx: list[int]) -> list[list[int]]:
-    """``idx`` cut into requests the node accepts (one exchange per layer per node for
-    any prompt under ``MAX_CHUNKS_PER_REQUEST`` blocks)."""
-    step = MAX_CHUNKS_PER_REQUEST
-    return [idx[i : i + step] for i in range(0, len(idx), step)]

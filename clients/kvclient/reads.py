@@ -37,12 +37,21 @@ import torch
 from kvstore.core.codec import ChunkKey, ChunkSpec, check_header
 from kvstore.dataplane import ChunkRef, NodeClient
 from kvstore.dataplane.location import SlotLocation
+from kvstore.dataplane.messages import MAX_CHUNKS_PER_REQUEST
 from kvstore.errors import ChunkError, ChunkKeyMismatch, KVStoreError, TransportError
 from kvstore.master.records import Holder
 
 from .ucx import UcxPath
 
-__all__ = ["FAILED_FOR_S", "ChunkReader", "LayerRead", "NodeEntry", "ReadStats", "Sink"]
+__all__ = [
+    "FAILED_FOR_S",
+    "ChunkReader",
+    "LayerRead",
+    "NodeEntry",
+    "ReadStats",
+    "Sink",
+    "batches",
+]
 
 logger = logging.getLogger("kvclient")
 
@@ -355,3 +364,10 @@ def _direct_spans(
             return None
         spans.append(span)
     return spans
+
+
+def batches(idx: list[int]) -> list[list[int]]:
+    """``idx`` cut into requests the node accepts (one exchange per layer per node for
+    any prompt under ``MAX_CHUNKS_PER_REQUEST`` blocks)."""
+    step = MAX_CHUNKS_PER_REQUEST
+    return [idx[i : i + step] for i in range(0, len(idx), step)]

@@ -17,12 +17,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
 from kvstore.errors import Unreachable
 
-__all__ = ["Candidate", "rank_nodes", "weight_for_free"]
+__all__ = ["Candidate", "rank_nodes", "unplaceable_reason", "weight_for_free"]
 
 _U64 = float(2**64)
 
@@ -58,3 +59,17 @@ def rank_nodes(block_hash: bytes, candidates: Sequence[Candidate], replicas: int
         candidates, key=lambda c: (_score(c.node_id, block_hash, c.weight), c.node_id), reverse=True
     )
     return [c.node_id for c in scored[: max(1, replicas)]]
+
+
+def unplaceable_reason(infos: Sequence[Any]) -> str:
+    """Why none of ``infos`` (the master's node list: ``alive``, ``draining``, ``suspect``
+    of each) takes new blocks, in one line for the error a put raises."""
+    alive = [n for n in infos if n.alive]
+    if not alive:
+        return f"no live storage node to place a block on ({len(infos)} known, none alive)"
+    draining = sum(n.draining for n in alive)
+    suspect = sum(n.suspect and not n.draining for n in alive)
+    return (
+        f"no storage node takes new blocks: of {len(alive)} live, {draining} draining "
+        f"(kvctl drain --undrain NODE) and {suspect} suspect (silent, or a read of it failed)"
+    )

@@ -254,6 +254,11 @@ class MasterClient:
         resp = await self._call("Drain", pb.DrainRequest(node_id=node_id, undrain=undrain), timeout)
         return bool(resp.draining)
 
+    async def deregister(self, node_id: str, epoch: int, *, timeout: float | None = None) -> bool:
+        """A node leaving: ``epoch`` is dead at once; False if it was not the live one."""
+        request = pb.DeregisterRequest(node_id=node_id, epoch=epoch)
+        return bool((await self._call("Deregister", request, timeout)).dropped)
+
     async def report_node(
         self, node_id: str, epoch: int, reason: str = "", *, timeout: float | None = None
     ) -> bool:

@@ -92,6 +92,18 @@ class Membership:
         self._members[node_id].reported = True
         return True
 
+    def leave(self, node_id: str, epoch: int) -> bool:
+        """The node says it leaves: ``epoch`` is dead now (never returned by :meth:`sweep`).
+        False if that epoch is not live."""
+        if not self.is_live(node_id, epoch):
+            return False
+        self._members[node_id].dead = True
+        self._dead_order[node_id] = None
+        while len(self._dead_order) > self.MAX_DEAD:
+            forgotten, _ = self._dead_order.popitem(last=False)
+            self._members.pop(forgotten, None)
+        return True
+
     def is_live(self, node_id: str, epoch: int) -> bool:
         """True if ``epoch`` is the node's epoch and the node is not dead (suspect counts)."""
         member = self._members.get(node_id)

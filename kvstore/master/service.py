@@ -203,11 +203,7 @@ class MasterService(pb_grpc.MasterServicer):
         dead = self.membership.sweep(self._clock())
         for node_id, epoch in dead:
             log.warning("node %s (epoch %d) missed its lease; dropping its entries", node_id, epoch)
-            await self.store.drop_node(node_id, epoch, "lease expired")
-            rec = self._records.get(node_id)
-            if rec is not None and rec.epoch == epoch:
-                self._records[node_id] = replace(rec, alive=False)
-            self.node_counters.pop(node_id, None)
+            await self._drop(node_id, epoch, "lease expired")
         self.counters.nodes_expired += len(dead)
         if self._pool_observers:
             state = await self.pool_state()
@@ -295,6 +291,26 @@ class MasterService(pb_grpc.MasterServicer):
             log.warning("node %s (epoch %d) reported by a reader: %s", node_id, request.epoch,
                         reason or "read failed")  # fmt: skip
         return pb.ReportNodeResponse(suspect=suspect)
+
+    @_unary
+    async def Deregister(
+        self, request: pb.DeregisterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeregisterResponse:
+        """A node leaving: its epoch is dead and dropped from the index at once."""
+        node_id = wire.check_node_id(request.node_id)
+        if not self.membership.leave(node_id, request.epoch):
+            return pb.DeregisterResponse(dropped=False)
+        log.info("node %s (epoch %d) left", node_id, request.epoch)
+        await self._drop(node_id, request.epoch, "node left")
+        return pb.DeregisterResponse(dropped=True)
+
+    async def _drop(self, node_id: str, epoch: int, reason: str) -> None:
+        """Drop a dead epoch's entries from the index and mark its record not alive."""
+        await self.store.drop_node(node_id, epoch, reason)
+        rec = self._records.get(node_id)
+        if rec is not None and rec.epoch == epoch:
+            self._records[node_id] = replace(rec, alive=False)
+        self.node_counters.pop(node_id, None)
 
     def _suspects(self, node_ids: Iterable[str]) -> set[str]:
         """Which of ``node_ids`` are suspect now (their copies are listed last)."""

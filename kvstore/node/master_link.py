@@ -23,7 +23,7 @@ import grpc
 
 from kvstore import __version__
 from kvstore.core.slots import ObjectStore
-from kvstore.errors import StaleEpoch, TransportError
+from kvstore.errors import KVStoreError, StaleEpoch, TransportError
 from kvstore.master import wire
 from kvstore.master.client import MasterClient
 from kvstore.master.records import BlockAdd, BlockRef, CommitBatch, ObjectAdd, Tier
@@ -220,6 +220,16 @@ class MasterLink:
                     continue
                 if reply.reregister:
                     call_soon(self.reregister.set)
+
+    async def deregister(self, timeout: float = 2.0) -> None:
+        """Tell the master this node leaves (its entries go at once, not a lease later);
+        best effort: a master that does not answer expires the node as usual."""
+        if self._me is None or not self.epoch:
+            return
+        try:
+            await self.master.deregister(self._me.node_id, self.epoch, timeout=timeout)
+        except KVStoreError as exc:
+            logger.warning("deregistration not delivered: %s", exc)
 
     async def close(self) -> None:
         """Cancel the commit in flight, stop heartbeats, close the master client."""

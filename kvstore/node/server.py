@@ -260,6 +260,7 @@ class StorageNode:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.puts.close()
+        await self.link.deregister()
         for hold in self._holds.values():
             for lease in hold.leases:
                 lease.release()

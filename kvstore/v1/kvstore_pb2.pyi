@@ -364,3 +364,17 @@ class ReportNodeResponse(_message.Message):
     SUSPECT_FIELD_NUMBER: _ClassVar[int]
     suspect: bool
     def __init__(self, suspect: _Optional[bool] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("node_id", "epoch")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class DeregisterResponse(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: bool
+    def __init__(self, dropped: _Optional[bool] = ...) -> None: ...

@@ -95,6 +95,11 @@ class MasterStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportNodeRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportNodeResponse.FromString,
                 _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/kvstore.v1.Master/Deregister',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DeregisterResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -188,6 +193,13 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Deregister(self, request, context):
+        """A node leaving (SIGTERM): that epoch is dead at once, its entries gone from the index.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +262,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ReportNode,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportNodeRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportNodeResponse.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DeregisterRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.DeregisterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -577,6 +594,33 @@ class Master:
             '/kvstore.v1.Master/ReportNode',
             kvstore_dot_v1_dot_kvstore__pb2.ReportNodeRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.ReportNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Master/Deregister',
+            kvstore_dot_v1_dot_kvstore__pb2.DeregisterRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.DeregisterResponse.FromString,
             options,
             channel_credentials,
             insecure,
