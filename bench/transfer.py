@@ -397,6 +397,21 @@ def _sends_all(ready: Ready, n: int) -> None:
     expect(ready.accept == (SEND,) * n, f"node did not take every chunk: {list(ready.accept)}")
 
 
+def _timed_write(t: list[float], n: int, rows: Rows) -> Callable[[Ready], Awaitable[None]]:
+    """The ``write`` callback of a reserve: WRITE ``rows`` into the spans the node answered
+    (all ``n`` chunks must be SEND), appending the times before and after to ``t``."""
+
+    async def write(ready: Ready) -> None:
+        _sends_all(ready, n)
+        spans = [Span.from_wire(s) for s in ready.spans or ()]
+        t.append(time.perf_counter())
+        await _STATE["agent"].write(_STATE["peer"], spans, list(rows.unbind(0)),
+                                    timeout=IO_TIMEOUT_S)  # fmt: skip
+        t.append(time.perf_counter())
+
+    return write
+
+
 def layers_for(setup: Setup, point: Point) -> int:
     """Layers per prompt of the layered put (``ucx layers``): 32, or fewer where two
     prompts' slots would not fit half the pool."""
@@ -422,15 +437,7 @@ async def put_ucx_layers(lane: int, ns: bytes, keys: list[bytes], rows: Rows, la
         t.append(time.perf_counter())
         ack = await node.write(ns, chunks, _STATE["writer"], ask)
     else:
-
-        async def write(ready: Ready) -> None:
-            _sends_all(ready, len(keys))
-            spans = [Span.from_wire(s) for s in ready.spans or ()]
-            t.append(time.perf_counter())
-            await _STATE["agent"].write(_STATE["peer"], spans, list(rows.unbind(0)),
-                                        timeout=IO_TIMEOUT_S)  # fmt: skip
-            t.append(time.perf_counter())
-
+        write = _timed_write(t, len(keys), rows)
         ack = await node.reserve(ns, chunks, write, writer=_STATE["writer"], grant=ask)
     _stored_all(ack, len(keys))
     grants.keep("node", keys, ack.grants, ack.grant_s)
@@ -462,15 +469,7 @@ async def put_ucx(lane: int, ns: bytes, keys: list[bytes], rows: Rows) -> Phases
     """``reserve → reserved {spans} → NIXL WRITE → landed → ack`` (``NodeClient.reserve``;
     its ``write`` callback marks the phase boundaries)."""
     t = [time.perf_counter()]
-
-    async def write(ready: Ready) -> None:
-        _sends_all(ready, len(keys))
-        spans = [Span.from_wire(s) for s in ready.spans or ()]
-        t.append(time.perf_counter())
-        await _STATE["agent"].write(_STATE["peer"], spans, list(rows.unbind(0)),
-                                    timeout=IO_TIMEOUT_S)  # fmt: skip
-        t.append(time.perf_counter())
-
+    write = _timed_write(t, len(keys), rows)
     _stored_all(await _STATE["nodes"][lane].reserve(ns, _put_chunks(keys, rows), write), len(keys))
     t0, t1, t2 = t
     return {"control": t1 - t0, "move": t2 - t1, "after": time.perf_counter() - t2}
