@@ -36,20 +36,20 @@ left alone: other tools share the prefix. An empty variable counts as unset (a K
 
 :func:`resolve` returns a :class:`Resolved` (each value and where it came from);
 :func:`render_toml` prints it as a TOML file that ``--config`` reads back unchanged
-(``kvstore config``). This module imports the standard library and ``kvstore.errors`` only.
+(``kvstore config``). This module imports the standard library, ``kvstore.errors`` and
+``kvstore.core.sizes`` only.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
-import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
+from kvstore.core.sizes import format_size, parse_size
 from kvstore.errors import InvalidArgument
 
 __all__ = [
@@ -77,50 +77,6 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 Value = str | int | float | None
 
 # -- values: each parser takes flag/environment text or a TOML value ------------------------
-
-_SIZE_UNITS = {
-    **dict.fromkeys(("", "b"), 1),
-    **{u: 1 << 10 for u in ("k", "ki", "kib")},
-    **{u: 1 << 20 for u in ("m", "mi", "mib")},
-    **{u: 1 << 30 for u in ("g", "gi", "gib")},
-    **{u: 1 << 40 for u in ("t", "ti", "tib")},
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
-
-
-def parse_size(value: object) -> int:
-    """A byte size: ``"512MiB"``, ``"4GiB"``, ``"1G"``, ``"100MB"``, ``"4096"`` or an int.
-
-    The same grammar as :func:`kvstore.core.arena.parse_size` (tests/test_config.py holds
-    them to it), which imports torch: binary suffixes and bare letters are powers of 1024,
-    ``KB MB GB TB`` powers of 1000, case-insensitive; fractions must come out whole.
-    """
-    if isinstance(value, bool) or not isinstance(value, str | int):
-        raise InvalidArgument(f"not a size: {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise InvalidArgument(f"size must be >= 0, got {value}")
-        return value
-    match = _SIZE_RE.fullmatch(value)
-    unit = _SIZE_UNITS.get(match.group(2).lower()) if match else None
-    if match is None or unit is None:
-        raise InvalidArgument(f"not a size: {value!r} (examples: 4096, 512MiB, 4GiB, 1G, 100MB)")
-    size = Fraction(match.group(1)) * unit
-    if size.denominator != 1:
-        raise InvalidArgument(f"size {value!r} is not a whole number of bytes")
-    return int(size)
-
-
-def format_size(n: int) -> str:
-    """``n`` bytes in the largest binary unit that divides it: 536870912 -> ``"512MiB"``."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
 
 
 def _integer(value: object) -> int:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -44,6 +43,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from kvstore.core.sizes import parse_size
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
 
 __all__ = [
@@ -76,56 +76,6 @@ MAX_SPAN_BYTES = 16 * MiB
 """Slab spans of small slots are at most this big (slots bigger than this get one each)."""
 
 _MAX_TAIL_WASTE = Fraction(1, 32)
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": KiB,
-    "m": MiB,
-    "g": 1 << 30,
-    "t": 1 << 40,
-    "ki": KiB,
-    "mi": MiB,
-    "gi": 1 << 30,
-    "ti": 1 << 40,
-    "kib": KiB,
-    "mib": MiB,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
-
-
-def parse_size(text: str | int) -> int:
-    """Parse a byte size: ``"512MiB"``, ``"4GiB"``, ``"1G"``, ``"100MB"``, ``"4096"``, ``"1.5GiB"``.
-
-    Binary suffixes (``KiB MiB GiB TiB``, also ``Ki Mi Gi Ti``) and bare letters (``K M G T``,
-    as docker and ``--host-mem 4G`` users mean them) are powers of 1024; ``KB MB GB TB`` are
-    powers of 1000; ``B`` or nothing is bytes. Units are case-insensitive, whitespace around
-    them is allowed, fractions are exact and must come out to a whole number of bytes. An
-    ``int`` is returned as is. Pure; raises :class:`InvalidArgument` on anything else
-    (negative, empty, unknown unit, fractional bytes, ``bool``).
-    """
-    if isinstance(text, bool):
-        raise InvalidArgument(f"not a size: {text!r}")
-    if isinstance(text, int):
-        if text < 0:
-            raise InvalidArgument(f"size must be >= 0, got {text}")
-        return text
-    if not isinstance(text, str):
-        raise InvalidArgument(f"size must be a string or int, got {type(text).__name__}")
-    match = _SIZE_RE.fullmatch(text)
-    unit = _UNITS.get(match.group(2).lower()) if match else None
-    if match is None or unit is None:
-        raise InvalidArgument(f"not a size: {text!r} (examples: 4096, 512MiB, 4GiB, 1G, 100MB)")
-    value = Fraction(match.group(1)) * unit
-    if value.denominator != 1:
-        raise InvalidArgument(f"size {text!r} is not a whole number of bytes")
-    return int(value)
 
 
 def _round_up(n: int, align: int) -> int:
