@@ -389,14 +389,12 @@ class MasterService(pb_grpc.MasterServicer):
         self.counters.hit_tokens += matched * request.block_tokens
         self.counters.miss_blocks += len(hashes) - matched
         self.counters.miss_tokens += (len(hashes) - matched) * request.block_tokens
+        if request.skip_holders:
+            return pb.MatchPrefixResponse(blocks=matched)
+        last = self._suspects(uris)  # (once per call, not once per block)
         return pb.MatchPrefixResponse(
             blocks=matched,
-            holders=[]
-            if request.skip_holders
-            else [
-                wire.block_holders_to_pb(h, uris, cpb, self._suspects(uris))
-                for h in located[:matched]
-            ],
+            holders=[wire.block_holders_to_pb(h, uris, cpb, last) for h in located[:matched]],
         )
 
     @_unary
