@@ -13,7 +13,7 @@ import xxhash
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvstore.core import checksum, codec, fused
+from kvstore.core import checksum, codec, fused, kernels
 from kvstore.core.codec import (
     DEFAULT_INT8,
     HEADER_NBYTES,
@@ -266,7 +266,7 @@ def test_encode_blocks_matches_per_chunk(quant: str, monkeypatch: pytest.MonkeyP
     singles = [encode_chunk(layer[:, i * b : (i + 1) * b], quant, keys[i]) for i in range(n)]
     chunks = encode_blocks(layer, b, keys, quant)
     assert all(torch.equal(c, s) for c, s in zip(chunks, singles, strict=True))
-    monkeypatch.setattr(codec, "_TILE_BYTES", 1)  # one block and one head per tile
+    monkeypatch.setattr(kernels, "TILE_BYTES", 1)  # one block and one head per tile
     assert all(
         torch.equal(c, s)
         for c, s in zip(encode_blocks(layer, b, keys, quant), singles, strict=True)
@@ -299,9 +299,9 @@ def test_every_tiling_gives_the_same_bytes(
     kinds = ("xxh3_64", "mulsum64")
     expect = {k: [encode_chunk(b, quant, keys[i], checksum=k) for i, b in enumerate(blocks)]
               for k in kinds}  # fmt: skip
-    monkeypatch.setattr(codec, "_TILE_BYTES", budget // torch.get_num_threads())
+    monkeypatch.setattr(kernels, "TILE_BYTES", budget // torch.get_num_threads())
     if budget % torch.get_num_threads() == 0:
-        assert codec._tile_shape(3, 16, 3, 8, layer.device) == tile
+        assert kernels.tile_shape(3, 16, 3, 8, layer.device) == tile
     for k in kinds:
         rows = encode_blocks(layer, 16, keys, quant, checksum=k)
         assert all(torch.equal(r, e) for r, e in zip(rows, expect[k], strict=True))
@@ -319,11 +319,11 @@ def test_threads_keep_their_own_bounded_scratch() -> None:
             assert all(torch.equal(g, e) for g, e in zip(got, expect, strict=True))
     fused.set_mode("eager")  # the eager path's scratch (kvstore.core.fused keeps its own)
     try:
-        for t in range(1, 2 * codec._SCRATCH_SHAPES + 2):  # more shapes than a thread keeps
+        for t in range(1, 2 * kernels._SCRATCH_SHAPES + 2):  # more shapes than a thread keeps
             decode_chunk(encode_chunk(_kv(t, 2, 8, torch.float16)))
     finally:
         fused.set_mode(None)
-    assert 0 < len(codec._scratch_local.kept) <= codec._SCRATCH_SHAPES
+    assert 0 < len(kernels._scratch_local.kept) <= kernels._SCRATCH_SHAPES
 
 
 def test_encode_blocks_rejects_bad_arguments() -> None:

@@ -62,7 +62,7 @@ import math
 import struct
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, NamedTuple
@@ -72,7 +72,7 @@ import torch
 import xxhash
 from torch import Tensor
 
-from kvstore.core import fused
+from kvstore.core import fused, kernels
 from kvstore.core.checksum import (
     compute_checksum,
     stored_checksum,
@@ -120,8 +120,6 @@ HEADER_NBYTES = 64
 _HEADER = struct.Struct("<4sHH16sIIIIIBBBBQII")
 _CHECKED = HEADER_NBYTES - 4  # the header check covers bytes 0..59
 _ALIGN = 64
-_TILE_BYTES = 1 << 20  # float32 scratch per CPU thread and quantization tile
-_DEVICE_TILE_BYTES = 64 << 20  # and per tile on other devices
 _U32 = 2**32
 
 _DTYPES: dict[int, torch.dtype] = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
@@ -155,10 +153,6 @@ CHECKSUMS: dict[str, int] = {"xxh3_64": 1, "mulsum64": 2}
 """Checksum kinds, name → id recorded in the header."""
 
 _CHECKSUM_NAMES = {v: k for k, v in CHECKSUMS.items()}
-# Smallest normal float16. Scales never go below it, so rounding a scale to float16 is
-# off by at most 2**-11 relative and |x / s| stays under 127.07: codes never need a clamp.
-_TINY = 2.0**-14
-_QMAX = 127.0
 _ZERO_KEY_HASH = bytes(16)
 
 
@@ -239,32 +233,6 @@ def _count(**deltas: int) -> None:
     with _stats_lock:
         for name, value in deltas.items():
             _stats[name] += value
-
-
-_SCRATCH_SHAPES = 4
-_SCRATCH_KEEP_BYTES = 8 << 20
-_scratch_local = threading.local()
-
-
-def _scratch(shape: tuple[int, ...], device: torch.device) -> Tensor:
-    """Float32 scratch of ``shape``, valid until this thread's next codec call.
-
-    On CPU each thread keeps its last few shapes (tiles, chunk halves) for reuse: fresh
-    ones fault their pages in on every call (8% of an encode). Other devices allocate:
-    their caching allocator reuses memory and, unlike this cache, knows about streams.
-    """
-    if device.type != "cpu" or 4 * math.prod(shape) > _SCRATCH_KEEP_BYTES:
-        return torch.empty(shape, dtype=torch.float32, device=device)
-    kept: dict[tuple[int, ...], Tensor] | None = getattr(_scratch_local, "kept", None)
-    if kept is None:
-        kept = _scratch_local.kept = {}
-    buf = kept.pop(shape, None)
-    if buf is None:
-        buf = torch.empty(shape, dtype=torch.float32)
-        if len(kept) >= _SCRATCH_SHAPES:
-            del kept[next(iter(kept))]  # the least recently used shape
-    kept[shape] = buf  # most recently used last
-    return buf
 
 
 # ----------------------------------------------------------------------------- layout
@@ -465,79 +433,6 @@ def _as_bytes_tensor(buf: Any) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- quantization
-# Each mode quantizes ``y`` (``[N, T, H, D]`` or ``[T, H, D]``: float32 scratch holding one
-# half, K or V, of a tile, which it may overwrite) into int8 codes ``q`` and float16 scales
-# ``sc``, views of the chunk buffers shaped to broadcast against ``y`` (``[.., 1, H, D]``
-# per channel, ``[.., T, H, 1]`` per token), so statistics keep their reduced dimension.
-# Mixed-dtype kernels are 4-6x slower than one widening copy and in-place float32 passes.
-# A block (K and V) costs ~40 torch ops, 16 of them full passes (docs/codec.md, Speed).
-
-
-def _store(values: Tensor, view: Tensor) -> Tensor:
-    """Round ``values`` to float16 into ``view``; return the rounded values as float32."""
-    return view.copy_(values).float()
-
-
-def _absmax(y: Tensor, dim: int) -> Tensor:
-    # amax and amin beat abs().amax() (no full-size temporary), aminmax and an inf-norm
-    # (both over 7x slower on CPU).
-    return torch.maximum(y.amax(dim, keepdim=True), y.amin(dim, keepdim=True).neg_())
-
-
-def _inv_scale(r: Tensor, view: Tensor) -> Tensor:
-    """Store the scale for absolute maximum ``r``; return its reciprocal (float32)."""
-    return _store(r.mul_(1 / _QMAX).clamp_(min=_TINY), view).reciprocal_()
-
-
-def _codes(y: Tensor, q: Tensor) -> None:
-    q.copy_(y.round_())  # |y| <= 127.07 by construction of the scales (see _TINY)
-
-
-def _enc_c(y: Tensor, q: Tensor, sc: list[Tensor]) -> None:
-    _codes(y.mul_(_inv_scale(_absmax(y, -3), sc[0])), q)
-
-
-def _enc_cc(y: Tensor, q: Tensor, sc: list[Tensor]) -> None:
-    hi, lo = y.amax(-3, keepdim=True), y.amin(-3, keepdim=True)
-    m = _store(torch.lerp(lo, hi, 0.5), sc[0])
-    # m - lo is -(lo - m) bit for bit (rounding to nearest is symmetric), one op instead
-    # of two; the sign of a zero cannot matter, the scale floor replaces it.
-    inv = _inv_scale(torch.maximum(hi.sub_(m), torch.sub(m, lo, out=lo)), sc[1])
-    _codes(y.sub_(m).mul_(inv), q)
-
-
-def _enc_t(y: Tensor, q: Tensor, sc: list[Tensor]) -> None:
-    _codes(y.mul_(_inv_scale(_absmax(y, -1), sc[0])), q)
-
-
-def _enc_ct(y: Tensor, q: Tensor, sc: list[Tensor]) -> None:
-    c = _store(_absmax(y, -3).clamp_(min=_TINY), sc[0])
-    y.mul_(c.reciprocal_())  # now |y| <= ~1 everywhere
-    _codes(y.mul_(_inv_scale(_absmax(y, -1), sc[1])), q)
-
-
-# Decoders widen the codes into ``w`` (float32: the output itself or scratch), then scale
-# in place with float32 scales; the caller copies ``w`` into the output when it is scratch.
-# Codes have 7 significant bits and scales 11, so ``q·s`` is exact in float32 and each
-# decoded value is rounded once, whatever order or fusion the kernels use.
-
-
-def _dec_scaled(q: Tensor, sc: list[Tensor], w: Tensor) -> None:
-    w.copy_(q).mul_(sc[0])
-
-
-def _dec_cc(q: Tensor, sc: list[Tensor], w: Tensor) -> None:
-    torch.addcmul(sc[0], w.copy_(q), sc[1], out=w)
-
-
-def _dec_ct(q: Tensor, sc: list[Tensor], w: Tensor) -> None:
-    w.copy_(q).mul_(sc[1]).mul_(sc[0])
-
-
-_Encoder = Callable[[Tensor, Tensor, list[Tensor]], None]
-_Decoder = Callable[[Tensor, list[Tensor], Tensor], None]
-_ENCODERS: dict[str, _Encoder] = {"c": _enc_c, "cc": _enc_cc, "t": _enc_t, "ct": _enc_ct}
-_DECODERS: dict[str, _Decoder] = {"c": _dec_scaled, "cc": _dec_cc, "t": _dec_scaled, "ct": _dec_ct}
 
 
 def _scale_views(base: Tensor, start: int, layout: _Layout) -> tuple[list[Tensor], list[Tensor]]:
@@ -585,50 +480,25 @@ def _encode_rows(x: Tensor, rows: Tensor, layout: _Layout, keys: list[ChunkKey],
     _count(encoded_bytes=n * layout.nbytes)
 
 
-def _tile_shape(n: int, t: int, h: int, d: int, device: torch.device) -> tuple[int, int]:
-    """(blocks, heads) per quantization tile: as many as fit the float32 scratch budget.
-
-    Heads are independent under every mode (statistics are per channel ``(h, d)`` over T
-    or per token ``(t, h)`` over D), so a block too large for one tile is cut along H.
-    On CPU the budget keeps each thread's share in L2; a GPU takes big tiles (fewer
-    kernel launches).
-    """
-    cpu = device.type == "cpu"
-    budget = _TILE_BYTES * torch.get_num_threads() if cpu else _DEVICE_TILE_BYTES
-    head_bytes = 4 * t * d
-    if head_bytes * h <= budget:
-        return max(1, min(n, budget // (head_bytes * h))), h
-    return 1, max(1, budget // head_bytes)
-
-
-def _tiles(v: Tensor, blocks: int, heads: int) -> list[Tensor]:
-    """Views of ``v [N, T|1, H, D|1]`` tile by tile (blocks outer, heads inner) in one or a
-    few ops; tiles cut along H (``blocks`` is then 1) drop the block dimension."""
-    if heads >= v.shape[2]:
-        return [v] if blocks >= v.shape[0] else list(v.split(blocks))
-    columns = [part.unbind(0) for part in v.split(heads, 2)]
-    return [tile for row in zip(*columns, strict=True) for tile in row]
-
-
 def _quantize(x: Tensor, rows: Tensor, layout: _Layout) -> None:
     """Quantize ``x [2, N, T, H, D]`` into ``rows``, one tile at a time: each pass over a
     tile that outgrows L2 runs ~1.8x slower per byte (docs/codec.md, Speed)."""
     n, (t, h, d) = rows.shape[0], layout.shape
-    blocks, heads = _tile_shape(n, t, h, d, x.device)
+    blocks, heads = kernels.tile_shape(n, t, h, d, x.device)
     codes = _payload_view(rows, layout)  # [N, 2, T, H, D]
     rows16 = rows.view(torch.float16)
     scales = _scale_views(rows16, int(rows16.storage_offset()) + HEADER_NBYTES // 2, layout)
     if fused.quantize(x, codes, scales, _SCHEME_MODES[layout.scheme]):
         return  # one compiled call for the layer (kvstore.core.fused)
-    work: list[tuple[_Encoder, list[tuple[Tensor, ...]]]] = []
+    work: list[tuple[kernels.Encoder, list[tuple[Tensor, ...]]]] = []
     for half, mode in enumerate(_SCHEME_MODES[layout.scheme]):
         views = [x[half], codes[:, half], *scales[half]]
-        per_tile = zip(*(_tiles(v, blocks, heads) for v in views), strict=True)
-        work.append((_ENCODERS[mode], list(per_tile)))
+        per_tile = zip(*(kernels.tiles(v, blocks, heads) for v in views), strict=True)
+        work.append((kernels.ENCODERS[mode], list(per_tile)))
     for k in range(len(work[0][1])):
         for encode, tiles in work:
             xt, qt, *sc = tiles[k]
-            encode(_scratch(xt.shape, x.device).copy_(xt), qt, sc)
+            encode(kernels.scratch(xt.shape, x.device).copy_(xt), qt, sc)
 
 
 def _require_finite(rows: Tensor, host: np.ndarray | None, layout: _Layout) -> None:
@@ -978,10 +848,10 @@ def _decode_into(buf: Tensor, layout: _Layout, out: Tensor) -> None:
     modes = _SCHEME_MODES[layout.scheme]
     if fused.dequantize(payload, scales, modes, out):
         return  # one compiled call (kvstore.core.fused)
-    tmp = None if out.dtype == torch.float32 else _scratch(layout.shape, out.device)
+    tmp = None if out.dtype == torch.float32 else kernels.scratch(layout.shape, out.device)
     for half in (0, 1):
         dst = out[half]
         work = dst if tmp is None else tmp
-        _DECODERS[modes[half]](payload[half], scales[half], work)
+        kernels.DECODERS[modes[half]](payload[half], scales[half], work)
         if tmp is not None:
             dst.copy_(work)

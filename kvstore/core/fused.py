@@ -49,6 +49,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from kvstore.core import kernels
+
 __all__ = [
     "AUTO_DEVICES",
     "ENV_VAR",
@@ -75,9 +77,8 @@ AVX2 machine here the compiled CPU decode measured slower than the tuned eager p
 path has been compiled, run and measured on a GPU: its first call compiles (seconds),
 which must not land inside an engine's first put. ``KVSTORE_CODEC=fused`` runs them."""
 
-# Mirrors codec's constants (codec imports this module, not the other way round).
-_TINY = 2.0**-14
-_INV_QMAX = 1 / 127.0
+_TINY = kernels.TINY  # the eager kernels' constants, so both paths agree bit for bit
+_INV_QMAX = 1 / kernels.QMAX
 _OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True}
 _BACKEND: Any = "inductor"  # tests swap in a backend that fails
 
