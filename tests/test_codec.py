@@ -285,6 +285,58 @@ def test_encode_blocks_matches_per_chunk(quant: str, monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize(
+    ("quant", "fused_path"),
+    [("int8", False), ("int8-kc-vt", False), ("none", False), ("int8", True)],
+)
+def test_k_and_v_apart_encode_and_decode_like_one_tensor(
+    quant: str, fused_path: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Engines keep K and V in separate tensors: a (K, V) pair is encoded byte for byte like
+    the stacked ``[2, T, H, D]`` layer, with no stack, and decodes into a pair in place."""
+    if fused_path:
+        monkeypatch.setattr(fused, "_wanted", lambda device: True)
+    b, n = 16, 3
+    stacked = _kv(n * b + 3, 2, 8, torch.bfloat16, seed=4)
+    k = stacked[0].clone().transpose(0, 1).contiguous().transpose(0, 1)  # strided: [T, H, D]
+    v = stacked[1].clone()
+    keys = [ChunkKey(bytes([i + 1]) * 16, 2, 0) for i in range(n)]
+    want = encode_blocks(stacked, b, keys, quant)
+    got = encode_blocks((k, v), b, keys, quant)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    one = encode_chunk((k[:b], v[:b]), quant, keys[0])
+    assert torch.equal(one, want[0])
+    slots = [torch.empty_like(w) for w in want]
+    listed = encode_blocks([k, v], b, keys, quant, out=slots)
+    assert all(torch.equal(x, w) for x, w in zip(listed, want, strict=True))
+    ko, vo = torch.full_like(k, 7.0), torch.full_like(v, 7.0)
+    for i in range(n):
+        pair = (ko[i * b : (i + 1) * b], vo[i * b : (i + 1) * b])
+        back = decode_chunk(want[i], out=pair, expect_key=keys[i])
+        assert back[0].data_ptr() == pair[0].data_ptr()
+        ref = decode_chunk(want[i])
+        assert torch.equal(ko[i * b : (i + 1) * b], ref[0])
+        assert torch.equal(vo[i * b : (i + 1) * b], ref[1])
+    assert bool((ko[n * b :] == 7).all()) and bool((vo[n * b :] == 7).all())  # tail untouched
+
+
+def test_k_and_v_pairs_are_checked() -> None:
+    k = torch.zeros(16, 2, 8, dtype=torch.float16)
+    for bad in [(k, k[:, :1]), (k, k.float()), (k, k.unsqueeze(0)), (k[0], k[0])]:
+        with pytest.raises(BadShape):
+            encode_chunk(bad)
+    for bad in [(k,), (k, k, k), (k, "v"), [1, 2]]:
+        with pytest.raises(InvalidArgument):
+            encode_chunk(bad)  # type: ignore[arg-type]
+    buf = encode_chunk((k, k))
+    with pytest.raises(BadShape, match="chunk is"):
+        decode_chunk(buf, out=(k[:8], k[:8]))
+    with pytest.raises(BadShape):
+        decode_chunk(buf, out=(k.float(), k.float()))
+    with pytest.raises(InvalidArgument):
+        decode_chunk(buf, out=[1, 2])  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize(
     ("budget", "tile"),
     [(512, (1, 1)), (1024, (1, 2)), (3072, (2, 3)), (1 << 30, (3, 3))],  # bytes -> (blocks, heads)
 )

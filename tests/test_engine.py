@@ -264,3 +264,66 @@ def test_kvctl_evict_a_prompt_then_the_namespace(server: Server) -> None:
         assert kvctl(["--master", server.grpc, "evict", *flags], stdout=out) == 0
         assert "2 slots evicted" in out.getvalue()
         assert kv.match_prefix(second) == 0
+
+
+def test_k_and_v_apart_short_out_and_streams_into_the_callers_memory(server: Server) -> None:
+    """What an engine keeps: K and V in separate tensors, destinations sized to the hit, and
+    streamed layers decoded straight into its own tensors or its paged cache."""
+    n, B = 1024, 256
+    tokens = _tokens(700, n + 50)
+    layers = [realistic_kv(n + 50, H, D, torch.bfloat16, seed=700 + i) for i in range(4)]
+    with kvclient.SyncKVClient.connect(server.grpc, _ns()) as kv:
+        # Layers 0..2 put as (K, V) pairs, K a strided view: no stack anywhere.
+        for layer in range(3):
+            k = layers[layer][0].transpose(0, 1).contiguous().transpose(0, 1)
+            assert kv.put_layer(tokens, layer, (k, layers[layer][1].clone())) == n
+        stacked = kv.get_layer(tokens, 0)
+        with kvclient.SyncKVClient.connect(server.grpc, _ns()) as other:
+            assert other.put_layer(_tokens(701, n), 0, layers[0][:, :n]) == n
+            assert torch.equal(other.get_layer(_tokens(701, n), 0), stacked)  # same bytes
+        ko, vo = (
+            torch.zeros(n, H, D, dtype=torch.bfloat16),
+            torch.zeros(n, H, D, dtype=torch.bfloat16),
+        )
+        got = kv.get_layer(tokens, 0, out=(ko, vo))
+        assert got[0].data_ptr() == ko.data_ptr() and torch.equal(ko, stacked[0])
+        assert torch.equal(vo, stacked[1])
+        # A destination holding fewer tokens than the prompt: only its whole blocks load.
+        short = torch.zeros(2, 2 * B + 10, H, D, dtype=torch.bfloat16)
+        part = kv.get_layer(tokens, 1, out=short)
+        assert part.shape[1] == 2 * B and torch.equal(part, kv.get_layer(tokens, 1)[:, : 2 * B])
+        res = kv.start_get_layer(tokens, 1, short).wait(timeout=30)
+        assert res.tokens == 2 * B and res.missing == [(2, 1), (3, 1)]
+        # A hit shorter than a larger out: a view of what loaded.
+        half = tokens[: 2 * B]
+        big = torch.zeros(2, n, H, D, dtype=torch.bfloat16)
+        assert kv.get_layer(tokens[: 2 * B] + _tokens(9, n), 2, out=big).shape[1] == 2 * B
+        assert kv.get_layer(half, 2, out=big).shape[1] == 2 * B
+        # Streams into the caller's tensors, then into a paged cache.
+        dests = [torch.full((2, n, H, D), 7.0, dtype=torch.bfloat16) for _ in range(4)]
+        stream = kv.start_stream_layers(tokens, timeout=30, out=dests)
+        paged = [torch.full((2, 80, 16, H, D), 7.0, dtype=torch.bfloat16) for _ in range(4)]
+        ids = list(range(79, -1, -1))[: -(-len(tokens) // 16)]  # reversed: not one view
+        into_paged = kv.start_stream_layers_paged(tokens, paged, ids, layout="kv_first", timeout=30)
+        kv.put_layer(tokens, 3, layers[3])
+        for layer in range(4):
+            t = stream.layer(layer, timeout=30)
+            assert t.data_ptr() == dests[layer].data_ptr() and t.shape[1] == n
+            assert into_paged.layer(layer, timeout=30) == n
+            want = kv.get_layer(tokens, layer)
+            assert torch.equal(dests[layer], want)
+            mine = torch.cat([paged[layer][:, b] for b in ids], dim=1)
+            assert torch.equal(mine[:, :n], want) and bool((mine[:, n:] == 7).all())
+        assert stream.wait(timeout=30).tokens == n and into_paged.wait(timeout=30).tokens == n
+        pairs = [tuple(torch.empty(n, H, D, dtype=torch.bfloat16) for _ in "kv") for _ in dests]
+        for layer, (k, v) in kv.stream_layers(tokens, timeout=30, out=pairs):
+            assert k.data_ptr() == pairs[layer][0].data_ptr()
+            assert torch.equal(torch.stack([k, v]), kv.get_layer(tokens, layer))
+        with pytest.raises(BadShape):
+            kv.start_stream_layers(tokens, out=dests[:3])
+        with pytest.raises(BadShape):
+            kv.start_stream_layers(tokens, out=[*dests[:3], dests[3][:, :B]])
+        with pytest.raises(BadShape):
+            kv.start_stream_layers_paged(tokens, paged[:2], ids, layout="kv_first")
+        with pytest.raises(BadShape):
+            kv.put_layer(tokens, 0, (layers[0][0], layers[0][1][:, :4]))

@@ -125,6 +125,27 @@ def test_round_trip_is_bit_identical_to_contiguous_path(layout: str, bs: int, qu
     assert untouched(fresh, layout, ids, n * B)  # the tail and other blocks kept the sentinel
 
 
+@pytest.mark.parametrize("bs", [16, 256, 96, 1])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_decode_with_skip_leaves_the_engines_own_prefix(layout: str, bs: int) -> None:
+    """An engine's local prefix hit ends inside one of our chunks: decoding that chunk with
+    ``skip`` writes only its tokens past the hit, whatever the engine block size."""
+    n, ks = 2, keys(2)
+    layer, cache, ids = setup_layer(layout, bs, n, seed=5)
+    bufs = [encode_chunk(layer[:, j * B : (j + 1) * B], "none", ks[j]) for j in range(n)]
+    fresh = new_cache(layout, cache.shape[0 if layout == "blocks_first" else 1], bs)
+    views = chunk_views(fresh, ids, B, n, layout, writable=True)
+    skip = 48 if bs != 96 else 96 + 48
+    decode_into(bufs[1], views[1], expect_key=ks[1], skip=skip)
+    got = read_ref(fresh, layout, ids, n * B)
+    assert torch.equal(bits(got[:, B + skip :]), bits(layer[:, B + skip : n * B]))
+    assert bool((got[:, : B + skip] == SENTINEL).all())
+    assert untouched(fresh, layout, ids, n * B)  # nothing outside the request either
+    for bad in (-1, B, 1.5):
+        with pytest.raises(InvalidArgument, match="skip"):
+            decode_into(bufs[1], views[1], skip=bad)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_strided_engine_cache_head_major(layout: str) -> None:
     """A cache stored head-major ([.., H, block_size, D] in memory) works through views."""

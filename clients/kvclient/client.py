@@ -20,17 +20,20 @@ import contextvars
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self, TypeVar
 
 import torch
 
 from kvstore.core.codec import (
+    KV,
     ChunkKey,
     ChunkSpec,
     chunk_nbytes,
     decode_chunk,
     encode_blocks,
+    kv_halves,
+    kv_span,
 )
 from kvstore.core.hashing import Namespace, block_hashes, dtype_name
 from kvstore.core.placement import Candidate, rank_nodes, unplaceable_reason, weight_for_free
@@ -42,7 +45,6 @@ from kvstore.errors import (
     InvalidArgument,
     KVStoreError,
     KVTimeout,
-    Miss,
     TransportError,
     Unreachable,
 )
@@ -55,7 +57,7 @@ from .handles import prefix_len
 from .objects import ObjectOps
 from .pool import ConnectionPool
 from .reads import ChunkReader, LayerRead, NodeEntry, batches
-from .stream import StreamState, next_batch
+from .stream import StreamOps
 from .ucx import DEFAULT_STAGING_BYTES, Grants, UcxPath, prefer_ucx
 
 __all__ = ["DEFAULT_MAX_OBJECT_BYTES", "ClientCore", "KVClient"]
@@ -316,27 +318,39 @@ class ClientCore:
 
     # ------------------------------------------------------------------ put
 
-    def _check_layer_tensor(self, t: Any, n_tokens: int, name: str = "t") -> torch.Tensor:
+    def _check_layer_tensor(self, t: Any, n_tokens: int | None, name: str = "t") -> int:
+        """Check a :data:`~kvstore.core.codec.KV` (``[2, T, H, D]`` or a (K, V) pair of
+        ``[T, H, D]``) against the namespace (``T == n_tokens`` unless None); its ``T``."""
         ns = self.ns
-        if not isinstance(t, torch.Tensor):
-            raise BadShape(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        want = (2, n_tokens, ns.num_kv_heads, ns.head_dim)
-        if tuple(t.shape) != want:
-            raise BadShape(f"{name} has shape {tuple(t.shape)}; namespace expects {want}")
-        if t.dtype != self._dtype:
-            raise BadShape(f"{name} has dtype {t.dtype}; namespace expects {self._dtype}")
-        return t
+        if not isinstance(t, (torch.Tensor, tuple, list)):
+            kind = type(t).__name__
+            raise BadShape(f"{name} must be a torch.Tensor or a (K, V) pair, got {kind}")
+        try:
+            k, _ = kv_halves(t, name)
+        except InvalidArgument as exc:
+            raise BadShape(str(exc)) from None
+        T = k.shape[0] if n_tokens is None else n_tokens
+        if tuple(k.shape) != (T, ns.num_kv_heads, ns.head_dim):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else f"(K, V) of {tuple(k.shape)}"
+            want = (2, T, ns.num_kv_heads, ns.head_dim)
+            raise BadShape(
+                f"{name} has shape {got}; namespace expects {want} or (K, V) of {want[1:]}"
+            )
+        if k.dtype != self._dtype:
+            raise BadShape(f"{name} has dtype {k.dtype}; namespace expects {self._dtype}")
+        return int(T)
 
     async def put_layer(
         self,
         token_ids: Sequence[int] | Any,
         layer: int,
-        t: torch.Tensor,
+        t: KV,
         shard: int = 0,
         *,
         timeout: float | None = None,
     ) -> int:
-        """Store layer ``layer`` (shard ``shard``) of a prompt's KV; ``t`` is ``[2, T, H, D]``.
+        """Store layer ``layer`` (shard ``shard``) of a prompt's KV; ``t`` is ``[2, T, H, D]``,
+        or K and V apart as a pair of ``[T, H, D]`` tensors (read in place, never stacked).
 
         ``T`` must equal ``len(token_ids)``; the partial tail block is ignored. Chunks
         already in the pool are skipped and count as stored (first writer wins). Returns
@@ -352,7 +366,7 @@ class ClientCore:
         self,
         token_ids: Sequence[int] | Any,
         layer: int,
-        t: torch.Tensor,
+        t: KV,
         shard: int,
         timeout: float | None,
         what: str,
@@ -366,7 +380,7 @@ class ClientCore:
         if k == len(hashes):
             return hashes, lambda: _all_of(k)
         rest, B = hashes[k:], self.ns.block_tokens
-        encoded = self._launch_encode(t[:, k * B :], rest, layer, shard)
+        encoded = self._launch_encode(kv_span(t, k * B, len(token_ids)), rest, layer, shard)
 
         async def put() -> set[int]:
             return {k + i for i in await self._put_encoded(rest, index, encoded)} | set(range(k))
@@ -384,15 +398,13 @@ class ClientCore:
             k += 1
         return k
 
-    def _launch_encode(
-        self, t: torch.Tensor, hashes: list[bytes], layer: int, shard: int
-    ) -> Encoded:
+    def _launch_encode(self, t: KV, hashes: list[bytes], layer: int, shard: int) -> Encoded:
         """Start quantizing a contiguous ``[2, T, H, D]`` layer (see
         :func:`kvclient.encoding.launch`)."""
         keys = [ChunkKey(h, layer, shard) for h in hashes]
         B, quant = self.ns.block_tokens, self.ns.quant
         encode = lambda out: encode_blocks(t, B, keys, quant, out=out)  # noqa: E731
-        return launch(t.is_cuda, encode, self._run_codec)
+        return launch(kv_halves(t)[0].is_cuda, encode, self._run_codec)
 
     async def _put_encoded(self, hashes: list[bytes], index: int, encoded: Encoded) -> set[int]:
         """Encode and send: into registered staging when a ``ucx://`` node may take the
@@ -545,16 +557,19 @@ class ClientCore:
         token_ids: Sequence[int] | Any,
         layer: int,
         device: Any = None,
-        out: torch.Tensor | None = None,
+        out: KV | None = None,
         shard: int = 0,
         *,
         timeout: float | None = None,
-    ) -> torch.Tensor:
+    ) -> Any:
         """Read the longest present prefix of layer ``layer`` for ``token_ids``.
 
         Returns ``[2, n, H, D]`` (``n`` a multiple of ``block_tokens``, possibly 0) on
-        ``device`` (default CPU), or a view of ``out`` (``[2, >= n, H, D]``, written in
-        place) when given. A miss is a short (or empty) result, never an error. Raises
+        ``device`` (default CPU), or, when ``out`` is given, a view of it holding the first
+        ``n`` tokens (written in place). ``out`` is ``[2, T_out, H, D]`` or K and V apart, a
+        pair of ``[T_out, H, D]`` (then a pair of views is returned); it may hold fewer
+        tokens than the prompt (e.g. just what :meth:`match_prefix` found): at most its
+        whole blocks are read. A miss is a short (or empty) result, never an error. Raises
         :class:`BadShape` for a wrong ``out``, :class:`KVTimeout`, transport errors when the
         master cannot be asked.
         """
@@ -562,11 +577,9 @@ class ClientCore:
         index = self._chunk_index(layer, shard)
         B = self.ns.block_tokens
         if out is not None:
-            self._check_layer_tensor(out, out.shape[1] if out.dim() == 4 else -1, "out")
-            if out.shape[1] < len(hashes) * B:
-                raise BadShape(f"out holds {out.shape[1]} tokens, prompt has more full blocks")
+            hashes = hashes[: self._check_layer_tensor(out, None, "out") // B]
 
-        async def get() -> torch.Tensor:
+        async def get() -> Any:
             located = await self._locate(hashes, index, load_all=False)
             target = out
             if target is None:
@@ -574,16 +587,16 @@ class ClientCore:
                 shape = (2, n * B, self.ns.num_kv_heads, self.ns.head_dim)
                 target = torch.empty(shape, dtype=self._dtype, device=device)
             loaded = await self._fetch(hashes, layer, shard, located, self._into(target))
-            return target[:, : prefix_len(loaded, len(located)) * B]
+            return kv_span(target, 0, prefix_len(loaded, len(located)) * B)
 
-        return await self._deadline(get(), timeout, "get_layer")  # type: ignore[no-any-return]
+        return await self._deadline(get(), timeout, "get_layer")
 
-    def _into(self, out: torch.Tensor) -> Callable[[int, torch.Tensor, ChunkKey], None]:
+    def _into(self, out: KV) -> Callable[[int, torch.Tensor, ChunkKey], None]:
         """A sink that dequantizes block ``i``'s chunk straight into ``out``'s slice."""
         B = self.ns.block_tokens
 
         def sink(i: int, buf: torch.Tensor, key: ChunkKey) -> None:
-            decode_chunk(buf, out=out[:, i * B : (i + 1) * B], expect_key=key)
+            decode_chunk(buf, out=kv_span(out, i * B, (i + 1) * B), expect_key=key)  # type: ignore[call-overload]
 
         return sink
 
@@ -693,98 +706,8 @@ class ClientCore:
             return set()
         return set(hashes[: held.blocks])
 
-    # ------------------------------------------------------------------ streaming
 
-    async def stream_layers(
-        self,
-        token_ids: Sequence[int] | Any,
-        timeout: float | None = None,
-        *,
-        shard: int = 0,
-        device: Any = None,
-    ) -> AsyncGenerator[tuple[int, torch.Tensor], None]:
-        """Yield ``(layer, [2, n_full_tokens, H, D])`` in layer order as layers land.
-
-        Waits for blocks that do not exist yet: subscribes to the master's watch first,
-        then takes its snapshot, so no commit is lost. ``timeout`` bounds the whole
-        stream. Raises :class:`Miss` naming the layer on a writer's abort, on an eviction
-        of a layer not yet read, or on the timeout.
-        """
-        hashes = self.block_hashes(token_ids)
-        self._chunk_index(0, shard)
-        limit = self.timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        n_blocks = len(hashes)
-        L = self.ns.num_layers
-        if n_blocks == 0:
-            for layer in range(L):
-                yield (
-                    layer,
-                    torch.empty(
-                        2,
-                        0,
-                        self.ns.num_kv_heads,
-                        self.ns.head_dim,
-                        dtype=self._dtype,
-                        device=device,
-                    ),
-                )
-            return
-        state = StreamState(n_blocks)
-        next_layer = 0
-        events = self._master.watch(self.ns.id, hashes, self._chunks_per_block, timeout=limit)
-        try:
-            while next_layer < L:
-                for ev in await next_batch(events, deadline, next_layer):
-                    state.apply(ev, next_layer)
-                while next_layer < L and state.ready(next_layer * self.ns.tp_size + shard):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise Miss(f"stream timed out before layer {next_layer}", layer=next_layer)
-                    t = await self._deadline(
-                        self._stream_layer(token_ids, hashes, next_layer, shard, device, state),
-                        left,
-                        "stream_layers",
-                    )
-                    if t.shape[1] < n_blocks * self.ns.block_tokens:
-                        raise Miss(
-                            f"layer {next_layer} was announced but is no longer complete",
-                            layer=next_layer,
-                        )
-                    yield next_layer, t
-                    next_layer += 1
-        finally:
-            await events.aclose()
-
-    async def _stream_layer(
-        self,
-        token_ids: Sequence[int] | Any,
-        hashes: list[bytes],
-        layer: int,
-        shard: int,
-        device: Any,
-        state: StreamState,
-    ) -> torch.Tensor:
-        """One announced layer, read from the holders and slot locations the watch gave
-        (no lookup); a block that does not load that way (evicted, moved, node gone) sends
-        the layer through :meth:`get_layer`, which asks the master afresh."""
-        chunk = self._chunk_index(layer, shard)
-        located = state.located(chunk, self._uri_of)
-        if located is None:  # a holder this client has not seen yet
-            await self._live_nodes(refresh=True)
-            located = state.located(chunk, self._uri_of)
-        if located is not None:
-            located = {i: self._reads.ranked(hs) for i, hs in located.items()}
-            n, B = len(hashes), self.ns.block_tokens
-            shape = (2, n * B, self.ns.num_kv_heads, self.ns.head_dim)
-            target = torch.empty(shape, dtype=self._dtype, device=device)
-            loaded = await self._fetch(hashes, layer, shard, located, self._into(target))
-            if prefix_len(loaded, n) == n:
-                return target
-        return await self.get_layer(token_ids, layer, device=device, shard=shard)
-
-
-class KVClient(EngineOps, ObjectOps, ClientCore):
+class KVClient(EngineOps, StreamOps, ObjectOps, ClientCore):
     """Reads and writes one namespace's KV in the pool. Create with :meth:`connect`.
 
     Not fork-safe: create clients after an engine forks its workers. Safe to use from many

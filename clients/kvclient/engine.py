@@ -9,20 +9,24 @@ client's event loop. Partial failures come back as data (:class:`~kvclient.handl
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstore.core.codec import ChunkKey
+from kvstore.core.codec import KV, ChunkKey
 from kvstore.errors import BadShape
 
 from .encoding import launch
 from .handles import Handle, Result, StreamHandle, no_blocks, prefix_len
 from .paged import ChunkView, chunk_views, decode_into, encode_paged
+from .stream import LayerSink
 
 if TYPE_CHECKING:
-    from .client import ClientCore as _Base
+    from .client import ClientCore
+    from .stream import StreamOps
+
+    class _Base(StreamOps, ClientCore): ...
 else:
     _Base = object
 
@@ -181,12 +185,13 @@ class EngineOps(_Base):
         self,
         token_ids: Sequence[int] | Any,
         layer: int,
-        t: torch.Tensor,
+        t: KV,
         shard: int = 0,
         *,
         timeout: float | None = None,
     ) -> Handle:
-        """Start :meth:`~kvclient.KVClient.put_layer`; returns at once with a handle whose
+        """Start :meth:`~kvclient.KVClient.put_layer` (``t`` ``[2, T, H, D]`` or a (K, V)
+        pair); returns at once with a handle whose
         ``wait()`` gives ``Result(tokens, missing)``. ``t`` must not be modified until then.
         Raises :class:`BadShape`/:class:`InvalidArgument` at once for bad arguments."""
         hashes, run = self._put_contiguous(token_ids, layer, t, shard, timeout, "start_put_layer")
@@ -196,26 +201,25 @@ class EngineOps(_Base):
         self,
         token_ids: Sequence[int] | Any,
         layer: int,
-        out: torch.Tensor,
+        out: KV,
         shard: int = 0,
         *,
         timeout: float | None = None,
     ) -> Handle:
-        """Start loading layer ``layer`` into ``out`` (``[2, >= T_full, H, D]``): every
-        block present anywhere is loaded, holes included; ``Result.missing`` names the
-        blocks not loaded. Returns at once."""
-        hashes = self.block_hashes(token_ids)
+        """Start loading layer ``layer`` into ``out`` (``[2, T_out, H, D]``, or a (K, V)
+        pair of ``[T_out, H, D]``): every block present anywhere among the whole blocks
+        ``out`` holds is loaded, holes included; ``Result.missing`` names the prompt's
+        blocks not loaded (those past ``out`` among them). Returns at once."""
+        every = self.block_hashes(token_ids)
         index = self._chunk_index(layer, shard)
-        self._check_layer_tensor(out, out.shape[1] if out.dim() == 4 else -1, "out")
-        if out.shape[1] < len(hashes) * self.ns.block_tokens:
-            raise self._short_out(out, len(hashes))
+        hashes = every[: self._check_layer_tensor(out, None, "out") // self.ns.block_tokens]
 
         async def get() -> set[int]:
             located = await self._locate(hashes, index, load_all=True)
             return await self._fetch(hashes, layer, shard, located, self._into(out))
 
         return self._result_handle(
-            lambda: self._deadline(get(), timeout, "start_get_layer"), len(hashes), layer
+            lambda: self._deadline(get(), timeout, "start_get_layer"), len(every), layer
         )
 
     def start_stream_layers(
@@ -225,17 +229,54 @@ class EngineOps(_Base):
         *,
         shard: int = 0,
         device: Any = None,
+        out: Sequence[KV] | None = None,
     ) -> StreamHandle:
         """Start :meth:`~kvclient.KVClient.stream_layers` in the background; a decode
-        hook calls ``handle.layer(l)`` just before it needs layer ``l``."""
-        n_tokens = len(self.block_hashes(token_ids)) * self.ns.block_tokens
+        hook calls ``handle.layer(l)`` just before it needs layer ``l``. ``out`` as for
+        ``stream_layers`` (checked at once)."""
+        hashes, sinks = self._stream_sinks(token_ids, shard, device, out)
+        stream = self._stream(hashes, timeout, shard, sinks)
+        return self._stream_handle(stream, len(hashes) * self.ns.block_tokens)
 
+    def start_stream_layers_paged(
+        self,
+        token_ids: Sequence[int] | Any,
+        caches: Sequence[torch.Tensor],
+        block_ids: Any,
+        layout: str = "blocks_first",
+        timeout: float | None = None,
+        *,
+        shard: int = 0,
+    ) -> StreamHandle:
+        """Stream every layer straight into the engine's paged cache as it lands:
+        ``caches[l]`` is layer ``l``'s cache (layouts as :meth:`put_layer_paged`),
+        ``block_ids`` the request's engine blocks. ``handle.layer(l)`` returns the tokens
+        of layer ``l`` in place (all of the prompt's whole blocks) once they are. Raises
+        :class:`BadShape`/:class:`InvalidArgument` at once for bad caches or block ids."""
+        L = self.ns.num_layers
+        if isinstance(caches, torch.Tensor) or len(caches) != L:
+            raise BadShape(f"caches must hold one paged cache per layer ({L})")
+        views = [
+            self._paged_views(token_ids, cache, block_ids, layout, writable=True)[1]
+            for cache in caches
+        ]
+        hashes = self.block_hashes(token_ids)
+        n_tokens = len(hashes) * self.ns.block_tokens
+
+        def sink(layer_views: list[ChunkView]) -> LayerSink:
+            def put(i: int, buf: torch.Tensor, key: ChunkKey) -> None:
+                decode_into(buf, layer_views[i], expect_key=key)
+
+            return LayerSink(put, lambda: n_tokens)
+
+        stream = self._stream(hashes, timeout, shard, [sink(v) for v in views])
+        return self._stream_handle(stream, n_tokens)
+
+    def _stream_handle(self, stream: AsyncGenerator[tuple[int, Any], None], n: int) -> StreamHandle:
         async def run(deliver: Callable[[int, Any], None]) -> Result:
-            async for layer, t in self.stream_layers(
-                token_ids, timeout, shard=shard, device=device
-            ):
-                deliver(layer, t)
-            return Result(n_tokens, [])
+            async for layer, value in stream:
+                deliver(layer, value)
+            return Result(n, [])
 
         return StreamHandle(self._loop, self.ns.num_layers, run)
 
@@ -249,9 +290,3 @@ class EngineOps(_Base):
             return Result(len(done) * self.ns.block_tokens, missing)
 
         return Handle(self._loop, result)
-
-    def _short_out(self, out: torch.Tensor, n_blocks: int) -> BadShape:
-        return BadShape(
-            f"out holds {out.shape[1]} tokens; {n_blocks} full blocks need "
-            f"{n_blocks * self.ns.block_tokens}"
-        )

@@ -470,6 +470,19 @@ def _scatter_from(src: Tensor, view: ChunkView) -> None:
     _count(scattered_bytes=view.nbytes)
 
 
+def _scatter_tail(src: Tensor, view: ChunkView, skip: int) -> None:
+    """Copy tokens ``skip ..`` of ``src [2, B, H, D]`` into the chunk's place in the cache."""
+    bs, offset = view.paged.block_size, 0
+    for piece in view.pieces:
+        lo = max(skip - offset, 0)
+        if lo < piece.length:
+            at = piece.start + lo
+            part = Piece(piece.block + at // bs, at % bs, piece.length - lo)
+            view.paged.span(part).copy_(src[:, offset + lo : offset + piece.length])
+        offset += piece.length
+    _count(scattered_bytes=view.nbytes * (view.block_tokens - skip) // view.block_tokens)
+
+
 def gather_chunk(view: ChunkView, out: Tensor | None = None) -> Tensor:
     """Copy one chunk out of the paged cache into ``out`` (or a new tensor); return it.
 
@@ -534,13 +547,17 @@ def decode_into(
     *,
     expect_key: ChunkKey | None = None,
     staging: Tensor | None = None,
+    skip: int = 0,
 ) -> None:
     """Verify chunk ``buf`` and dequantize it into its place in the paged cache.
 
     A direct chunk is decoded straight into the engine's memory; a staged one into
     ``staging`` (its first ``block_tokens`` tokens; a new tensor if None), then scattered.
-    Nothing in the cache is written unless the chunk verified and fits, and only the
-    chunk's tokens are. Synchronous (the codec's checksum check syncs a device). Raises
+    ``skip`` > 0 leaves the chunk's first ``skip`` tokens in the cache as they are (an
+    engine's own prefix: its cached blocks may be shared with running requests): the
+    chunk is staged and only its tokens from ``skip`` on are copied. Nothing in the cache
+    is written unless the chunk verified and fits, and only the chunk's tokens are.
+    Synchronous (the codec's checksum check syncs a device). Raises
     what :func:`~kvstore.core.codec.decode_chunk` raises (:class:`ChunkError` subclasses
     for a bad buffer, :class:`BadShape` for a chunk of another shape or dtype) and
     :class:`BadShape`/:class:`InvalidArgument` for a bad ``staging`` or a ``view`` not built
@@ -548,6 +565,14 @@ def decode_into(
     """
     if not view.writable:
         raise InvalidArgument("writing into the cache needs views from chunk_views(writable=True)")
+    if not isinstance(skip, int) or not 0 <= skip < view.block_tokens:
+        raise InvalidArgument(f"skip must be an int in [0, {view.block_tokens}), got {skip!r}")
+    if skip:
+        dst = _staging_chunk(view, staging)
+        decode_chunk(buf, out=dst, expect_key=expect_key)
+        _scatter_tail(dst, view, skip)
+        _count(staged_chunks=1)
+        return
     if view.direct:
         decode_chunk(buf, out=view.tensor, expect_key=expect_key)
         _count(direct_chunks=1)

@@ -1,25 +1,37 @@
-"""What a ``stream_layers`` knows from its watch: which node committed which chunks of each
-block, and where their slots live.
+"""``stream_layers``: a prompt's layers read as they land, into new tensors, the caller's
+tensors or an engine's paged cache.
 
 The master's watch sends the snapshot as COMMIT events, then every later change. Folded
-into a :class:`StreamState`, they say when a layer is complete and, per block, a holder of
-its chunk with the slot's location, so each layer is read with no lookup (and, from a
-``ucx://`` node, with no node exchange either: see :mod:`kvclient.reads`). Pure state: no
-I/O, no clock but the deadline passed in.
+into a :class:`StreamState` (pure state: no I/O, no clock but the deadline passed in), they
+say when a layer is complete and, per block, a holder of its chunk with the slot's
+location, so each layer is read with no lookup (and, from a ``ucx://`` node, with no node
+exchange either: see :mod:`kvclient.reads`). :class:`StreamOps` is the mixin of
+:class:`~kvclient.KVClient` that runs the stream; where each layer's blocks go is a
+:class:`LayerSink` per layer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from kvstore.errors import Miss
+import torch
+
+from kvstore.core.codec import KV, ChunkKey, kv_span
+from kvstore.errors import BadShape, Miss
 from kvstore.master.records import Holder
 
-__all__ = ["StreamState", "next_batch"]
+from .handles import prefix_len
+
+if TYPE_CHECKING:
+    from .client import ClientCore as _Base
+else:
+    _Base = object
+
+__all__ = ["LayerSink", "StreamOps", "StreamState", "next_batch"]
 
 T = TypeVar("T")
 
@@ -98,3 +110,126 @@ async def next_batch(events: AsyncIterator[T], deadline: float, layer: int) -> T
         raise Miss(f"watch ended before layer {layer}", layer=layer) from None
     except TimeoutError as exc:
         raise Miss(f"stream timed out waiting for layer {layer}", layer=layer) from exc
+
+
+class LayerSink(NamedTuple):
+    """Where one streamed layer's blocks go: ``put(i, chunk, key)`` verifies and decodes
+    block ``i``'s chunk into place; ``value()``, once every block is in, is what the
+    stream yields for the layer."""
+
+    put: Callable[[int, torch.Tensor, ChunkKey], None]
+    value: Callable[[], Any]
+
+
+class StreamOps(_Base):
+    """Mixin of :class:`~kvclient.KVClient` with the streaming reads."""
+
+    async def stream_layers(
+        self,
+        token_ids: Sequence[int] | Any,
+        timeout: float | None = None,
+        *,
+        shard: int = 0,
+        device: Any = None,
+        out: Sequence[KV] | None = None,
+    ) -> AsyncGenerator[tuple[int, Any], None]:
+        """Yield ``(layer, [2, n_full_tokens, H, D])`` in layer order as layers land.
+
+        Waits for blocks that do not exist yet: subscribes to the master's watch first,
+        then takes its snapshot, so no commit is lost. ``timeout`` bounds the whole
+        stream. ``out``: one destination per layer (``[2, T_out, H, D]`` or a (K, V) pair
+        of ``[T_out, H, D]``, one ``T_out`` for all), decoded into in place, with no
+        further copy; the stream then covers the whole blocks ``out`` holds and yields
+        views of it. Raises :class:`BadShape` for a wrong ``out``, before any I/O, and
+        :class:`Miss` naming the layer on a writer's abort, on an eviction of a layer not
+        yet read, or on the timeout.
+        """
+        hashes, sinks = self._stream_sinks(token_ids, shard, device, out)
+        async for layer, value in self._stream(hashes, timeout, shard, sinks):
+            yield layer, value
+
+    def _stream_sinks(
+        self, token_ids: Sequence[int] | Any, shard: int, device: Any, out: Sequence[KV] | None
+    ) -> tuple[list[bytes], list[LayerSink]]:
+        """The block hashes a stream covers and its per-layer sinks, ``out`` checked."""
+        hashes = self.block_hashes(token_ids)
+        self._chunk_index(0, shard)
+        B, L = self.ns.block_tokens, self.ns.num_layers
+        if out is None:
+            shape = (2, len(hashes) * B, self.ns.num_kv_heads, self.ns.head_dim)
+            new = [torch.empty(shape, dtype=self._dtype, device=device) for _ in range(L)]
+            return hashes, [self._tensor_sink(t, len(hashes)) for t in new]
+        if isinstance(out, torch.Tensor) or len(out) != L:
+            got = "a tensor" if isinstance(out, torch.Tensor) else f"{len(out)} entries"
+            raise BadShape(f"out must hold one destination per layer ({L}), got {got}")
+        sizes = {self._check_layer_tensor(o, None, f"out[{i}]") for i, o in enumerate(out)}
+        if len(sizes) > 1:
+            raise BadShape(f"out's layers hold different token counts: {sorted(sizes)}")
+        hashes = hashes[: sizes.pop() // B]
+        return hashes, [self._tensor_sink(o, len(hashes)) for o in out]
+
+    def _tensor_sink(self, target: KV, n_blocks: int) -> LayerSink:
+
+        return LayerSink(
+            self._into(target), lambda: kv_span(target, 0, n_blocks * self.ns.block_tokens)
+        )
+
+    async def _stream(
+        self,
+        hashes: list[bytes],
+        timeout: float | None,
+        shard: int,
+        sinks: Sequence[LayerSink],
+    ) -> AsyncGenerator[tuple[int, Any], None]:
+        """Stream the layers of ``hashes`` (shard ``shard``) into ``sinks`` (one per layer),
+        yielding ``(layer, sinks[layer].value())`` as each layer is complete."""
+        limit = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        L = self.ns.num_layers
+        if not hashes:
+            for layer in range(L):
+                yield layer, sinks[layer].value()
+            return
+        state = StreamState(len(hashes))
+        next_layer = 0
+        events = self._master.watch(self.ns.id, hashes, self._chunks_per_block, timeout=limit)
+        try:
+            while next_layer < L:
+                for ev in await next_batch(events, deadline, next_layer):
+                    state.apply(ev, next_layer)
+                while next_layer < L and state.ready(next_layer * self.ns.tp_size + shard):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Miss(f"stream timed out before layer {next_layer}", layer=next_layer)
+                    read = self._stream_layer(hashes, next_layer, shard, state, sinks[next_layer])
+                    if not await self._deadline(read, left, "stream_layers"):
+                        raise Miss(
+                            f"layer {next_layer} was announced but is no longer complete",
+                            layer=next_layer,
+                        )
+                    yield next_layer, sinks[next_layer].value()
+                    next_layer += 1
+        finally:
+            await events.aclose()
+
+    async def _stream_layer(
+        self, hashes: list[bytes], layer: int, shard: int, state: StreamState, sink: LayerSink
+    ) -> bool:
+        """Read one announced layer into ``sink``, from the holders and slot locations the
+        watch gave (no lookup); blocks that do not load that way (evicted, moved, node
+        gone) are looked up afresh. Whether every block loaded."""
+        chunk, n = self._chunk_index(layer, shard), len(hashes)
+        located = state.located(chunk, self._uri_of)
+        if located is None:  # a holder this client has not seen yet
+            await self._live_nodes(refresh=True)
+            located = state.located(chunk, self._uri_of)
+        loaded: set[int] = set()
+        if located is not None:
+            located = {i: self._reads.ranked(hs) for i, hs in located.items()}
+            loaded = await self._fetch(hashes, layer, shard, located, sink.put)
+            if len(loaded) == n:
+                return True
+        again = await self._locate(hashes, chunk, load_all=True)
+        again = {i: hs for i, hs in again.items() if i not in loaded}
+        loaded |= await self._fetch(hashes, layer, shard, again, sink.put)
+        return prefix_len(loaded, n) == n

@@ -18,8 +18,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import torch
-
 from kvstore.core.hashing import Namespace
 from kvstore.errors import Miss
 
@@ -49,6 +47,7 @@ _DIRECT = (
     "start_put_layer_paged",
     "start_get_layer_paged",
     "start_stream_layers",
+    "start_stream_layers_paged",
 )
 
 
@@ -94,13 +93,14 @@ class SyncKVClient:
         *,
         shard: int = 0,
         device: Any = None,
-    ) -> Iterator[tuple[int, torch.Tensor]]:
+        out: Sequence[Any] | None = None,
+    ) -> Iterator[tuple[int, Any]]:
         """Blocking twin of :meth:`KVClient.stream_layers` (same contract)."""
         limit = self._client.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
-        agen = self._client.stream_layers(token_ids, limit, shard=shard, device=device)
+        agen = self._client.stream_layers(token_ids, limit, shard=shard, device=device, out=out)
 
-        async def step() -> tuple[int, torch.Tensor] | None:
+        async def step() -> tuple[int, Any] | None:
             try:
                 return await anext(agen)
             except StopAsyncIteration:

@@ -65,7 +65,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import numpy as np
 import torch
@@ -95,6 +95,7 @@ __all__ = [
     "DEFAULT_INT8",
     "FORMAT_VERSION",
     "HEADER_NBYTES",
+    "KV",
     "MAGIC",
     "QUANT_SCHEMES",
     "SCHEMES",
@@ -109,6 +110,8 @@ __all__ = [
     "decode_chunk",
     "encode_blocks",
     "encode_chunk",
+    "kv_halves",
+    "kv_span",
     "read_header",
     "verify_chunk",
     "verify_host_bytes",
@@ -455,8 +458,10 @@ def _payload_view(buf: Tensor, layout: _Layout) -> Tensor:
     return typed.as_strided((*typed.shape[:-1], 2, t, h, d), stride, start)
 
 
-def _encode_rows(x: Tensor, rows: Tensor, layout: _Layout, keys: list[ChunkKey], kind: int) -> None:
-    """Encode ``x [2, N, T, H, D]`` into ``rows [N, nbytes]`` (uint8, rows 8-aligned)."""
+def _encode_rows(
+    x: tuple[Tensor, Tensor], rows: Tensor, layout: _Layout, keys: list[ChunkKey], kind: int
+) -> None:
+    """Encode K and V ``[N, T, H, D]`` into ``rows [N, nbytes]`` (uint8, rows 8-aligned)."""
     n = rows.shape[0]
     headers = b"".join(_pack_header(k, layout, kind) for k in keys)
     # On the host, byte fields go through a numpy view (a slice costs far less than a torch
@@ -469,7 +474,9 @@ def _encode_rows(x: Tensor, rows: Tensor, layout: _Layout, keys: list[ChunkKey],
     for start, stop in layout.padding:
         target[:, start:stop] = 0
     if layout.scheme == 0:
-        _payload_view(rows, layout).transpose(0, 1).copy_(x)
+        payload = _payload_view(rows, layout)
+        payload[:, 0].copy_(x[0])
+        payload[:, 1].copy_(x[1])
     else:
         _quantize(x, rows, layout)
         _require_finite(rows, host, layout)
@@ -480,15 +487,16 @@ def _encode_rows(x: Tensor, rows: Tensor, layout: _Layout, keys: list[ChunkKey],
     _count(encoded_bytes=n * layout.nbytes)
 
 
-def _quantize(x: Tensor, rows: Tensor, layout: _Layout) -> None:
-    """Quantize ``x [2, N, T, H, D]`` into ``rows``, one tile at a time: each pass over a
+def _quantize(x: tuple[Tensor, Tensor], rows: Tensor, layout: _Layout) -> None:
+    """Quantize K and V ``[N, T, H, D]`` into ``rows``, one tile at a time: each pass over a
     tile that outgrows L2 runs ~1.8x slower per byte (docs/codec.md, Speed)."""
     n, (t, h, d) = rows.shape[0], layout.shape
-    blocks, heads = kernels.tile_shape(n, t, h, d, x.device)
+    device = x[0].device
+    blocks, heads = kernels.tile_shape(n, t, h, d, device)
     codes = _payload_view(rows, layout)  # [N, 2, T, H, D]
     rows16 = rows.view(torch.float16)
     scales = _scale_views(rows16, int(rows16.storage_offset()) + HEADER_NBYTES // 2, layout)
-    if fused.quantize(x, codes, scales, _SCHEME_MODES[layout.scheme]):
+    if fused.quantize(x[0], x[1], codes, scales, _SCHEME_MODES[layout.scheme]):
         return  # one compiled call for the layer (kvstore.core.fused)
     work: list[tuple[kernels.Encoder, list[tuple[Tensor, ...]]]] = []
     for half, mode in enumerate(_SCHEME_MODES[layout.scheme]):
@@ -498,7 +506,7 @@ def _quantize(x: Tensor, rows: Tensor, layout: _Layout) -> None:
     for k in range(len(work[0][1])):
         for encode, tiles in work:
             xt, qt, *sc = tiles[k]
-            encode(kernels.scratch(xt.shape, x.device).copy_(xt), qt, sc)
+            encode(kernels.scratch(xt.shape, device).copy_(xt), qt, sc)
 
 
 def _require_finite(rows: Tensor, host: np.ndarray | None, layout: _Layout) -> None:
@@ -521,14 +529,43 @@ def _require_finite(rows: Tensor, host: np.ndarray | None, layout: _Layout) -> N
 # ----------------------------------------------------------------------------- public API
 
 
-def _check_kv(t: Any) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise InvalidArgument(f"KV must be a Tensor, got {type(t).__name__}")
-    if t.dim() != 4 or t.shape[0] != 2:
-        raise BadShape(f"KV must be [2, T, H, D] (K then V), got {tuple(t.shape)}")
-    if t.dtype not in _DTYPE_CODES:
-        raise BadShape(f"unsupported KV dtype {t.dtype}; expected float16, bfloat16 or float32")
-    return t
+KV = Tensor | tuple[Tensor, Tensor]
+"""One layer's (or chunk's) K and V: a ``[2, T, H, D]`` tensor (K then V), or K and V kept
+apart as a pair of ``[T, H, D]`` tensors (any strides, one shape, dtype and device), as
+engines hold them. Every codec call that takes or fills KV accepts either, without a copy."""
+
+
+def kv_halves(t: Any, name: str = "KV") -> tuple[Tensor, Tensor]:
+    """``t`` (a :data:`KV`) as its K and V ``[T, H, D]`` views, validated (no copy).
+
+    Raises :class:`InvalidArgument` for anything but a tensor or a pair of tensors, and
+    :class:`BadShape` for a tensor that is not ``[2, T, H, D]``, halves that differ in
+    shape, dtype or device, or a dtype the codec cannot encode.
+    """
+    if isinstance(t, Tensor):
+        if t.dim() != 4 or t.shape[0] != 2:
+            raise BadShape(f"{name} must be [2, T, H, D] (K then V), got {tuple(t.shape)}")
+        k, v = t[0], t[1]
+    elif isinstance(t, (tuple, list)) and len(t) == 2 and all(isinstance(x, Tensor) for x in t):
+        k, v = t
+        if k.dim() != 3 or k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+            raise BadShape(
+                f"{name} as (K, V) must be two [T, H, D] tensors of one dtype and device, "
+                f"got {tuple(k.shape)} {k.dtype} {k.device} and {tuple(v.shape)} {v.dtype} "
+                f"{v.device}"
+            )
+    else:
+        raise InvalidArgument(f"{name} must be a Tensor or a (K, V) pair, got {type(t).__name__}")
+    if k.dtype not in _DTYPE_CODES:
+        raise BadShape(f"unsupported {name} dtype {k.dtype}; expected float16, bfloat16 or float32")
+    return k, v
+
+
+def kv_span(t: KV, start: int, stop: int) -> KV:
+    """Tokens ``start:stop`` of ``t``, of the same kind (a view; no validation)."""
+    if isinstance(t, Tensor):
+        return t[:, start:stop]
+    return t[0][start:stop], t[1][start:stop]
 
 
 def _checksum_kind(checksum: str | None, device: torch.device) -> int:
@@ -552,20 +589,20 @@ def _check_out_buf(out: Any, shape: tuple[int, ...], device: torch.device) -> Te
     return out
 
 
-def _prepare(t: Any, block_tokens: int, quant: str, checksum: str | None) -> tuple[_Layout, int]:
-    _check_kv(t)
-    layout = _checked_layout(block_tokens, t.shape[2], t.shape[3], t.dtype, quant)
-    return layout, _checksum_kind(checksum, t.device)
+def _prepare(k: Tensor, block_tokens: int, quant: str, checksum: str | None) -> tuple[_Layout, int]:
+    layout = _checked_layout(block_tokens, k.shape[1], k.shape[2], k.dtype, quant)
+    return layout, _checksum_kind(checksum, k.device)
 
 
 def encode_chunk(
-    t: Tensor,
+    t: KV,
     quant: str = "int8",
     key: ChunkKey | bytes | None = None,
     out: Tensor | None = None,
     checksum: str | None = None,
 ) -> Tensor:
-    """Encode one ``[2, T, H, D]`` chunk into a 1-D uint8 tensor on ``t.device``.
+    """Encode one ``[2, T, H, D]`` chunk (or a (K, V) pair, :data:`KV`) into a 1-D uint8
+    tensor on ``t``'s device.
 
     ``t`` may be any strided view (e.g. ``layer[:, a:b]``); its values are read once and
     written straight into the chunk buffer. ``quant``: ``"int8"`` (:data:`DEFAULT_INT8`),
@@ -578,26 +615,28 @@ def encode_chunk(
     shape or dtype, :class:`InvalidArgument` for a bad quant, key or ``out`` and for
     NaN/inf (or beyond float16-scale range) KV under INT8.
     """
-    layout, kind = _prepare(t, t.shape[1] if isinstance(t, Tensor) else 0, quant, checksum)
+    k, v = kv_halves(t)
+    layout, kind = _prepare(k, k.shape[0], quant, checksum)
     checked = _check_key(key)
     if out is None:
-        out = torch.empty(layout.nbytes, dtype=torch.uint8, device=t.device)
+        out = torch.empty(layout.nbytes, dtype=torch.uint8, device=k.device)
     else:
-        _check_out_buf(out, (layout.nbytes,), t.device)
+        _check_out_buf(out, (layout.nbytes,), k.device)
     with torch.no_grad():
-        _encode_rows(t.unsqueeze(1), out.view(1, -1), layout, [checked], kind)
+        _encode_rows((k.unsqueeze(0), v.unsqueeze(0)), out.view(1, -1), layout, [checked], kind)
     return out
 
 
 def encode_blocks(
-    layer: Tensor,
+    layer: KV,
     block_tokens: int,
     keys: Sequence[ChunkKey | None],
     quant: str = "int8",
     out: Tensor | Sequence[Tensor] | None = None,
     checksum: str | None = None,
 ) -> list[Tensor]:
-    """Encode the first ``len(keys)`` full blocks of a ``[2, T_total, H, D]`` layer.
+    """Encode the first ``len(keys)`` full blocks of a ``[2, T_total, H, D]`` layer (or a
+    (K, V) pair of ``[T_total, H, D]``, :data:`KV`).
 
     Block ``i`` is ``layer[:, i*block_tokens:(i+1)*block_tokens]`` with key ``keys[i]``;
     tokens past the last block are ignored. Blocks are quantized in cache-sized tiles
@@ -614,22 +653,24 @@ def encode_blocks(
         raise InvalidArgument(f"block_tokens must be a positive int, got {block_tokens!r}")
     if n < 1:
         raise InvalidArgument("encode_blocks needs at least one key")
-    layout, kind = _prepare(layer, block_tokens, quant, checksum)
-    if n * block_tokens > layer.shape[1]:
-        raise BadShape(f"{n} blocks of {block_tokens} tokens need more than {layer.shape[1]}")
-    checked = [_check_key(k) for k in keys]
+    k, v = kv_halves(layer)
+    layout, kind = _prepare(k, block_tokens, quant, checksum)
+    if n * block_tokens > k.shape[0]:
+        raise BadShape(f"{n} blocks of {block_tokens} tokens need more than {k.shape[0]}")
+    checked = [_check_key(key) for key in keys]
     if out is not None and not isinstance(out, Tensor):
         if len(out) != n:
             raise InvalidArgument(f"out has {len(out)} buffers for {n} blocks")
-        span = [layer[:, i * block_tokens : (i + 1) * block_tokens] for i in range(n)]
+        B = block_tokens
+        span = [kv_span((k, v), i * B, (i + 1) * B) for i in range(n)]
         return [encode_chunk(span[i], quant, checked[i], out[i], checksum) for i in range(n)]
     if out is None:
-        rows = torch.empty(n, layout.nbytes, dtype=torch.uint8, device=layer.device)
+        rows = torch.empty(n, layout.nbytes, dtype=torch.uint8, device=k.device)
     else:
-        rows = _check_out_buf(out, (n, layout.nbytes), layer.device)
-    x = layer[:, : n * block_tokens].unflatten(1, (n, block_tokens))
+        rows = _check_out_buf(out, (n, layout.nbytes), k.device)
+    x = tuple(h[: n * block_tokens].unflatten(0, (n, block_tokens)) for h in (k, v))
     with torch.no_grad():
-        _encode_rows(x, rows, layout, checked, kind)
+        _encode_rows((x[0], x[1]), rows, layout, checked, kind)
     return list(rows.unbind(0))
 
 
@@ -777,40 +818,63 @@ class ChunkVerifier:
         return header
 
 
-def _target(device: Any, out: Tensor | None, buf: Tensor) -> torch.device:
+def _target(device: Any, out: tuple[Tensor, Tensor] | None, buf: Tensor) -> torch.device:
     try:
         wanted = None if device is None else torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise InvalidArgument(f"bad device {device!r}: {exc}") from exc
-    if out is not None and wanted is not None and out.device != wanted:
-        raise InvalidArgument(f"out is on {out.device} but device={device} was requested")
-    return out.device if out is not None else wanted or buf.device
+    if out is not None and wanted is not None and out[0].device != wanted:
+        raise InvalidArgument(f"out is on {out[0].device} but device={device} was requested")
+    return out[0].device if out is not None else wanted or buf.device
 
 
-def _check_out_kv(out: Any, header: ChunkHeader) -> Tensor:
-    if not isinstance(out, Tensor):
-        raise InvalidArgument(f"out must be a Tensor, got {type(out).__name__}")
-    if tuple(out.shape) != header.shape or out.dtype != header.dtype:
-        raise BadShape(
-            f"out is {tuple(out.shape)} {out.dtype}; chunk is {header.shape} {header.dtype}"
-        )
-    return out
+def _check_out_kv(out: Any, header: ChunkHeader) -> tuple[Tensor, Tensor]:
+    if not isinstance(out, (Tensor, tuple, list)):
+        raise InvalidArgument(f"out must be a Tensor or a (K, V) pair, got {type(out).__name__}")
+    try:
+        k, v = kv_halves(out, "out")
+    except BadShape as exc:  # say what the chunk needs
+        raise BadShape(f"{exc}; chunk is {header.shape} {header.dtype}") from None
+    if tuple(k.shape) != header.shape[1:] or k.dtype != header.dtype:
+        shape = tuple(out.shape) if isinstance(out, Tensor) else (2, *k.shape)
+        raise BadShape(f"out is {shape} {k.dtype}; chunk is {header.shape} {header.dtype}")
+    return k, v
 
 
+@overload
 def decode_chunk(
     buf: Any,
     device: torch.device | str | None = None,
     out: Tensor | None = None,
     expect_key: ChunkKey | None = None,
     expect_spec: ChunkSpec | None = None,
-) -> Tensor:
+) -> Tensor: ...
+@overload
+def decode_chunk(
+    buf: Any,
+    device: torch.device | str | None = None,
+    *,
+    out: tuple[Tensor, Tensor],
+    expect_key: ChunkKey | None = None,
+    expect_spec: ChunkSpec | None = None,
+) -> tuple[Tensor, Tensor]: ...
+
+
+def decode_chunk(
+    buf: Any,
+    device: torch.device | str | None = None,
+    out: KV | None = None,
+    expect_key: ChunkKey | None = None,
+    expect_spec: ChunkSpec | None = None,
+) -> KV:
     """Verify and decode a chunk into ``[2, T, H, D]`` of its original dtype.
 
     ``buf``: a 1-D uint8 tensor, numpy array, bytes, bytearray or memoryview. The result
     lives on ``device`` (default: ``out``'s device, else ``buf``'s, CPU for non-tensors);
     the checksum is verified where ``buf`` lives, then only the encoded bytes move.
     ``out`` (any strided view of the right shape and dtype, e.g. a slice of a layer or a
-    paged-cache block) is written in place and returned. Never returns data that failed
+    paged-cache block, or a (K, V) pair of ``[T, H, D]`` views, :data:`KV`) is written in
+    place and returned. Never returns data that failed
     verification. Raises :class:`ChunkFormatError`, :class:`ChunkVersionError`,
     :class:`ChecksumError`, :class:`ChunkKeyMismatch` (``expect_key`` given and different),
     :class:`ChunkSpecMismatch` (``expect_spec`` given and different), :class:`BadShape`
@@ -819,9 +883,8 @@ def decode_chunk(
     t = _as_bytes_tensor(buf)
     header, layout, host = _read(t)
     _check_expected(header, expect_key, expect_spec)
-    if out is not None:
-        _check_out_kv(out, header)
-    target = _target(device, out, t)
+    halves = None if out is None else _check_out_kv(out, header)
+    target = _target(device, halves, t)
     with torch.no_grad():
         _verify_checksum(t, host, header, layout)
         if t.device != target:
@@ -832,23 +895,27 @@ def decode_chunk(
                 raise InvalidArgument(f"cannot move the chunk to {target}: {exc}") from exc
         if out is None:
             out = torch.empty(header.shape, dtype=header.dtype, device=target)
-        _decode_into(t, layout, out)
-    _count(decoded_bytes=out.numel() * out.element_size())
+            halves = (out[0], out[1])
+        assert halves is not None
+        _decode_into(t, layout, halves)
+    _count(decoded_bytes=2 * halves[0].numel() * halves[0].element_size())
     return out
 
 
-def _decode_into(buf: Tensor, layout: _Layout, out: Tensor) -> None:
-    """Dequantize the 1-D chunk ``buf`` into ``out [2, T, H, D]`` (any strides)."""
+def _decode_into(buf: Tensor, layout: _Layout, out: tuple[Tensor, Tensor]) -> None:
+    """Dequantize the 1-D chunk ``buf`` into K and V ``[T, H, D]`` (any strides)."""
     payload = _payload_view(buf, layout)  # [2, T, H, D]
     if layout.scheme == 0:
-        out.copy_(payload)
+        out[0].copy_(payload[0])
+        out[1].copy_(payload[1])
         return
     region = buf[HEADER_NBYTES : HEADER_NBYTES + layout.scales_nbytes].view(torch.float16)
     scales = _scale_views(region.float(), 0, layout)
     modes = _SCHEME_MODES[layout.scheme]
     if fused.dequantize(payload, scales, modes, out):
         return  # one compiled call (kvstore.core.fused)
-    tmp = None if out.dtype == torch.float32 else kernels.scratch(layout.shape, out.device)
+    dtype, device = out[0].dtype, out[0].device
+    tmp = None if dtype == torch.float32 else kernels.scratch(layout.shape, device)
     for half in (0, 1):
         dst = out[half]
         work = dst if tmp is None else tmp

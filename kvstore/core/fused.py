@@ -380,17 +380,20 @@ def _describe(key: tuple[Any, ...]) -> str:
 
 
 def quantize(
-    x: Tensor, codes: Tensor, scales: tuple[list[Tensor], list[Tensor]], modes: tuple[str, str]
+    k: Tensor,
+    v: Tensor,
+    codes: Tensor,
+    scales: tuple[list[Tensor], list[Tensor]],
+    modes: tuple[str, str],
 ) -> bool:
-    """Quantize ``x [2, N, T, H, D]`` into ``codes [N, 2, T, H, D]`` (int8 views of the
+    """Quantize K and V ``[N, T, H, D]`` into ``codes [N, 2, T, H, D]`` (int8 views of the
     chunk rows) and ``scales`` (K's and V's float16 views ``[N, ...]``), as codec's eager
     loop does; False (nothing written) where the eager path should run instead."""
-    n = x.shape[1]
-    if not _wanted(x.device):
+    n, device = k.shape[0], k.device
+    if not _wanted(device):
         return False
-    k, v = x[0], x[1]
-    key = ("encode" if n > 1 else "encode1", x.device.type, x.dtype, *modes, *x.shape[2:])
-    qk, qv = (_scratch(tuple(k.shape), torch.int8, x.device, i) for i in (0, 1))
+    key = ("encode" if n > 1 else "encode1", device.type, k.dtype, *modes, *k.shape[1:])
+    qk, qv = (_scratch(tuple(k.shape), torch.int8, device, i) for i in (0, 1))
     if n > 1 and key not in _state.warm:
         for t in (k, v, qk, qv):
             torch._dynamo.mark_dynamic(t, 0)
@@ -405,15 +408,16 @@ def quantize(
 
 
 def dequantize(
-    q: Tensor, scales: Sequence[list[Tensor]], modes: tuple[str, str], out: Tensor
+    q: Tensor, scales: Sequence[list[Tensor]], modes: tuple[str, str], out: tuple[Tensor, Tensor]
 ) -> bool:
     """Dequantize codes ``q [2, T, H, D]`` with the scales (K's, V's views, as float32)
-    into ``out`` (any strides), as codec's eager decoder does; False (nothing written)
-    where the eager path should run instead."""
-    if not _wanted(out.device):
+    into ``out``, K and V ``[T, H, D]`` (any strides), as codec's eager decoder does;
+    False (nothing written) where the eager path should run instead."""
+    dtype, device = out[0].dtype, out[0].device
+    if not _wanted(device):
         return False
-    key = ("decode", out.device.type, out.dtype, *modes, *q.shape[1:])
-    wk, wv = (_scratch(tuple(q.shape[1:]), out.dtype, out.device, i) for i in (0, 1))
+    key = ("decode", device.type, dtype, *modes, *q.shape[1:])
+    wk, wv = (_scratch(tuple(q.shape[1:]), dtype, device, i) for i in (0, 1))
     got = _run(key, _decode_graph, q[0], q[1], [*scales[0], *scales[1]], wk, wv, modes)
     if got is _FAILED:
         return False
