@@ -151,6 +151,7 @@ class ClientCore:
         self._uri_of: dict[str, str] = {}
         self._no_place = ""
         self._held: dict[bytes, float] = {}
+        self._holds: dict[str, list[tuple[tuple[bytes, ...], tuple[str, str]]]] = {}  # by tag
         """Block hash → loop time its pins (by ``match_prefix(hold_s=...)``) surely last."""
         self._writer = uuid.uuid4().hex
         """Who this client is to nodes' grants."""
@@ -601,16 +602,17 @@ class ClientCore:
         return sink
 
     async def _locate(
-        self, hashes: list[bytes], index: int, *, load_all: bool
+        self, hashes: list[bytes], index: int, *, load_all: bool, start: int = 0
     ) -> dict[int, list[Holder]]:
         """Block index → the live holders of chunk ``index``, in the order to try them:
-        the leading run of blocks that have one, or (``load_all``) every block that has
-        one."""
-        if not hashes:
+        the leading run from block ``start`` of blocks that have one, or (``load_all``)
+        every block from ``start`` that has one."""
+        if len(hashes) <= start:
             return {}
-        holders = await self._master.lookup(self.ns.id, hashes, self._chunks_per_block)
+        wanted = hashes[start:]
+        holders = await self._master.lookup(self.ns.id, wanted, self._chunks_per_block)
         located: dict[int, list[Holder]] = {}
-        for i, block in enumerate(holders):
+        for i, block in enumerate(holders, start):
             having = self._reads.ranked([h for h in block if h.has(index)])
             if having:
                 located[i] = having
@@ -656,12 +658,18 @@ class ClientCore:
     # ------------------------------------------------------------------ prefix match
 
     async def match_prefix(
-        self, token_ids: Sequence[int] | Any, hold_s: float = 0, *, timeout: float | None = None
+        self,
+        token_ids: Sequence[int] | Any,
+        hold_s: float = 0,
+        *,
+        timeout: float | None = None,
+        tag: str | None = None,
     ) -> int:
         """Tokens of ``token_ids`` whose KV is in the pool for every layer and shard.
 
         A multiple of ``block_tokens``. With ``hold_s > 0`` the matched slots are pinned on
-        their nodes for ``hold_s`` seconds so a following read finds them. Raises
+        their nodes for ``hold_s`` seconds so a following read finds them; with a ``tag``
+        (e.g. the engine's request id) :meth:`release` lets them go sooner. Raises
         :class:`KVTimeout` and transport errors; a miss is 0.
         """
         hashes = self.block_hashes(token_ids)
@@ -669,9 +677,30 @@ class ClientCore:
             return 0
         if hold_s < 0:
             raise InvalidArgument(f"hold_s must be >= 0, got {hold_s}")
-        return int(await self._deadline(self._match(hashes, hold_s), timeout, "match_prefix"))
+        match = self._match(hashes, hold_s, tag)
+        return int(await self._deadline(match, timeout, "match_prefix"))
 
-    async def _match(self, hashes: list[bytes], hold_s: float) -> int:
+    async def release(self, tag: str, *, timeout: float | None = None) -> int:
+        """Release the holds ``match_prefix(..., tag=tag)`` took, before they expire; how
+        many holds were released. Unknown tags release nothing. Nodes that cannot be
+        reached keep theirs until they expire (logged, never raised)."""
+        holds = self._holds.pop(tag, [])
+        for hashes, _ in holds:
+            for h in hashes:
+                self._held.pop(h, None)
+
+        async def one(uri: str, hold_id: str) -> bool:
+            try:
+                return await self._node(uri).unhold(hold_id)
+            except TransportError as exc:
+                logger.warning("unhold on %s failed: %s", uri, exc)
+                return False
+
+        pairs = {ref for _, ref in holds}
+        done = self._deadline(asyncio.gather(*(one(u, i) for u, i in pairs)), timeout, "release")
+        return sum(await done)
+
+    async def _match(self, hashes: list[bytes], hold_s: float, tag: str | None = None) -> int:
         blocks, holders = await self._master.match_prefix(
             self.ns.id,
             hashes,
@@ -686,8 +715,11 @@ class ClientCore:
                     by_uri.setdefault(h.data_uri, []).append(hashes[i])
             until = self._loop.time() + hold_s * _HOLD_TRUST
             uris = list(by_uri)
-            pinned = await asyncio.gather(*(self._hold(u, by_uri[u], hold_s) for u in uris))
-            held = dict(zip(uris, pinned, strict=True))
+            got = await asyncio.gather(*(self._hold(u, by_uri[u], hold_s) for u in uris))
+            held = {u: pinned for u, (pinned, _) in zip(uris, got, strict=True)}
+            if tag is not None and len(self._holds) < _MAX_HELD:
+                refs = [(u, hold_id) for u, (_, hold_id) in zip(uris, got, strict=True) if hold_id]
+                self._holds.setdefault(tag, []).extend((tuple(by_uri[r[0]]), r) for r in refs)
             if len(self._held) > _MAX_HELD:
                 self._held = {h: t for h, t in self._held.items() if t > self._loop.time()}
             for i, block in enumerate(holders[:blocks]):
@@ -697,14 +729,17 @@ class ClientCore:
                     self._held[hashes[i]] = until
         return blocks * self.ns.block_tokens
 
-    async def _hold(self, uri: str, hashes: list[bytes], hold_s: float) -> set[bytes]:
-        """Pin ``hashes`` on the node at ``uri``; the ones it pinned (a leading run)."""
+    async def _hold(
+        self, uri: str, hashes: list[bytes], hold_s: float
+    ) -> tuple[set[bytes], str | None]:
+        """Pin ``hashes`` on the node at ``uri``; the ones it pinned (a leading run) and
+        the hold's id."""
         try:
             held = await self._node(uri).hold(self.ns.id, hashes, hold_s)
         except TransportError as exc:
             logger.warning("hold on %s failed: %s", uri, exc)
-            return set()
-        return set(hashes[: held.blocks])
+            return set(), None
+        return set(hashes[: held.blocks]), held.hold_id
 
 
 class KVClient(EngineOps, StreamOps, ObjectOps, ClientCore):

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.core.codec import KV, ChunkKey
-from kvstore.errors import BadShape
+from kvstore.errors import BadShape, InvalidArgument
 
 from .encoding import launch
-from .handles import Handle, Result, StreamHandle, no_blocks, prefix_len
+from .handles import Handle, Result, StreamHandle, prefix_len
 from .paged import ChunkView, chunk_views, decode_into, encode_paged
 from .stream import LayerSink
 
@@ -64,10 +64,14 @@ class EngineOps(_Base):
         shard: int,
         timeout: float | None,
         what: str,
+        skip_tokens: int = 0,
     ) -> tuple[list[bytes], Callable[[], Awaitable[set[int]]]]:
         hashes, views = self._paged_views(token_ids, cache, block_ids, layout, writable=False)
         index = self._chunk_index(layer, shard)
-        keys = [ChunkKey(h, layer, shard) for h in hashes]
+        first = self._first_block(skip_tokens, len(hashes), exact=True)
+        first = max(first, self._held_prefix(hashes))  # pinned for us: stored already
+        rest, views = hashes[first:], views[first:]
+        keys = [ChunkKey(h, layer, shard) for h in rest]
         encoded = launch(
             cache.is_cuda,
             lambda out: encode_paged(views, keys, self.ns.quant, out=out),
@@ -75,11 +79,21 @@ class EngineOps(_Base):
         )
 
         async def put() -> set[int]:
-            return await self._put_encoded(hashes, index, encoded)
+            stored = await self._put_encoded(rest, index, encoded)
+            return {first + i for i in stored} | set(range(first))
 
-        if not hashes:
-            return hashes, no_blocks
-        return hashes, lambda: self._tracked_put(put, hashes, timeout, what)
+        if not rest:
+            return hashes, lambda: _all_of(first)
+        return hashes, lambda: self._tracked_put(put, rest, timeout, what)
+
+    def _first_block(self, skip_tokens: Any, n_blocks: int, *, exact: bool) -> int:
+        """The first block a call with ``skip_tokens`` touches (checked)."""
+        B = self.ns.block_tokens
+        ok = isinstance(skip_tokens, int) and not isinstance(skip_tokens, bool)
+        if not ok or skip_tokens < 0 or (exact and skip_tokens % B):
+            what = f"a multiple of block_tokens ({B})" if exact else "an int >= 0"
+            raise InvalidArgument(f"skip_tokens must be {what}, got {skip_tokens!r}")
+        return min(skip_tokens // B, n_blocks)
 
     async def put_layer_paged(
         self,
@@ -112,12 +126,17 @@ class EngineOps(_Base):
         shard: int = 0,
         *,
         timeout: float | None = None,
+        skip_tokens: int = 0,
     ) -> Handle:
         """Non-blocking :meth:`put_layer_paged`: a handle whose ``wait()`` gives
-        ``Result(tokens, missing)``. The cache blocks must not change until then."""
+        ``Result(tokens, missing)``. The cache blocks must not change until then.
+        ``skip_tokens`` (a multiple of ``block_tokens``): the leading blocks already saved
+        (an earlier step of a chunked prefill, or loaded from the pool) are neither
+        encoded nor sent, and count as stored."""
         hashes, run = self._put_paged(
-            token_ids, layer, cache, block_ids, layout, shard, timeout, "start_put_layer_paged"
-        )
+            token_ids, layer, cache, block_ids, layout, shard, timeout, "start_put_layer_paged",
+            skip_tokens,
+        )  # fmt: skip
         return self._result_handle(run, len(hashes), layer)
 
     def _get_paged(
@@ -131,16 +150,19 @@ class EngineOps(_Base):
         timeout: float | None,
         *,
         load_all: bool,
+        skip_tokens: int = 0,
     ) -> tuple[list[bytes], Callable[[], Awaitable[set[int]]]]:
         hashes, views = self._paged_views(token_ids, cache, block_ids, layout, writable=True)
         index = self._chunk_index(layer, shard)
+        first = self._first_block(skip_tokens, len(hashes), exact=False)
+        partial = skip_tokens % self.ns.block_tokens
 
         def sink(i: int, buf: torch.Tensor, key: ChunkKey) -> None:
-            decode_into(buf, views[i], expect_key=key)
+            decode_into(buf, views[i], expect_key=key, skip=partial if i == first else 0)
 
         async def get() -> set[int]:
-            located = await self._locate(hashes, index, load_all=load_all)
-            return await self._fetch(hashes, layer, shard, located, sink)
+            located = await self._locate(hashes, index, load_all=load_all, start=first)
+            return await self._fetch(hashes, layer, shard, located, sink) | set(range(first))
 
         return hashes, lambda: self._deadline(get(), timeout, "get_layer_paged")
 
@@ -173,12 +195,17 @@ class EngineOps(_Base):
         shard: int = 0,
         *,
         timeout: float | None = None,
+        skip_tokens: int = 0,
     ) -> Handle:
         """Non-blocking :meth:`get_layer_paged` loading every present block (holes
-        included); ``Result.missing`` names the blocks to recompute."""
+        included); ``Result.missing`` names the blocks to recompute. ``skip_tokens``: the
+        engine's own prefix (e.g. its local prefix-cache hit, any multiple of its block
+        size): those tokens of the cache are never written, even inside the block that
+        holds the first token to load, and their blocks count as loaded."""
         hashes, run = self._get_paged(
-            token_ids, layer, cache, block_ids, layout, shard, timeout, load_all=True
-        )
+            token_ids, layer, cache, block_ids, layout, shard, timeout, load_all=True,
+            skip_tokens=skip_tokens,
+        )  # fmt: skip
         return self._result_handle(run, len(hashes), layer)
 
     def start_put_layer(
@@ -290,3 +317,7 @@ class EngineOps(_Base):
             return Result(len(done) * self.ns.block_tokens, missing)
 
         return Handle(self._loop, result)
+
+
+async def _all_of(n: int) -> set[int]:
+    return set(range(n))

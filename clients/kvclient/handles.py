@@ -30,7 +30,6 @@ __all__ = [
     "LoopThread",
     "Result",
     "StreamHandle",
-    "no_blocks",
     "prefix_len",
     "shared_loop",
 ]
@@ -163,11 +162,6 @@ class StreamHandle(Handle):
             event.wait(step)
             waited += step
         return self._layers[layer]
-
-
-async def no_blocks() -> set[int]:
-    """The put or get of a prompt without one full block: nothing to do."""
-    return set()
 
 
 def prefix_len(present: set[int], n: int) -> int:

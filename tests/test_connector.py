@@ -1,0 +1,259 @@
+"""The vLLM-shaped connector driven through the call sequence vLLM V1's scheduler and
+worker make (``vllm/v1/core/sched/scheduler.py``, ``kv_connector_model_runner_mixin.py``),
+against a real ``kvstore serve``: a chunked prefill saving layer by layer, a decode
+loading layer by layer (with and without the engine's own prefix hit), a block evicted
+between match and load (reported by engine block id, never left as zeros), an aborted
+request, and no pin left behind.
+
+vLLM is not installed here: its ``Request``, ``KVCacheBlocks`` and ``SchedulerOutput`` are
+stood in for by objects with the attributes the connector reads (the engine is not our
+code); the connector, the client and the server are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvclient.vllm_connector import KVStoreConnector
+from kvstore.dataplane import NodeClient
+from tests import cluster
+from tests.cluster import TRANSPORTS, Server, start_server
+
+pytestmark = pytest.mark.slow
+
+L, H, D, B, BS = 3, 2, 16, 16, 4  # layers, KV heads, head dim, our block, engine block
+NUM_BLOCKS = 96
+SENTINEL = -3.0
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
+                       "--host-mem", "64MiB", "--transport", request.param)  # fmt: skip
+    yield srv
+    rc, out = srv.stop()
+    assert rc == 0 and "pinned_slots=0" in out, out
+
+
+# ----------------------------------------------------------------------------- vLLM's side
+
+
+def vllm_config(master: str, kv_role: str, model: str) -> SimpleNamespace:
+    model_config = SimpleNamespace(
+        model=model, revision="r1", dtype=torch.bfloat16,
+        get_num_layers=lambda parallel: L, get_num_kv_heads=lambda parallel: H,
+        get_head_size=lambda: D,
+    )  # fmt: skip
+    return SimpleNamespace(
+        model_config=model_config,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, rank=0),
+        cache_config=SimpleNamespace(block_size=BS),
+        kv_transfer_config=SimpleNamespace(
+            kv_role=kv_role,
+            kv_connector_extra_config={
+                "master": master,
+                "block_tokens": B,
+                "quant": "none",
+                "timeout_s": 10,
+                "hold_s": 30,
+            },
+        ),
+    )
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    status: Any = field(default_factory=lambda: SimpleNamespace(name="RUNNING"))
+
+
+@dataclass
+class Blocks:  # KVCacheBlocks
+    ids: list[int]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[Any] = field(default_factory=list)
+    scheduled_cached_reqs: Any = field(
+        default_factory=lambda: SimpleNamespace(
+            req_ids=[], new_block_ids=[], num_computed_tokens=[]
+        )
+    )
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+
+
+def new_req(req: Request, blocks: list[int], computed: int, scheduled: int) -> SchedulerOutput:
+    new = SimpleNamespace(req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                          block_ids=(blocks,), num_computed_tokens=computed)  # fmt: skip
+    return SchedulerOutput([new], num_scheduled_tokens={req.request_id: scheduled})
+
+
+def cached_req(
+    req: Request, new_blocks: list[int], computed: int, scheduled: int
+) -> SchedulerOutput:
+    cached = SimpleNamespace(req_ids=[req.request_id], new_block_ids=[(new_blocks,)],
+                             num_computed_tokens=[computed])  # fmt: skip
+    return SchedulerOutput([], cached, {req.request_id: scheduled})
+
+
+def layer_kv(tokens: list[int], layer: int) -> torch.Tensor:
+    """What the 'model' computes for ``tokens`` at ``layer``: [2, T, H, D], deterministic."""
+    t = torch.tensor(tokens, dtype=torch.float32).view(1, -1, 1, 1)
+    pos = torch.arange(len(tokens), dtype=torch.float32).view(1, -1, 1, 1)
+    ch = torch.arange(H * D, dtype=torch.float32).view(1, 1, H, D)
+    kv = torch.sin(t * 0.013 + pos * 0.07 + ch * 0.011 + layer) * 3
+    return torch.cat([kv, -kv]).to(torch.bfloat16)
+
+
+class Engine:
+    """One engine instance: a paged cache per layer (kv_first, like FlashAttention) and the
+    worker-side connector, stepped the way vLLM's model runner steps it."""
+
+    def __init__(self, master: str, kv_role: str, model: str) -> None:
+        cfg = vllm_config(master, kv_role, model)
+        self.sched = KVStoreConnector(cfg, SimpleNamespace(name="SCHEDULER"), None)
+        self.work = KVStoreConnector(cfg, SimpleNamespace(name="WORKER"), None)
+        self.caches = {f"model.layers.{i}.self_attn.attn":
+                       torch.full((2, NUM_BLOCKS, BS, H, D), SENTINEL, dtype=torch.bfloat16)
+                       for i in range(L)}  # fmt: skip
+        self.work.register_kv_caches(self.caches)
+
+    def step(
+        self, out: SchedulerOutput, compute: dict[str, tuple[list[int], list[int], int, int]]
+    ) -> Any:
+        """Scheduler's build_connector_meta, then the worker's execute_model with the
+        connector's context: bind, start_load_kv, per layer wait/compute/save, wait_for_save,
+        get_finished, get_block_ids_with_load_errors, clear. ``compute``: request id ->
+        (prompt, block ids, first token, end token) the forward pass computes."""
+        meta = self.sched.build_connector_meta(out)
+        self.work.bind_connector_metadata(meta)
+        self.work.start_load_kv(None)
+        for i, (name, cache) in enumerate(self.caches.items()):
+            self.work.wait_for_layer_load(name)
+            for prompt, blocks, lo, hi in compute.values():
+                kv = layer_kv(prompt, i)
+                for t in range(lo, hi):
+                    cache[:, blocks[t // BS], t % BS] = kv[:, t]
+            self.work.save_kv_layer(name, cache, None)
+        self.work.wait_for_save()
+        finished = self.work.get_finished(out.finished_req_ids)
+        errors = self.work.get_block_ids_with_load_errors()
+        self.work.clear_connector_metadata()
+        return meta, finished, errors
+
+    def tokens(self, layer: int, blocks: list[int], n: int) -> torch.Tensor:
+        cache = list(self.caches.values())[layer]
+        return torch.cat([cache[:, b] for b in blocks], dim=1)[:, :n]
+
+    def close(self) -> None:
+        self.work.shutdown()
+        self.sched.shutdown()
+
+
+def drain_finished(engine: Engine, ids: set[str]) -> set[str]:
+    """Empty steps (vLLM steps while delayed frees remain) until ``ids`` are reported."""
+    sent: set[str] = set()
+    for _ in range(200):
+        _, (done, _), _ = engine.step(SchedulerOutput(finished_req_ids=ids - sent), {})
+        sent |= done or set()
+        if sent >= ids:
+            return sent
+        time.sleep(0.05)
+    return sent
+
+
+# ----------------------------------------------------------------------------- the test
+
+
+def test_vllm_call_sequence_prefill_decode_load_error_and_abort(server: Server) -> None:
+    prompt = [(7 * i + 3) % 5000 for i in range(100)]  # 6 whole blocks of ours (96 tokens)
+    blocks = list(range(NUM_BLOCKS - 1, NUM_BLOCKS - 26, -1))  # 25 engine blocks, reversed
+    model = f"connector-{server.data}"
+    prefill = Engine(server.grpc, "kv_producer", model)
+    decode = Engine(server.grpc, "kv_consumer", model)
+    try:
+        # --- prefill instance: a chunked prefill of 64, then 36 tokens, then finished.
+        p1 = Request("p1", prompt)
+        assert prefill.sched.get_num_new_matched_tokens(p1, 0) == (0, False)  # producer only
+        prefill.sched.update_state_after_alloc(p1, Blocks(blocks), 0)
+        meta, _, errors = prefill.step(
+            new_req(p1, blocks[:16], 0, 64), {"p1": (prompt, blocks, 0, 64)}
+        )
+        assert [s.skip_tokens for s in meta.meta.saves] == [0] and not meta.meta.loads
+        assert errors == set()
+        meta, _, _ = prefill.step(
+            cached_req(p1, blocks[16:], 64, 36), {"p1": (prompt, blocks, 64, 100)}
+        )
+        assert [(s.skip_tokens, len(s.token_ids)) for s in meta.meta.saves] == [(64, 96)]
+        p1.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+        delay, params = prefill.sched.request_finished(p1, blocks)
+        assert delay is True and params == {"kvstore": {"prompt_tokens": 100, "saved_tokens": 96}}
+        assert drain_finished(prefill, {"p1"}) == {"p1"}  # saves landed: blocks may be freed
+
+        # --- decode instance: the whole prompt but its last token's block comes from the pool.
+        d1 = Request("d1", prompt)
+        assert decode.sched.get_num_new_matched_tokens(d1, 0) == (96, False)
+        assert decode.sched.get_num_new_matched_tokens(d1, 0) == (96, False)  # asked again
+        decode.sched.update_state_after_alloc(d1, Blocks(blocks), 96)
+        meta, _, errors = decode.step(new_req(d1, blocks, 96, 4), {"d1": (prompt, blocks, 96, 100)})
+        assert len(meta.meta.loads) == 1 and not meta.meta.saves and errors == set()
+        for layer in range(L):  # quant "none": the very bytes the prefill computed
+            assert torch.equal(decode.tokens(layer, blocks, 100), layer_kv(prompt, layer))
+        assert decode.sched.request_finished(d1, blocks) == (
+            False,
+            {"kvstore": {"prompt_tokens": 100, "saved_tokens": 96}},
+        )
+
+        # --- a second decode request with the engine's own prefix hit of 8 tokens (2 blocks),
+        # and its blocks 2 and 3 of ours evicted between the match and the load.
+        d2 = Request("d2", prompt)
+        mine = list(range(25))
+        for c in decode.caches.values():
+            c[:, mine] = SENTINEL
+        assert decode.sched.get_num_new_matched_tokens(d2, 8) == (88, False)
+        decode.sched.update_state_after_alloc(d2, Blocks(mine), 88)
+        kv = decode.sched.scheduler.kv  # type: ignore[union-attr]
+        assert kv.release("d2") >= 1  # as if the hold had expired ...
+        hashes = kv.block_hashes(prompt)
+        evicted = asyncio.run(NodeClient(server.data, timeout_s=5).evict(kv.ns.id, hashes[2:4]))
+        assert evicted.evicted >= 2 and evicted.kept == 0  # ... and the pool evicted two blocks
+        meta, _, errors = decode.step(new_req(d2, mine, 8, 92), {})
+        assert errors == set(range(8, 16))  # engine blocks of tokens 32..63: recompute them
+        for layer in range(L):
+            got, want = decode.tokens(layer, mine, 100), layer_kv(prompt, layer)
+            assert bool((got[:, :8] == SENTINEL).all())  # the engine's own prefix: untouched
+            assert torch.equal(got[:, 8:32], want[:, 8:32])
+            assert torch.equal(got[:, 64:96], want[:, 64:96])
+            assert bool((got[:, 32:64] == SENTINEL).all())  # not loaded: never zeros
+        decode.sched.request_finished(d2, mine)
+
+        # --- an aborted request on the prefill side: its saves are cancelled, reported done.
+        other = [(11 * i + 1) % 5000 for i in range(64)]
+        p3 = Request("p3", other)
+        prefill.sched.get_num_new_matched_tokens(p3, 0)
+        prefill.sched.update_state_after_alloc(p3, Blocks(blocks[:16]), 0)
+        prefill.step(new_req(p3, blocks[:16], 0, 64), {"p3": (other, blocks, 0, 64)})
+        p3.status = SimpleNamespace(name="FINISHED_ABORTED")
+        assert prefill.sched.request_finished(p3, blocks[:16]) == (True, None)
+        meta, (sent, _), _ = prefill.step(SchedulerOutput(finished_req_ids={"p3"}), {})
+        assert meta.meta.aborted == ("p3",)  # cancelled at bind: reported in this very step
+        assert sent == {"p3"}
+    finally:
+        prefill.close()
+        decode.close()
+    stats = asyncio.run(cluster.node_stats(server.data))
+    assert stats["pinned_slots"] == 0  # holds released, no lease left by loads or saves
