@@ -328,6 +328,7 @@ class WorkerConnector:
             try:
                 missing = [b for b, _ in handle.wait(timeout=self.timeout_s + 1).missing]
             except KVStoreError as exc:
+                handle.cancel()  # never let a late read write blocks the engine recomputes
                 logger.warning("load of %s failed: %s", spec.request_id, exc)
                 missing = list(range(spec.skip_tokens // B, -(-spec.end_tokens // B)))
             for chunk in missing:
