@@ -261,8 +261,8 @@ class EngineOps(_Base):
         """Start :meth:`~kvclient.KVClient.stream_layers` in the background; a decode
         hook calls ``handle.layer(l)`` just before it needs layer ``l``. ``out`` as for
         ``stream_layers`` (checked at once)."""
-        hashes, sinks = self._stream_sinks(token_ids, shard, device, out)
-        stream = self._stream(hashes, timeout, shard, sinks)
+        hashes, sink_of = self._stream_sinks(token_ids, shard, device, out)
+        stream = self._stream(hashes, timeout, shard, sink_of)
         return self._stream_handle(stream, len(hashes) * self.ns.block_tokens)
 
     def start_stream_layers_paged(
@@ -296,7 +296,8 @@ class EngineOps(_Base):
 
             return LayerSink(put, lambda: n_tokens)
 
-        stream = self._stream(hashes, timeout, shard, [sink(v) for v in views])
+        sinks = [sink(v) for v in views]
+        stream = self._stream(hashes, timeout, shard, sinks.__getitem__)
         return self._stream_handle(stream, n_tokens)
 
     def _stream_handle(self, stream: AsyncGenerator[tuple[int, Any], None], n: int) -> StreamHandle:

@@ -144,21 +144,27 @@ class StreamOps(_Base):
         :class:`Miss` naming the layer on a writer's abort, on an eviction of a layer not
         yet read, or on the timeout.
         """
-        hashes, sinks = self._stream_sinks(token_ids, shard, device, out)
-        async for layer, value in self._stream(hashes, timeout, shard, sinks):
+        hashes, sink_of = self._stream_sinks(token_ids, shard, device, out)
+        async for layer, value in self._stream(hashes, timeout, shard, sink_of):
             yield layer, value
 
     def _stream_sinks(
         self, token_ids: Sequence[int] | Any, shard: int, device: Any, out: Sequence[KV] | None
-    ) -> tuple[list[bytes], list[LayerSink]]:
-        """The block hashes a stream covers and its per-layer sinks, ``out`` checked."""
+    ) -> tuple[list[bytes], Callable[[int], LayerSink]]:
+        """The block hashes a stream covers and the sink of each layer, ``out`` checked.
+        Without ``out``, a layer's tensor is allocated when the layer is read, so a caller
+        that drops each layer holds one at a time."""
         hashes = self.block_hashes(token_ids)
         self._chunk_index(0, shard)
         B, L = self.ns.block_tokens, self.ns.num_layers
         if out is None:
             shape = (2, len(hashes) * B, self.ns.num_kv_heads, self.ns.head_dim)
-            new = [torch.empty(shape, dtype=self._dtype, device=device) for _ in range(L)]
-            return hashes, [self._tensor_sink(t, len(hashes)) for t in new]
+
+            def new(layer: int) -> LayerSink:
+                t = torch.empty(shape, dtype=self._dtype, device=device)
+                return self._tensor_sink(t, len(hashes))
+
+            return hashes, new
         if isinstance(out, torch.Tensor) or len(out) != L:
             got = "a tensor" if isinstance(out, torch.Tensor) else f"{len(out)} entries"
             raise BadShape(f"out must hold one destination per layer ({L}), got {got}")
@@ -166,10 +172,10 @@ class StreamOps(_Base):
         if len(sizes) > 1:
             raise BadShape(f"out's layers hold different token counts: {sorted(sizes)}")
         hashes = hashes[: sizes.pop() // B]
-        return hashes, [self._tensor_sink(o, len(hashes)) for o in out]
+        sinks = [self._tensor_sink(o, len(hashes)) for o in out]
+        return hashes, sinks.__getitem__
 
     def _tensor_sink(self, target: KV, n_blocks: int) -> LayerSink:
-
         return LayerSink(
             self._into(target), lambda: kv_span(target, 0, n_blocks * self.ns.block_tokens)
         )
@@ -179,16 +185,16 @@ class StreamOps(_Base):
         hashes: list[bytes],
         timeout: float | None,
         shard: int,
-        sinks: Sequence[LayerSink],
+        sink_of: Callable[[int], LayerSink],
     ) -> AsyncGenerator[tuple[int, Any], None]:
-        """Stream the layers of ``hashes`` (shard ``shard``) into ``sinks`` (one per layer),
-        yielding ``(layer, sinks[layer].value())`` as each layer is complete."""
+        """Stream the layers of ``hashes`` (shard ``shard``) into ``sink_of(layer)``,
+        yielding ``(layer, sink.value())`` as each layer is complete."""
         limit = self.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         L = self.ns.num_layers
         if not hashes:
             for layer in range(L):
-                yield layer, sinks[layer].value()
+                yield layer, sink_of(layer).value()
             return
         state = StreamState(len(hashes))
         next_layer = 0
@@ -201,13 +207,14 @@ class StreamOps(_Base):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise Miss(f"stream timed out before layer {next_layer}", layer=next_layer)
-                    read = self._stream_layer(hashes, next_layer, shard, state, sinks[next_layer])
+                    sink = sink_of(next_layer)
+                    read = self._stream_layer(hashes, next_layer, shard, state, sink)
                     if not await self._deadline(read, left, "stream_layers"):
                         raise Miss(
                             f"layer {next_layer} was announced but is no longer complete",
                             layer=next_layer,
                         )
-                    yield next_layer, sinks[next_layer].value()
+                    yield next_layer, sink.value()
                     next_layer += 1
         finally:
             await events.aclose()
