@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,engine]'
 	$(BIN)/pip install -q 'nixl-cu12>=1.5' || echo "nixl-cu12 unavailable: ucx:// disabled"
 	touch $(STAMP)
 

@@ -1,0 +1,27 @@
+"""A reference disaggregated engine on a real model implementation (Hugging Face
+transformers' Llama or Qwen2, random weights from a fixed seed), wired to kvstore through
+:mod:`kvclient.connector`. Needs the ``engine`` extra (``pip install -e '.[engine]'``).
+
+``python -m examples.reference_engine prefill|decode|reference --master HOST:PORT ...``
+runs one side as its own process and prints one JSON line per prompt; see ``__main__.py``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Engine", "Output", "build_model", "namespace", "reference_generate"]
+
+import kvclient
+
+from .engine import Engine, Output, reference_generate
+from .model import build_model
+
+
+def namespace(kind: str, quant: str, seed: int = 0, block_tokens: int = 16) -> kvclient.Namespace:
+    """The pool namespace of :func:`build_model` ``(kind, seed)``'s KV."""
+    model = build_model(kind, seed)
+    cfg = model.config
+    return kvclient.Namespace(
+        model=f"reference-{kind}", revision=f"seed{seed}", num_layers=cfg.num_hidden_layers,
+        num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads,
+        dtype="float32", block_tokens=block_tokens, quant=quant,
+    )  # fmt: skip

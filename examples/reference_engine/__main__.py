@@ -1,0 +1,58 @@
+"""``python -m examples.reference_engine ROLE --master HOST:PORT [options]``
+
+ROLE ``prefill``: compute each prompt through the connector (reusing what the pool holds,
+saving every layer as it is computed) and print its first token. ``decode``: load each
+prompt's KV from the pool layer by layer, compute the rest and print ``--max-new`` greedy
+tokens. ``reference``: the same model in one process with transformers' own cache (no pool).
+Prompts come from ``--prompts`` (a JSON list of token lists). One JSON line per prompt:
+``{"tokens": [...], "loaded_tokens": n, "recomputed_from": null, "logits": [[...], ...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import kvclient
+
+from . import Engine, Output, build_model, namespace, reference_generate
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m examples.reference_engine")
+    p.add_argument("role", choices=["prefill", "decode", "reference"])
+    p.add_argument("--master", default="127.0.0.1:50051")
+    p.add_argument("--model", default="llama", choices=["llama", "qwen2"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quant", default="int8", choices=["int8", "none"])
+    p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    p.add_argument("--max-new", type=int, default=8)
+    p.add_argument("--timeout", type=float, default=30.0)
+    args = p.parse_args(argv)
+    prompts = json.loads(args.prompts)
+    if args.role == "reference":
+        for prompt in prompts:
+            _emit(reference_generate(args.model, prompt, args.max_new, args.seed))
+        return 0
+    ns = namespace(args.model, args.quant, args.seed)
+    with kvclient.SyncKVClient.connect(args.master, ns, timeout_s=args.timeout) as kv:
+        prefill = args.role == "prefill"
+        engine = Engine(build_model(args.model, args.seed), kv, load=True, save=prefill)
+        for prompt in prompts:
+            _emit(engine.generate(prompt, 1 if prefill else args.max_new))
+    return 0
+
+
+def _emit(out: Output) -> None:
+    line = {
+        "tokens": out.tokens,
+        "loaded_tokens": out.loaded_tokens,
+        "recomputed_from": out.recomputed_from,
+        "logits": [t.tolist() for t in out.logits],
+    }
+    print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
