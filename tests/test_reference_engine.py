@@ -117,3 +117,46 @@ def test_qwen2_in_process_prefill_then_decode(server: Server) -> None:
         Engine(build_model("qwen2"), kv, load=True, save=True).generate(a, 1)
         out = Engine(build_model("qwen2"), kv, load=True, save=False, seed=9).generate(a, MAX_NEW)
     assert out.loaded_tokens == 64 and out.tokens == want
+
+
+def test_decode_streams_layers_while_the_prefill_process_computes(server: Server) -> None:
+    """The layer-pipelined deployment: the decode process is started first and told the
+    prompt is being prefilled; it loads each layer as the prefill process saves it."""
+    rng = random.Random(11)
+    prompt = [rng.randrange(512) for _ in range(90)]
+    want = reference_generate("llama", prompt, MAX_NEW).tokens
+    cmd = [sys.executable, "-m", "examples.reference_engine", "decode", "--stream",
+           "--master", server.grpc, "--quant", "none", "--prompts", json.dumps([prompt]),
+           "--max-new", str(MAX_NEW)]  # fmt: skip
+    decode = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert decode.stderr is not None
+        line = ""
+        for _ in range(200):  # bounded: until the decode side awaits the layers
+            line = decode.stderr.readline()
+            if not line or "reference_engine: streaming" in line:
+                break
+        assert "streaming" in line, "the decode process did not start streaming"
+        engine_process("prefill", server.grpc, "none", [prompt])
+        out, err = decode.communicate(timeout=300)
+    finally:
+        if decode.poll() is None:
+            decode.kill()
+            decode.communicate(timeout=10)
+    assert decode.returncode == 0, err[-4000:]
+    got = json.loads(out.splitlines()[0])
+    assert got["tokens"] == want and got["loaded_tokens"] == 80
+    assert got["recomputed_from"] is None
+
+
+def test_a_stream_whose_prefill_never_comes_is_recomputed(server: Server) -> None:
+    rng = random.Random(12)
+    prompt = [rng.randrange(512) for _ in range(40)]
+    want = reference_generate("llama", prompt, MAX_NEW).tokens
+    with kvclient.SyncKVClient.connect(server.grpc, namespace("llama", "none")) as kv:
+        engine = Engine(build_model("llama"), kv, load=True, save=False, stream_s=1.0)
+        params = {"kvstore": {"stream": True, "prompt_tokens": len(prompt)}}
+        out = engine.generate(prompt, MAX_NEW, params)
+    assert out.recomputed_from == 0 and out.tokens == want

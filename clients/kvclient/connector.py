@@ -79,6 +79,9 @@ class LoadSpec:
     block_ids: tuple[int, ...]
     skip_tokens: int
     end_tokens: int
+    stream: bool = False
+    """The blocks are still being written (a prefill instance computing the prompt now):
+    every layer is read as it lands, from the master's watch."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class _Tracked:
     prompt: tuple[int, ...]
     saved: int = 0  # tokens of the prompt saved (or known stored) so far
     local: int = 0  # the engine's own hit when it last asked
+    stream: bool = False  # load as a prefill instance writes it
     load: LoadSpec | None = None
     saving: bool = False  # any save scheduled: the engine must keep its blocks
 
@@ -156,13 +160,23 @@ class SchedulerConnector:
         self._lock = threading.Lock()
 
     def get_num_new_matched_tokens(
-        self, request_id: str, prompt_token_ids: Sequence[int], num_computed_tokens: int
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        num_computed_tokens: int,
+        params: Mapping[str, Any] | None = None,
     ) -> tuple[int | None, bool]:
         """Prompt tokens past ``num_computed_tokens`` (the engine's own hit) that the pool
         can load now, and False (loads are synchronous). At most the prompt minus one
         token (the engine needs the last one's logits), a multiple of the engine's block
         size. A pool that cannot be asked answers 0: the engine computes. Idempotent: an
-        engine may ask again for the same request."""
+        engine may ask again for the same request.
+
+        ``params`` ``{"kvstore": {"stream": True, "prompt_tokens": n}}`` (what a
+        disaggregated deployment's router passes a decode instance while a prefill
+        instance computes the same prompt): the first ``n`` tokens' whole blocks are
+        promised without a match, and loaded layer by layer as the prefill saves them.
+        """
         prompt = tuple(int(t) for t in prompt_token_ids)
         with self._lock:
             if request_id not in self._requests and len(self._requests) >= _MAX_REQUESTS:
@@ -170,12 +184,17 @@ class SchedulerConnector:
             tracked = self._requests.setdefault(request_id, _Tracked(prompt))
         if not self.load:
             return 0, False
+        bs, B = self.engine_block_size, self.kv.ns.block_tokens
+        ours = (params or {}).get("kvstore")
+        if isinstance(ours, Mapping) and ours.get("stream") and num_computed_tokens == 0:
+            promised = min(int(ours.get("prompt_tokens", len(prompt))), len(prompt))
+            tracked.stream, tracked.local = True, 0
+            return min(promised // B * B, (len(prompt) - 1) // bs * bs), False
         try:
             hit = self.kv.match_prefix(prompt, hold_s=self.hold_s, tag=request_id)
         except KVStoreError as exc:
             logger.warning("match_prefix for %s failed, computing it: %s", request_id, exc)
             return 0, False
-        bs = self.engine_block_size
         usable = min(hit, (len(prompt) - 1) // bs * bs)
         tracked.saved = max(tracked.saved, hit)  # stored already: nothing to save there
         tracked.local = num_computed_tokens
@@ -192,7 +211,8 @@ class SchedulerConnector:
             return
         local = tracked.local  # the engine's own hit; the external tokens follow it
         blocks = tuple(int(b) for b in block_ids)
-        spec = LoadSpec(request_id, tracked.prompt, blocks, local, local + num_external_tokens)
+        end = local + num_external_tokens
+        spec = LoadSpec(request_id, tracked.prompt, blocks, local, end, tracked.stream)
         tracked.load = spec
         self._loads.append(spec)
 
@@ -257,8 +277,13 @@ class WorkerConnector:
     rank. ``timeout_s``: each load's and save's deadline.
     """
 
-    def __init__(self, kv: Any, *, shard: int = 0, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, kv: Any, *, shard: int = 0, timeout_s: float = 10.0, stream_timeout_s: float = 60.0
+    ) -> None:
         self.kv, self.shard, self.timeout_s = kv, shard, timeout_s
+        self.stream_timeout_s = stream_timeout_s
+        self._streams: list[tuple[LoadSpec, Any]] = []  # (spec, StreamHandle) of this step
+        self._failed_streams: set[str] = set()
         self._caches: list[torch.Tensor] = []
         self._layout = "kv_first"
         self._layer_of: dict[str, int] = {}
@@ -312,7 +337,16 @@ class WorkerConnector:
         meta = self._meta
         if meta is None or not meta.loads:
             return
+        B = self.kv.ns.block_tokens
         for spec in meta.loads:
+            if spec.stream:  # one watch for every layer, read as the prefill saves it
+                n = -(-spec.end_tokens // B) * B
+                handle = self.kv.start_stream_layers_paged(
+                    spec.token_ids[:n], self._caches, spec.block_ids, self._layout,
+                    self.stream_timeout_s, shard=self.shard,
+                )  # fmt: skip
+                self._streams.append((spec, handle))
+                continue
             for layer, cache in enumerate(self._caches):
                 handle = self.kv.start_get_layer_paged(
                     spec.token_ids, layer, cache, spec.block_ids, self._layout, self.shard,
@@ -323,8 +357,11 @@ class WorkerConnector:
     def wait_for_layer_load(self, layer: str | int) -> None:
         """Wait for ``layer``'s reads of this step; blocks that did not load (or a read
         that failed) are recorded for :meth:`get_block_ids_with_load_errors`."""
-        for spec, handle in self._loads.pop(self.layer_index(layer), []):
-            B = self.kv.ns.block_tokens
+        index = self.layer_index(layer)
+        B = self.kv.ns.block_tokens
+        for spec, stream in self._streams:
+            self._wait_stream(spec, stream, index)
+        for spec, handle in self._loads.pop(index, []):
             try:
                 missing = [b for b, _ in handle.wait(timeout=self.timeout_s + 1).missing]
             except KVStoreError as exc:
@@ -361,6 +398,25 @@ class WorkerConnector:
         this step outlives it."""
         for layer in list(self._loads):
             self.wait_for_layer_load(layer)
+        for spec, stream in self._streams:
+            self._wait_stream(spec, stream, None)
+        self._streams, self._failed_streams = [], set()
+
+    def _wait_stream(self, spec: LoadSpec, stream: Any, layer: int | None) -> None:
+        """Wait for ``layer`` of a streamed load (every layer when None); a stream that
+        fails or times out is cancelled and all its blocks are recorded as not loaded."""
+        if spec.request_id in self._failed_streams:
+            return
+        try:
+            if layer is None:
+                stream.wait(timeout=self.stream_timeout_s + 1)
+            else:
+                stream.layer(layer, timeout=self.stream_timeout_s + 1)
+        except KVStoreError as exc:
+            stream.cancel()
+            self._failed_streams.add(spec.request_id)
+            logger.warning("stream of %s failed at layer %s: %s", spec.request_id, layer, exc)
+            self._load_errors |= self._engine_blocks(spec, 0, spec.end_tokens)
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
         """(requests with saves whose saves all ended, since the engine said they finished:

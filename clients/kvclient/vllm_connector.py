@@ -116,7 +116,10 @@ class KVStoreConnector(_Base):  # type: ignore[misc, valid-type]
         else:
             rank = int(getattr(vllm_config.parallel_config, "rank", 0))
             tp = ns.tp_size
-            self.worker = WorkerConnector(kv, shard=rank % tp, timeout_s=timeout_s)
+            stream_s = float(extra.get("stream_timeout_s", 60.0))
+            self.worker = WorkerConnector(
+                kv, shard=rank % tp, timeout_s=timeout_s, stream_timeout_s=stream_s
+            )
 
     # ------------------------------------------------------------ scheduler side
 
@@ -129,7 +132,10 @@ class KVStoreConnector(_Base):  # type: ignore[misc, valid-type]
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self._sched().get_num_new_matched_tokens(
-            request.request_id, request.prompt_token_ids or [], num_computed_tokens
+            request.request_id,
+            request.prompt_token_ids or [],
+            num_computed_tokens,
+            getattr(request, "kv_transfer_params", None),
         )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     p.add_argument("--max-new", type=int, default=8)
     p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="decode: the prompts are being prefilled now; load each layer as it lands",
+    )
     args = p.parse_args(argv)
     prompts = json.loads(args.prompts)
     if args.role == "reference":
@@ -40,7 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         prefill = args.role == "prefill"
         engine = Engine(build_model(args.model, args.seed), kv, load=True, save=prefill)
         for prompt in prompts:
-            _emit(engine.generate(prompt, 1 if prefill else args.max_new))
+            if args.stream:  # tell whoever started us that the layers are awaited now
+                params = {"kvstore": {"stream": True, "prompt_tokens": len(prompt)}}
+                req = engine.schedule(prompt, args.max_new, params)
+                print("reference_engine: streaming", flush=True, file=sys.stderr)
+                _emit(engine.run(req))
+            else:
+                _emit(engine.generate(prompt, 1 if prefill else args.max_new))
     return 0
 
 

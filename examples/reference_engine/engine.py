@@ -67,6 +67,7 @@ class Engine:
         block_size: int = 4,
         num_blocks: int = 512,
         seed: int = 0,
+        stream_s: float = 60.0,
     ) -> None:
         cfg = model.config
         self.model, self.kv, self.block_size = model, kv, block_size
@@ -79,14 +80,18 @@ class Engine:
         self.worker: WorkerConnector | None = None
         if kv is not None:
             self.scheduler = SchedulerConnector(kv, block_size, load=load, save=save)
-            self.worker = WorkerConnector(kv, timeout_s=kv.timeout_s)
+            self.worker = WorkerConnector(kv, timeout_s=kv.timeout_s, stream_timeout_s=stream_s)
             names = {f"model.layers.{i}.self_attn": p for i, p in enumerate(self.pages)}
             self.worker.register_kv_caches(names, layout="kv_first")
 
     # ---------------------------------------------------------------- a request
 
-    def schedule(self, prompt: list[int], max_new: int) -> _Request:
-        """Ask the pool, allocate the request's blocks and queue its load."""
+    def schedule(
+        self, prompt: list[int], max_new: int, params: dict[str, Any] | None = None
+    ) -> _Request:
+        """Ask the pool, allocate the request's blocks and queue its load. ``params``: what
+        a router hands a decode instance (``{"kvstore": {"stream": True, "prompt_tokens":
+        n}}`` while a prefill instance computes the prompt: load it as it lands)."""
         rid = uuid.uuid4().hex
         need = -(-(len(prompt) + max_new) // self.block_size)
         if need > len(self._free):
@@ -94,7 +99,7 @@ class Engine:
         blocks = [self._free.pop() for _ in range(need)]
         external = 0
         if self.scheduler is not None:
-            got, _ = self.scheduler.get_num_new_matched_tokens(rid, prompt, 0)
+            got, _ = self.scheduler.get_num_new_matched_tokens(rid, prompt, 0, params)
             external = got or 0
             self.scheduler.update_state_after_alloc(rid, blocks, external)
         return _Request(rid, list(prompt), blocks, external, max_new)
@@ -118,9 +123,11 @@ class Engine:
         self._finish(req, out)
         return out
 
-    def generate(self, prompt: list[int], max_new: int) -> Output:
+    def generate(
+        self, prompt: list[int], max_new: int, params: dict[str, Any] | None = None
+    ) -> Output:
         """:meth:`schedule` then :meth:`run`."""
-        return self.run(self.schedule(prompt, max_new))
+        return self.run(self.schedule(prompt, max_new, params))
 
     # ---------------------------------------------------------------- one step
 
