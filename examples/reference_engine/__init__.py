@@ -16,12 +16,15 @@ from .engine import Engine, Output, reference_generate
 from .model import build_model
 
 
-def namespace(kind: str, quant: str, seed: int = 0, block_tokens: int = 16) -> kvclient.Namespace:
-    """The pool namespace of :func:`build_model` ``(kind, seed)``'s KV."""
-    model = build_model(kind, seed)
-    cfg = model.config
+def namespace(
+    kind: str, quant: str, seed: int = 0, block_tokens: int = 16, **sizes: int
+) -> kvclient.Namespace:
+    """The pool namespace of :func:`build_model` ``(kind, seed, **sizes)``'s KV."""
+    cfg = build_model(kind, seed, **sizes).config
+    shape = "-".join(f"{k}{v}" for k, v in sorted(sizes.items()))
     return kvclient.Namespace(
-        model=f"reference-{kind}", revision=f"seed{seed}", num_layers=cfg.num_hidden_layers,
+        model=f"reference-{kind}{'-' + shape if shape else ''}", revision=f"seed{seed}",
+        num_layers=cfg.num_hidden_layers,
         num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads,
         dtype="float32", block_tokens=block_tokens, quant=quant,
     )  # fmt: skip

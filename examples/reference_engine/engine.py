@@ -48,6 +48,11 @@ class Output:
     load_errors: set[int] = field(default_factory=set)
     params: dict[str, Any] | None = None
     """What ``request_finished`` hands a decode instance."""
+    timings: dict[str, Any] = field(default_factory=dict)
+    """``time.monotonic()`` marks of the first (prefill) step: ``forward_start``,
+    ``forward_end``, ``layer_ready`` (when each layer's load was in, before its
+    attention), ``first_token``; and ``saved`` (when the request's saves were reported
+    done)."""
 
 
 class Engine:
@@ -107,12 +112,13 @@ class Engine:
     def run(self, req: _Request) -> Output:
         """Prefill (with recompute after failed loads), decode, finish; the output."""
         out = Output([], [], loaded_tokens=req.computed)
-        logits = self._step(req, req.prompt[req.computed :], out)
+        logits = self._step(req, req.prompt[req.computed :], out, out.timings)
         if out.load_errors:  # vLLM's recompute path: back to the first block that failed
             bad = min(req.blocks.index(b) for b in out.load_errors) * self.block_size
             out.recomputed_from = req.computed = min(bad, req.computed)
             out.loaded_tokens = req.computed
-            logits = self._step(req, req.prompt[req.computed :], out)
+            logits = self._step(req, req.prompt[req.computed :], out, out.timings)
+        out.timings["first_token"] = time.monotonic()
         for _ in range(req.max_new):
             token = int(logits.argmax())
             out.tokens.append(token)
@@ -131,20 +137,30 @@ class Engine:
 
     # ---------------------------------------------------------------- one step
 
-    def _step(self, req: _Request, tokens: list[int], out: Output) -> torch.Tensor:
+    def _step(
+        self, req: _Request, tokens: list[int], out: Output, marks: dict[str, Any] | None = None
+    ) -> torch.Tensor:
         """One engine step computing ``tokens`` at positions ``req.computed ..``; the
-        logits of the last one."""
+        logits of the last one. ``marks``: where to record the step's times."""
         worker = self.worker
         if worker is not None and self.scheduler is not None:
             sched = ScheduledRequest(req.rid, req.prompt, req.blocks, req.computed, len(tokens))
             worker.bind_connector_metadata(self.scheduler.build_connector_meta([sched]))
             worker.start_load_kv()
+        ready: list[float] = []
+
+        def before_layer(layer: int) -> None:
+            if worker is not None:
+                worker.wait_for_layer_load(layer)
+            ready.append(time.monotonic())
+
         cache = PagedKV(
             self.pages,
             req.blocks,
-            before_layer=worker.wait_for_layer_load if worker else None,
+            before_layer=before_layer,
             after_layer=worker.save_kv_layer if worker else None,
         )
+        start = time.monotonic()
         cache.begin(req.computed)
         ids = torch.tensor([tokens])
         pos = torch.arange(req.computed, req.computed + len(tokens)).unsqueeze(0)
@@ -153,6 +169,8 @@ class Engine:
                 ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1
             )
         req.computed += len(tokens)
+        if marks is not None:
+            marks.update(forward_start=start, forward_end=time.monotonic(), layer_ready=ready)
         if worker is not None:
             worker.wait_for_save()
             worker.get_finished(set())
@@ -165,14 +183,16 @@ class Engine:
         if self.scheduler is not None and self.worker is not None:
             delay, out.params = self.scheduler.request_finished(req.rid)
             finished = {req.rid}
-            for _ in range(1000 if delay else 0):  # bounded: each save has its own deadline
+            deadline = time.monotonic() + self.worker.timeout_s + 5  # each save has its own
+            while delay and time.monotonic() < deadline:
                 self.worker.bind_connector_metadata(self.scheduler.build_connector_meta([]))
                 sent, _ = self.worker.get_finished(finished)
                 self.worker.clear_connector_metadata()
                 finished = set()
                 if req.rid in sent:
+                    out.timings["saved"] = time.monotonic()
                     break
-                time.sleep(0.01)
+                time.sleep(0.001)
         self._free.extend(req.blocks)
 
 

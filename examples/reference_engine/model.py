@@ -38,12 +38,15 @@ _CONFIG = {  # a small model: random weights from a fixed seed, nothing download
 }
 
 
-def build_model(kind: str = "llama", seed: int = 0) -> Any:
-    """``kind``'s causal LM with random weights from ``seed`` (float32, eval mode)."""
+def build_model(kind: str = "llama", seed: int = 0, **sizes: int) -> Any:
+    """``kind``'s causal LM with random weights from ``seed`` (float32, eval mode).
+    ``sizes`` override the small default config (``num_hidden_layers``, ``hidden_size``,
+    ``num_attention_heads``, ``num_key_value_heads``, ...)."""
     if kind not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {kind!r}")
     torch.manual_seed(seed)
-    config = LlamaConfig(**_CONFIG) if kind == "llama" else Qwen2Config(**_CONFIG)
+    fields = {**_CONFIG, **sizes}
+    config = LlamaConfig(**fields) if kind == "llama" else Qwen2Config(**fields)
     config._attn_implementation = "sdpa"
     cls = LlamaForCausalLM if kind == "llama" else Qwen2ForCausalLM
     return cls(config).to(torch.float32).eval()
