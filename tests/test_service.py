@@ -335,3 +335,18 @@ async def test_nodes_report_their_counters_with_each_heartbeat(server: Server) -
     assert {"slots", "pinned_slots", "inflight", "grants", "scrubbed"} <= set(node.counters)
     assert all(type(v) is int for v in node.counters.values()) and "node_id" not in node.counters
     assert node.counters["slots"] >= 0 and stats["slots"] >= 0
+
+
+async def test_pool_usage_follows_each_put_not_the_next_heartbeat(server: Server) -> None:
+    """``kvctl status`` used bytes right after a put equal what the node holds: nodes report
+    their tier usage with every commit, not only with heartbeats (every lease / 3)."""
+    ns = namespace(layers=1)
+    kv = await kvclient.KVClient.connect(server.grpc, ns)
+    async with MasterClient(server.grpc, timeout_s=5) as mc, kv:
+        for round_ in range(3):
+            before = (await mc.stats()).used_bytes
+            tokens = prompt(512, 9100 + round_)  # fresh blocks every round
+            assert await kv.put_layer(tokens, 0, layer_kv(512, 0, 9100 + round_)) == 512
+            after = (await mc.stats()).used_bytes
+            held = (await node_stats(server.data))["used_bytes"]
+            assert after > before and after == held, (before, after, held)

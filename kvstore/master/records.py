@@ -161,6 +161,8 @@ class CommitBatch:
     evicts: tuple[BlockRef, ...] = ()
     object_adds: tuple[ObjectAdd, ...] = ()
     object_removes: tuple[str, ...] = ()
+    tiers: tuple[Tier, ...] = ()
+    """The node's tier usage as of this batch (empty: not reported)."""
 
 
 @dataclass(frozen=True)

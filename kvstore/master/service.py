@@ -32,7 +32,7 @@ from kvstore.errors import (
 from kvstore.master import wire
 from kvstore.master.index import IndexStore, Subscription
 from kvstore.master.membership import Membership
-from kvstore.master.records import CommitBatch, NodeInfo, NodeRecord, WatchEvent
+from kvstore.master.records import CommitBatch, NodeInfo, NodeRecord, Tier, WatchEvent
 from kvstore.master.watch import WatchView
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -173,6 +173,9 @@ class MasterService(pb_grpc.MasterServicer):
         self._watch_queue = watch_queue
         self._watch_max_s = watch_max_s
         self._records: dict[str, NodeRecord] = {}
+        self._usage: dict[
+            str, tuple[int, tuple[Tier, ...]]
+        ] = {}  # from commits: id -> (epoch, tiers)
         self._subs: set[Subscription] = set()
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -253,6 +256,7 @@ class MasterService(pb_grpc.MasterServicer):
         rec = self._records.get(node_id)
         if rec is not None and rec.epoch == request.epoch:
             self._records[node_id] = replace(rec, tiers=tiers)
+        self._usage.pop(node_id, None)  # the heartbeat's usage is the newest now
         self.node_counters[node_id] = counters
         return pb.HeartbeatResponse(ok=True, reregister=False)
 
@@ -343,6 +347,8 @@ class MasterService(pb_grpc.MasterServicer):
         if not self.membership.is_live(batch.node_id, batch.epoch):
             raise StaleEpoch(f"node {batch.node_id!r} epoch {batch.epoch} is not live; re-register")
         applied = await self.store.apply(batch)
+        if batch.tiers:  # live usage for Stats and Nodes; the store keeps the heartbeat's
+            self._usage[batch.node_id] = (batch.epoch, batch.tiers)
         self.membership.heartbeat(batch.node_id, batch.epoch, self._clock())
         self.counters.commits += 1
         return applied
@@ -511,6 +517,15 @@ class MasterService(pb_grpc.MasterServicer):
     async def _refresh_records(self) -> None:
         self._records = {r.node_id: r for r in await self.store.nodes()}
 
+    def _tiers_of(self, rec: NodeRecord) -> tuple[Tier, ...]:
+        """The node's tier usage: as of its last commit to this master since its last
+        heartbeat, when of its current epoch; else its record's (the heartbeat's)."""
+        epoch, tiers = self._usage.get(rec.node_id, (-1, ()))
+        if epoch != rec.epoch:
+            self._usage.pop(rec.node_id, None)
+            return rec.tiers
+        return tiers
+
     async def _uris(self, node_ids: Iterable[str]) -> dict[str, str]:
         """Data URI of each node id (refreshing the registry cache once on a miss)."""
         wanted = set(node_ids)
@@ -537,7 +552,7 @@ class MasterService(pb_grpc.MasterServicer):
                     data_uri=rec.data_uri,
                     transport=rec.transport,
                     nixl_metadata=rec.nixl_metadata,
-                    tiers=rec.tiers,
+                    tiers=self._tiers_of(rec),
                     version=rec.version,
                     host=rec.host,
                     counters=dict(self.node_counters.get(rec.node_id, {})) if alive else {},

@@ -270,6 +270,7 @@ def commit_from_pb(req: pb.CommitRequest) -> CommitBatch:
             tuple(BlockRef(e.ns_id, e.block_hash) for e in req.evicts),
             tuple(ObjectAdd(o.key, o.nbytes) for o in req.object_adds),
             tuple(req.object_removes),
+            tiers_from_pb(req.tiers),
         )
     )
 
@@ -299,7 +300,10 @@ def check_commit(batch: CommitBatch) -> CommitBatch:
     evicts = tuple(BlockRef(check_ns_id(e.ns_id), _check_hash(e.block_hash)) for e in batch.evicts)
     objects = tuple(ObjectAdd(check_key(o.key), o.nbytes) for o in batch.object_adds)
     removes = tuple(check_key(k) for k in batch.object_removes)
-    return CommitBatch(batch.node_id, batch.epoch, batch.seq, adds, evicts, objects, removes)
+    tiers = tuple(Tier(check_text(t.name, "tier name", MAX_NAME_LEN), t.capacity_bytes,
+                       t.used_bytes) for t in batch.tiers)  # fmt: skip
+    _check_count(len(tiers), "tiers", MAX_TIERS)
+    return CommitBatch(batch.node_id, batch.epoch, batch.seq, adds, evicts, objects, removes, tiers)
 
 
 def _check_location(raw: bytes) -> bytes:
@@ -329,6 +333,7 @@ def commit_to_pb(batch: CommitBatch) -> pb.CommitRequest:
         evicts=[pb.BlockRef(ns_id=e.ns_id, block_hash=e.block_hash) for e in batch.evicts],
         object_adds=[pb.ObjectAdd(key=o.key, nbytes=o.nbytes) for o in batch.object_adds],
         object_removes=list(batch.object_removes),
+        tiers=tiers_to_pb(batch.tiers),
     )
 
 

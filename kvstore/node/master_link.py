@@ -184,7 +184,8 @@ class MasterLink:
         node_id = self._me.node_id if self._me else ""
         self._seq += 1
         batch = CommitBatch(node_id, self.epoch, self._seq, tuple(adds), tuple(evicts),
-                            tuple(object_adds), tuple(object_removes))  # fmt: skip
+                            tuple(object_adds), tuple(object_removes),
+                            tuple(self.tiers.usage()))  # fmt: skip
         try:
             await self.master.commit(batch)
         except StaleEpoch as exc:

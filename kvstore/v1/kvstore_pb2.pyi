@@ -99,7 +99,7 @@ class ObjectAdd(_message.Message):
     def __init__(self, key: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("node_id", "epoch", "seq", "adds", "evicts", "object_adds", "object_removes")
+    __slots__ = ("node_id", "epoch", "seq", "adds", "evicts", "object_adds", "object_removes", "tiers")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class CommitRequest(_message.Message):
     EVICTS_FIELD_NUMBER: _ClassVar[int]
     OBJECT_ADDS_FIELD_NUMBER: _ClassVar[int]
     OBJECT_REMOVES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     seq: int
@@ -114,7 +115,8 @@ class CommitRequest(_message.Message):
     evicts: _containers.RepeatedCompositeFieldContainer[BlockRef]
     object_adds: _containers.RepeatedCompositeFieldContainer[ObjectAdd]
     object_removes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., adds: _Optional[_Iterable[_Union[BlockAdd, _Mapping]]] = ..., evicts: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., object_adds: _Optional[_Iterable[_Union[ObjectAdd, _Mapping]]] = ..., object_removes: _Optional[_Iterable[str]] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[Tier]
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., adds: _Optional[_Iterable[_Union[BlockAdd, _Mapping]]] = ..., evicts: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., object_adds: _Optional[_Iterable[_Union[ObjectAdd, _Mapping]]] = ..., object_removes: _Optional[_Iterable[str]] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("applied_seq",)
