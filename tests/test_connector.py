@@ -73,6 +73,7 @@ def vllm_config(master: str, kv_role: str, model: str) -> SimpleNamespace:
 class Request:
     request_id: str
     prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
     status: Any = field(default_factory=lambda: SimpleNamespace(name="RUNNING"))
 
 
@@ -200,8 +201,10 @@ def test_vllm_call_sequence_prefill_decode_load_error_and_abort(server: Server) 
         )
         assert [(s.skip_tokens, len(s.token_ids)) for s in meta.meta.saves] == [(64, 96)]
         p1.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+        p1.output_token_ids = [42]  # its first (and, length-capped at 1, only) token
         delay, params = prefill.sched.request_finished(p1, blocks)
-        assert delay is True and params == {"kvstore": {"prompt_tokens": 100, "saved_tokens": 96}}
+        assert delay is True
+        assert params == {"kvstore": {"prompt_tokens": 100, "saved_tokens": 96, "first_token": 42}}
         assert drain_finished(prefill, {"p1"}) == {"p1"}  # saves landed: blocks may be freed
 
         # --- decode instance: the whole prompt but its last token's block comes from the pool.

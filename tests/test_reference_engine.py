@@ -61,6 +61,7 @@ def test_prefill_and_decode_processes_give_the_tokens_of_one_process(server: Ser
     want = [reference_generate("llama", p, MAX_NEW).tokens for p in (a, b)]
     pre = engine_process("prefill", server.grpc, "none", [a, b])
     assert [p["tokens"][0] for p in pre] == [w[0] for w in want]
+    assert [p["params"]["kvstore"]["first_token"] for p in pre] == [w[0] for w in want]
     assert pre[0]["loaded_tokens"] == 0  # a cold pool
     assert pre[1]["loaded_tokens"] == 48  # the shared prefix, saved by the first prompt
     dec = engine_process("decode", server.grpc, "none", [a, b])

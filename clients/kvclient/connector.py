@@ -243,12 +243,20 @@ class SchedulerConnector:
         return meta
 
     def request_finished(
-        self, request_id: str, *, aborted: bool = False
+        self,
+        request_id: str,
+        *,
+        aborted: bool = False,
+        output_token_ids: Sequence[int] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         """The request ended (or was ``aborted``): whether the engine must keep its blocks
         until the workers report its saves done (``get_finished``), and the parameters a
-        disaggregated deployment hands to the decode instance. Releases the request's
-        holds."""
+        disaggregated deployment hands to the decode instance (the router passes them on,
+        as vLLM's ``kv_transfer_params``): ``{"kvstore": {"prompt_tokens", "saved_tokens",
+        "first_token"}}``, the first token being the prefill's first output token when
+        ``output_token_ids`` is given (a router can stream it to the user before the decode
+        instance has run; a decode told ``"stream": True`` loads what was saved). Releases
+        the request's holds."""
         tracked = self._requests.pop(request_id, None)
         if tracked is None:
             return False, None
@@ -260,8 +268,10 @@ class SchedulerConnector:
         if aborted:
             self._aborted.append(request_id)
             return tracked.saving, None
-        params = {"kvstore": {"prompt_tokens": len(tracked.prompt), "saved_tokens": tracked.saved}}
-        return tracked.saving, params
+        ours: dict[str, Any] = {"prompt_tokens": len(tracked.prompt), "saved_tokens": tracked.saved}
+        if output_token_ids:
+            ours["first_token"] = int(output_token_ids[0])
+        return tracked.saving, {"kvstore": ours}
 
 
 @dataclass

@@ -183,7 +183,10 @@ class KVStoreConnector(_Base):  # type: ignore[misc, valid-type]
         status = str(getattr(getattr(request, "status", None), "name", ""))
         aborted = status == "FINISHED_ABORTED"
         self._blocks.pop(request.request_id, None)
-        return self._sched().request_finished(request.request_id, aborted=aborted)
+        outputs = getattr(request, "output_token_ids", None)
+        return self._sched().request_finished(
+            request.request_id, aborted=aborted, output_token_ids=list(outputs or [])
+        )
 
     # ------------------------------------------------------------ worker side
 

@@ -60,6 +60,7 @@ def _emit(out: Output) -> None:
         "tokens": out.tokens,
         "loaded_tokens": out.loaded_tokens,
         "recomputed_from": out.recomputed_from,
+        "params": out.params,
         "logits": [t.tolist() for t in out.logits],
     }
     print(json.dumps(line), flush=True)

@@ -181,7 +181,9 @@ class Engine:
     def _finish(self, req: _Request, out: Output) -> None:
         """``request_finished``; empty steps until the saves are reported; free blocks."""
         if self.scheduler is not None and self.worker is not None:
-            delay, out.params = self.scheduler.request_finished(req.rid)
+            delay, out.params = self.scheduler.request_finished(
+                req.rid, output_token_ids=out.tokens
+            )
             finished = {req.rid}
             deadline = time.monotonic() + self.worker.timeout_s + 5  # each save has its own
             while delay and time.monotonic() < deadline:
