@@ -8,21 +8,26 @@ from __future__ import annotations
 
 from kvstore.core.codec import ChunkKey, decode_chunk, encode_chunk
 from kvstore.core.hashing import BlockHash, Namespace, block_hashes
+from kvstore.core.routing import Instance, RouteChoice
 
 from . import errors
 from .client import KVClient
 from .errors import KVStoreError
 from .handles import Handle, Result, StreamHandle
+from .routing import PoolIndex
 from .sync import SyncKVClient
 
 __all__ = [
     "BlockHash",
     "ChunkKey",
     "Handle",
+    "Instance",
     "KVClient",
     "KVStoreError",
     "Namespace",
+    "PoolIndex",
     "Result",
+    "RouteChoice",
     "StreamHandle",
     "SyncKVClient",
     "block_hashes",

@@ -57,6 +57,7 @@ from .handles import prefix_len
 from .objects import ObjectOps
 from .pool import ConnectionPool
 from .reads import ChunkReader, LayerRead, NodeEntry, batches
+from .routing import RoutingOps
 from .stream import StreamOps
 from .ucx import DEFAULT_STAGING_BYTES, Grants, UcxPath, prefer_ucx
 
@@ -742,7 +743,7 @@ class ClientCore:
         return set(hashes[: held.blocks]), held.hold_id
 
 
-class KVClient(EngineOps, StreamOps, ObjectOps, ClientCore):
+class KVClient(EngineOps, StreamOps, RoutingOps, ObjectOps, ClientCore):
     """Reads and writes one namespace's KV in the pool. Create with :meth:`connect`.
 
     Not fork-safe: create clients after an engine forks its workers. Safe to use from many

@@ -32,6 +32,7 @@ _GRACE_S = 2.0
 _BLOCKING = (
     "match_prefix",
     "release",
+    "route",
     "put_layer",
     "get_layer",
     "put_layer_paged",

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from kvstore.core.routing import Instance, RouteChoice
 from kvstore.errors import (
     CapacityError,
     InvalidArgument,
@@ -36,6 +37,7 @@ from kvstore.errors import (
     Unreachable,
 )
 from kvstore.master import wire
+from kvstore.master.events import ClusterEvent
 from kvstore.master.records import (
     CommitBatch,
     HeartbeatReply,
@@ -308,6 +310,28 @@ class MasterClient:
         resp = await self._call("MatchPrefix", req, timeout)
         return PrefixMatch(resp.blocks, [wire.holders_from_pb(b) for b in resp.holders])
 
+    async def route(
+        self,
+        ns_id: bytes,
+        block_hashes: Sequence[bytes],
+        chunks_per_block: int,
+        block_tokens: int,
+        prompt_tokens: int,
+        instances: Sequence[Instance],
+        *,
+        timeout: float | None = None,
+        **weights: float,
+    ) -> RouteChoice:
+        """The Route RPC: the pool's hit on these blocks weighed against each instance's
+        cache and load (``weights``: ``overlap_weight``, ``transfer_weight``,
+        ``load_weight``; see :mod:`kvstore.core.routing`)."""
+        req = pb.RouteRequest(
+            ns_id=ns_id, block_hashes=block_hashes, chunks_per_block=chunks_per_block,
+            block_tokens=block_tokens, prompt_tokens=prompt_tokens,
+            instances=wire.route_instances_to_pb(instances), **weights,
+        )  # fmt: skip
+        return wire.route_choice_from_pb(await self._call("Route", req, timeout))
+
     async def lookup_object(self, key: str, *, timeout: float | None = None) -> list[ObjectHolder]:
         """Live holders of object ``key``; ``[]`` if none."""
         resp = await self._call("LookupObject", pb.LookupObjectRequest(key=key), timeout)
@@ -340,6 +364,31 @@ class MasterClient:
         """Tell the watchers of these blocks that their writer gave up."""
         req = pb.AbortRequest(ns_id=ns_id, block_hashes=block_hashes, reason=reason)
         await self._call("Abort", req, timeout)
+
+    async def events(
+        self,
+        ns_id: bytes = b"",
+        after_seq: int = 0,
+        log_id: str = "",
+        *,
+        timeout: float | None = None,
+    ) -> AsyncGenerator[tuple[str, list[ClusterEvent]], None]:
+        """The cluster event stream (``kvstore/master/events.py``): ``(log_id, events)`` per
+        stream message, in order, starting with one that names the log (its events empty,
+        or one CLEARED when resuming after ``after_seq`` of ``log_id`` is not possible);
+        later empty batches are keep-alives. ``ns_id`` empty: every namespace. ``timeout``
+        (default ``timeout_s``) bounds the whole stream (KVTimeout past it)."""
+        if self._stub is None:
+            raise InvalidArgument("events need a gRPC channel, not an in-process master client")
+        req = pb.EventsRequest(ns_id=ns_id, after_seq=after_seq, log_id=log_id)
+        call = self._stub.Events(req, timeout=timeout or self.timeout_s)
+        try:
+            async for msg in call:
+                yield msg.log_id, [wire.cluster_event_from_pb(e) for e in msg.events]
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "Events") from exc
+        finally:
+            call.cancel()
 
     async def watch(
         self,

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvstore.core import routing
 from kvstore.errors import (
     CapacityError,
     Closed,
@@ -30,6 +31,7 @@ from kvstore.errors import (
     StaleEpoch,
 )
 from kvstore.master import wire
+from kvstore.master.events import DEFAULT_CAPACITY, EventLog
 from kvstore.master.index import IndexStore, Subscription
 from kvstore.master.membership import Membership
 from kvstore.master.records import CommitBatch, NodeInfo, NodeRecord, Tier, WatchEvent
@@ -57,6 +59,9 @@ _SNAPSHOT_BATCH = 1024
 """Watch events per stream message while sending a snapshot."""
 _LIVE_BATCH = 256
 """Most index events turned into one stream message while live."""
+_EVENTS_KEEPALIVE_S = 10.0
+"""An Events stream with nothing to say sends an empty message this often (so a consumer
+can tell a quiet pool from a dead master)."""
 
 
 def status_for(exc: KVStoreError) -> grpc.StatusCode:
@@ -159,6 +164,7 @@ class MasterService(pb_grpc.MasterServicer):
         clock: Callable[[], float] = time.monotonic,
         watch_queue: int = 16384,
         watch_max_s: float = 3600.0,
+        event_log: int = DEFAULT_CAPACITY,
     ) -> None:
         self.store = store
         self.membership = membership
@@ -173,9 +179,9 @@ class MasterService(pb_grpc.MasterServicer):
         self._watch_queue = watch_queue
         self._watch_max_s = watch_max_s
         self._records: dict[str, NodeRecord] = {}
-        self._usage: dict[
-            str, tuple[int, tuple[Tier, ...]]
-        ] = {}  # from commits: id -> (epoch, tiers)
+        self.events = EventLog(event_log)  # the cluster event stream (Events RPC)
+        # Tier usage from each node's last commit: node id -> (epoch, tiers).
+        self._usage: dict[str, tuple[int, tuple[Tier, ...]]] = {}
         self._subs: set[Subscription] = set()
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -235,7 +241,10 @@ class MasterService(pb_grpc.MasterServicer):
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterResponse:
         """A node (re-)registers: new epoch, the old epoch's entries are dead."""
+        old = self._records.get(request.node_id)
         rec = await self.store.register_node(wire.record_from_register(request))
+        if old is not None and old.alive and old.epoch < rec.epoch:
+            self.events.node_dead(old.node_id, old.epoch, "re-registered")
         self.membership.register(rec.node_id, rec.epoch, self._clock())
         self._records[rec.node_id] = rec
         log.info("node %s registered: epoch %d, %s", rec.node_id, rec.epoch, rec.data_uri)
@@ -311,6 +320,7 @@ class MasterService(pb_grpc.MasterServicer):
     async def _drop(self, node_id: str, epoch: int, reason: str) -> None:
         """Drop a dead epoch's entries from the index and mark its record not alive."""
         await self.store.drop_node(node_id, epoch, reason)
+        self.events.node_dead(node_id, epoch, reason)
         rec = self._records.get(node_id)
         if rec is not None and rec.epoch == epoch:
             self._records[node_id] = replace(rec, alive=False)
@@ -347,6 +357,7 @@ class MasterService(pb_grpc.MasterServicer):
         if not self.membership.is_live(batch.node_id, batch.epoch):
             raise StaleEpoch(f"node {batch.node_id!r} epoch {batch.epoch} is not live; re-register")
         applied = await self.store.apply(batch)
+        self.events.commit(batch.node_id, batch.epoch, batch.adds, batch.evicts)
         if batch.tiers:  # live usage for Stats and Nodes; the store keeps the heartbeat's
             self._usage[batch.node_id] = (batch.epoch, batch.tiers)
         self.membership.heartbeat(batch.node_id, batch.epoch, self._clock())
@@ -378,23 +389,7 @@ class MasterService(pb_grpc.MasterServicer):
         ns_id = wire.check_ns_id(request.ns_id)
         hashes = wire.check_block_hashes(request.block_hashes)
         cpb = wire.check_chunks_per_block(request.chunks_per_block, required=True)
-        located = await self.store.locate(ns_id, hashes)
-        uris = await self._uris(n for holders in located for n in holders)
-        full = (1 << cpb) - 1
-        matched = 0
-        for holders in located:
-            union = 0
-            for node, holding in holders.items():
-                if node in uris:
-                    union |= holding.mask
-            if union & full != full:
-                break
-            matched += 1
-        self.counters.prefix_lookups += 1
-        self.counters.hit_blocks += matched
-        self.counters.hit_tokens += matched * request.block_tokens
-        self.counters.miss_blocks += len(hashes) - matched
-        self.counters.miss_tokens += (len(hashes) - matched) * request.block_tokens
+        matched, located, uris = await self._match(ns_id, hashes, cpb, request.block_tokens)
         if request.skip_holders:
             return pb.MatchPrefixResponse(blocks=matched)
         last = self._suspects(uris)  # (once per call, not once per block)
@@ -442,6 +437,49 @@ class MasterService(pb_grpc.MasterServicer):
             hits=self.counters.hits,
             misses=self.counters.misses,
         )
+
+    async def _match(
+        self, ns_id: bytes, hashes: list[bytes], cpb: int, block_tokens: int
+    ) -> tuple[int, list[Any], dict[str, str]]:
+        """Leading blocks of ``hashes`` every chunk of which a live node holds (counted in
+        the hit and miss counters), the holders located and the live nodes' URIs."""
+        located = await self.store.locate(ns_id, hashes)
+        uris = await self._uris(n for holders in located for n in holders)
+        full = (1 << cpb) - 1
+        matched = 0
+        for holders in located:
+            union = 0
+            for node, holding in holders.items():
+                if node in uris:
+                    union |= holding.mask
+            if union & full != full:
+                break
+            matched += 1
+        self.counters.prefix_lookups += 1
+        self.counters.hit_blocks += matched
+        self.counters.hit_tokens += matched * block_tokens
+        self.counters.miss_blocks += len(hashes) - matched
+        self.counters.miss_tokens += (len(hashes) - matched) * block_tokens
+        return matched, located, uris
+
+    @_unary
+    async def Route(
+        self, request: pb.RouteRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RouteResponse:
+        """The pool's prefix hit weighed against each instance's cache and load."""
+        ns_id = wire.check_ns_id(request.ns_id)
+        hashes = wire.check_block_hashes(request.block_hashes)
+        cpb = wire.check_chunks_per_block(request.chunks_per_block, required=True)
+        instances = wire.route_instances_from_pb(request.instances)
+        matched = (await self._match(ns_id, hashes, cpb, request.block_tokens))[0]
+        weights = {
+            f"{name}_weight": getattr(request, f"{name}_weight")
+            for name in ("overlap", "transfer", "load")
+            if request.HasField(f"{name}_weight")
+        }
+        pool = matched * request.block_tokens
+        choice = routing.choose(max(request.prompt_tokens, pool), pool, instances, **weights)
+        return wire.route_choice_to_pb(choice)
 
     # -- events -----------------------------------------------------------------------------
 
@@ -495,6 +533,40 @@ class MasterService(pb_grpc.MasterServicer):
                         yield _batch(live)
             finally:
                 self._subs.discard(sub)
+
+    async def Events(
+        self, request: pb.EventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.EventsResponse]:
+        """Every store and removal from now (or after ``after_seq`` of ``log_id``), in
+        order; CLEARED first when the events asked for are no longer kept."""
+        try:
+            async for batch in self._events(request):
+                yield batch
+        except KVStoreError as exc:
+            await context.abort(status_for(exc), str(exc))
+
+    async def _events(self, request: pb.EventsRequest) -> AsyncIterator[pb.EventsResponse]:
+        ns_id = wire.check_ns_id(request.ns_id) if request.ns_id else b""
+        log = self.events
+        cursor, clear = log.start(request.after_seq, wire.check_text(request.log_id, "log_id"))
+        deadline = self._clock() + self._watch_max_s
+        self.counters.watches += 1
+        first = [wire.cluster_event_to_pb(log.cleared(cursor))] if clear else []
+        yield pb.EventsResponse(log_id=log.log_id, events=first)  # the log id, at once
+        while True:
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise KVTimeout(f"event stream ended after its {self._watch_max_s} s limit")
+            if not await log.wait(cursor, min(remaining, _EVENTS_KEEPALIVE_S)):
+                yield pb.EventsResponse(log_id=log.log_id)  # keep-alive: nothing new
+                continue
+            events, cursor, lost = log.since(cursor, ns_id, _LIVE_BATCH)
+            out = [log.cleared(events[0].seq - 1 if events else cursor)] if lost else []
+            out += events
+            if out:
+                yield pb.EventsResponse(
+                    log_id=log.log_id, events=[wire.cluster_event_to_pb(e) for e in out]
+                )
 
     # -- helpers ----------------------------------------------------------------------------
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence, Set
 
+from kvstore.core.routing import MAX_INSTANCES, Instance, RouteChoice, RouteScore
 from kvstore.dataplane.location import MAX_LOCATION_BYTES
 from kvstore.errors import InvalidArgument, ProtocolError
+from kvstore.master.events import ClusterEvent, ClusterEventKind
 from kvstore.master.records import (
     BlockAdd,
     BlockRef,
@@ -374,6 +376,67 @@ def holders_from_pb(msg: pb.BlockHolders) -> list[Holder]:
 def object_holder_from_pb(msg: pb.ObjectHolder) -> ObjectHolder:
     """An object holder record from its message."""
     return ObjectHolder(msg.node_id, msg.epoch, msg.nbytes, msg.data_uri)
+
+
+def route_instances_from_pb(msgs: Sequence[pb.RouteInstance]) -> list[Instance]:
+    """Validated routing instances (at most MAX_INSTANCES, short ids)."""
+    _check_count(len(msgs), "instances", MAX_INSTANCES)
+    return [
+        Instance(check_text(m.id, "instance id", MAX_NAME_LEN), m.active_tokens, m.cached_tokens)
+        for m in msgs
+    ]
+
+
+def route_instances_to_pb(instances: Sequence[Instance]) -> list[pb.RouteInstance]:
+    """Routing instances as messages."""
+    return [
+        pb.RouteInstance(id=i.id, active_tokens=i.active_tokens, cached_tokens=i.cached_tokens)
+        for i in instances
+    ]
+
+
+def route_choice_to_pb(choice: RouteChoice) -> pb.RouteResponse:
+    """A routing decision as a Route response."""
+    return pb.RouteResponse(
+        choice=choice.choice,
+        pool_tokens=choice.pool_tokens,
+        scores=[pb.RouteScore(id=s.id, own_tokens=s.own_tokens, pool_tokens=s.pool_tokens,
+                              prefill_tokens=s.prefill_tokens, loaded_tokens=s.loaded_tokens,
+                              active_tokens=s.active_tokens, cost=s.cost)
+                for s in choice.scores],
+    )  # fmt: skip
+
+
+def route_choice_from_pb(msg: pb.RouteResponse) -> RouteChoice:
+    """Inverse of :func:`route_choice_to_pb`."""
+    scores = tuple(
+        RouteScore(s.id, s.own_tokens, s.pool_tokens, s.prefill_tokens, s.loaded_tokens,
+                   s.active_tokens, s.cost)
+        for s in msg.scores
+    )  # fmt: skip
+    return RouteChoice(msg.choice, msg.pool_tokens, scores)
+
+
+def cluster_event_to_pb(event: ClusterEvent) -> pb.ClusterEvent:
+    """A :class:`~kvstore.master.events.ClusterEvent` as its message."""
+    return pb.ClusterEvent(
+        seq=event.seq, kind=event.kind.value,  # type: ignore[arg-type]
+        ns_id=event.ns_id, block_hash=event.block_hash,
+        node_id=event.node_id, epoch=event.epoch, chunks=event.chunks, medium=event.medium,
+        reason=event.reason,
+    )  # fmt: skip
+
+
+def cluster_event_from_pb(msg: pb.ClusterEvent) -> ClusterEvent:
+    """Inverse of :func:`cluster_event_to_pb`; an unknown kind raises ProtocolError."""
+    try:
+        kind = ClusterEventKind(msg.kind)
+    except ValueError:
+        raise ProtocolError(f"unknown cluster event kind {msg.kind}") from None
+    return ClusterEvent(
+        msg.seq, kind, msg.ns_id, msg.block_hash, msg.node_id, msg.epoch, tuple(msg.chunks),
+        msg.medium, msg.reason,
+    )  # fmt: skip
 
 
 def watch_event_to_pb(event: WatchEvent) -> pb.WatchEvent:

@@ -275,6 +275,118 @@ class WatchResponse(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[WatchEvent]
     def __init__(self, events: _Optional[_Iterable[_Union[WatchEvent, _Mapping]]] = ...) -> None: ...
 
+class RouteInstance(_message.Message):
+    __slots__ = ("id", "active_tokens", "cached_tokens")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    active_tokens: int
+    cached_tokens: int
+    def __init__(self, id: _Optional[str] = ..., active_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("ns_id", "block_hashes", "chunks_per_block", "block_tokens", "prompt_tokens", "instances", "overlap_weight", "transfer_weight", "load_weight")
+    NS_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    ns_id: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    chunks_per_block: int
+    block_tokens: int
+    prompt_tokens: int
+    instances: _containers.RepeatedCompositeFieldContainer[RouteInstance]
+    overlap_weight: float
+    transfer_weight: float
+    load_weight: float
+    def __init__(self, ns_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., chunks_per_block: _Optional[int] = ..., block_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[RouteInstance, _Mapping]]] = ..., overlap_weight: _Optional[float] = ..., transfer_weight: _Optional[float] = ..., load_weight: _Optional[float] = ...) -> None: ...
+
+class RouteScore(_message.Message):
+    __slots__ = ("id", "own_tokens", "pool_tokens", "prefill_tokens", "loaded_tokens", "active_tokens", "cost")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OWN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POOL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    own_tokens: int
+    pool_tokens: int
+    prefill_tokens: int
+    loaded_tokens: int
+    active_tokens: int
+    cost: float
+    def __init__(self, id: _Optional[str] = ..., own_tokens: _Optional[int] = ..., pool_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., loaded_tokens: _Optional[int] = ..., active_tokens: _Optional[int] = ..., cost: _Optional[float] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("choice", "pool_tokens", "scores")
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    POOL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    choice: str
+    pool_tokens: int
+    scores: _containers.RepeatedCompositeFieldContainer[RouteScore]
+    def __init__(self, choice: _Optional[str] = ..., pool_tokens: _Optional[int] = ..., scores: _Optional[_Iterable[_Union[RouteScore, _Mapping]]] = ...) -> None: ...
+
+class EventsRequest(_message.Message):
+    __slots__ = ("ns_id", "after_seq", "log_id")
+    NS_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LOG_ID_FIELD_NUMBER: _ClassVar[int]
+    ns_id: bytes
+    after_seq: int
+    log_id: str
+    def __init__(self, ns_id: _Optional[bytes] = ..., after_seq: _Optional[int] = ..., log_id: _Optional[str] = ...) -> None: ...
+
+class ClusterEvent(_message.Message):
+    __slots__ = ("seq", "kind", "ns_id", "block_hash", "node_id", "epoch", "chunks", "medium", "reason")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[ClusterEvent.Kind]
+        STORED: _ClassVar[ClusterEvent.Kind]
+        REMOVED: _ClassVar[ClusterEvent.Kind]
+        NODE_DEAD: _ClassVar[ClusterEvent.Kind]
+        CLEARED: _ClassVar[ClusterEvent.Kind]
+    KIND_UNSPECIFIED: ClusterEvent.Kind
+    STORED: ClusterEvent.Kind
+    REMOVED: ClusterEvent.Kind
+    NODE_DEAD: ClusterEvent.Kind
+    CLEARED: ClusterEvent.Kind
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NS_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    kind: ClusterEvent.Kind
+    ns_id: bytes
+    block_hash: bytes
+    node_id: str
+    epoch: int
+    chunks: _containers.RepeatedScalarFieldContainer[int]
+    medium: str
+    reason: str
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[ClusterEvent.Kind, str]] = ..., ns_id: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., chunks: _Optional[_Iterable[int]] = ..., medium: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class EventsResponse(_message.Message):
+    __slots__ = ("log_id", "events")
+    LOG_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    log_id: str
+    events: _containers.RepeatedCompositeFieldContainer[ClusterEvent]
+    def __init__(self, log_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("ns_id", "block_hashes", "reason")
     NS_ID_FIELD_NUMBER: _ClassVar[int]

@@ -100,6 +100,16 @@ class MasterStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.DeregisterRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DeregisterResponse.FromString,
                 _registered_method=True)
+        self.Events = channel.unary_stream(
+                '/kvstore.v1.Master/Events',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.EventsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.EventsResponse.FromString,
+                _registered_method=True)
+        self.Route = channel.unary_unary(
+                '/kvstore.v1.Master/Route',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.RouteRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RouteResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -200,6 +210,22 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Events(self, request, context):
+        """Every store and removal this master applies, numbered, resumable after a disconnect
+        (kvstore/master/events.py), for routers that keep their own index.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Route(self, request, context):
+        """Which engine instance should take a prompt: the pool's prefix hit weighed against each
+        instance's own cache and load (kvstore/core/routing.py has the cost function).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -267,6 +293,16 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Deregister,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DeregisterRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.DeregisterResponse.SerializeToString,
+            ),
+            'Events': grpc.unary_stream_rpc_method_handler(
+                    servicer.Events,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.EventsRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.EventsResponse.SerializeToString,
+            ),
+            'Route': grpc.unary_unary_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RouteRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.RouteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -621,6 +657,60 @@ class Master:
             '/kvstore.v1.Master/Deregister',
             kvstore_dot_v1_dot_kvstore__pb2.DeregisterRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.DeregisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Events(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.Master/Events',
+            kvstore_dot_v1_dot_kvstore__pb2.EventsRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.EventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Master/Route',
+            kvstore_dot_v1_dot_kvstore__pb2.RouteRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.RouteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,151 @@
+"""KV-aware routing and the cluster event stream, for routers in front of engine instances.
+
+:meth:`RoutingOps.route` asks the master which instance should take a prompt (the pool's
+prefix hit weighed against each instance's own cache and load: :mod:`kvstore.core.routing`).
+:meth:`RoutingOps.events` follows every store and removal in the pool, numbered and
+resumable (``kvstore/master/events.py``); :class:`PoolIndex` folds that stream into the
+index a router keeps (block -> holders), reconnecting where it left off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvstore.core.routing import Instance, RouteChoice
+from kvstore.errors import KVStoreError
+from kvstore.master.events import ClusterEvent, ClusterEventKind
+
+if TYPE_CHECKING:
+    from .client import ClientCore as _Base
+else:
+    _Base = object
+
+__all__ = ["PoolIndex", "RoutingOps"]
+
+logger = logging.getLogger("kvclient.routing")
+
+
+class RoutingOps(_Base):
+    """Mixin of :class:`~kvclient.KVClient` with the routing calls."""
+
+    async def route(
+        self,
+        token_ids: Sequence[int] | Any,
+        instances: Sequence[Instance],
+        *,
+        timeout: float | None = None,
+        **weights: float,
+    ) -> RouteChoice:
+        """Which of ``instances`` should take this prompt: the pool's prefix hit weighed
+        against each instance's own cache (``Instance.cached_tokens``, where it reports
+        one) and load (``active_tokens``), by the cost function of
+        :mod:`kvstore.core.routing` (``weights``: ``overlap_weight``, ``transfer_weight``,
+        ``load_weight``). One RPC. Raises :class:`InvalidArgument` for bad instances."""
+        hashes = self.block_hashes(token_ids)
+        call = self._master.route(
+            self.ns.id, hashes, self._chunks_per_block, self.ns.block_tokens, len(token_ids),
+            instances, **weights,
+        )  # fmt: skip
+        return await self._deadline(call, timeout, "route")  # type: ignore[no-any-return]
+
+    async def events(
+        self,
+        after_seq: int = 0,
+        log_id: str = "",
+        *,
+        all_namespaces: bool = False,
+        timeout: float | None = None,
+    ) -> AsyncGenerator[tuple[str, list[ClusterEvent]], None]:
+        """The cluster event stream of this client's namespace (every namespace with
+        ``all_namespaces``): ``(log_id, events)`` batches, in order; the first names the
+        log; resuming after ``after_seq`` of ``log_id`` gives exactly the events missed,
+        or CLEARED first when they are no longer kept. ``timeout`` (default: the master's
+        stream limit) bounds the whole stream."""
+        ns = b"" if all_namespaces else self.ns.id
+        stream = self._master.events(ns, after_seq, log_id, timeout=timeout or 3600.0)
+        async for batch in stream:
+            yield batch
+
+
+class PoolIndex:
+    """A router's own index of the pool, kept by the cluster event stream: per block, the
+    nodes that hold chunks of it (and which), rebuilt after a CLEARED.
+
+    ``apply`` folds events in; ``follow`` runs the stream (reconnecting after an error,
+    resuming after the last event seen) until cancelled or ``timeout`` passes.
+    """
+
+    def __init__(self) -> None:
+        self.blocks: dict[tuple[bytes, bytes], dict[str, tuple[int, int]]] = {}
+        """(ns id, block hash) -> node id -> (epoch, chunk mask)."""
+        self.log_id = ""
+        self.last_seq = 0
+        self.cleared = 0
+
+    def apply(self, log_id: str, events: Sequence[ClusterEvent]) -> None:
+        """Fold one batch of the stream in."""
+        self.log_id = log_id
+        for ev in events:
+            self.last_seq = ev.seq
+            key = (ev.ns_id, ev.block_hash)
+            if ev.kind is ClusterEventKind.CLEARED:
+                self.blocks.clear()
+                self.cleared += 1
+            elif ev.kind is ClusterEventKind.STORED:
+                held = self.blocks.setdefault(key, {})
+                epoch, mask = held.get(ev.node_id, (ev.epoch, 0))
+                mask = mask if epoch == ev.epoch else 0
+                for c in ev.chunks:
+                    mask |= 1 << c
+                held[ev.node_id] = (ev.epoch, mask)
+            elif ev.kind is ClusterEventKind.REMOVED:
+                held = self.blocks.get(key, {})
+                held.pop(ev.node_id, None)
+                if not held:
+                    self.blocks.pop(key, None)
+            elif ev.kind is ClusterEventKind.NODE_DEAD:
+                for k in list(self.blocks):
+                    held = self.blocks[k]
+                    if held.get(ev.node_id, (ev.epoch + 1, 0))[0] <= ev.epoch:
+                        del held[ev.node_id]
+                    if not held:
+                        del self.blocks[k]
+
+    def prefix_blocks(self, ns_id: bytes, hashes: Sequence[bytes], chunks_per_block: int) -> int:
+        """Leading blocks of ``hashes`` whose every chunk some node holds, as far as the
+        stream said."""
+        full, n = (1 << chunks_per_block) - 1, 0
+        for h in hashes:
+            union = 0
+            for _, mask in self.blocks.get((ns_id, h), {}).values():
+                union |= mask
+            if union & full != full:
+                break
+            n += 1
+        return n
+
+    async def follow(
+        self,
+        kv: Any,
+        *,
+        all_namespaces: bool = False,
+        retry_s: float = 0.5,
+        timeout: float | None = None,
+    ) -> None:
+        """Run ``kv.events`` into this index until cancelled (or ``timeout`` seconds),
+        resuming after the last event seen whenever the stream breaks."""
+        loop = asyncio.get_running_loop()
+        end = None if timeout is None else loop.time() + timeout
+        while end is None or loop.time() < end:
+            try:
+                left = None if end is None else max(0.1, end - loop.time())
+                async for log_id, events in kv.events(
+                    self.last_seq, self.log_id, all_namespaces=all_namespaces, timeout=left
+                ):
+                    self.apply(log_id, events)
+            except KVStoreError as exc:
+                logger.info("event stream broke (%s); resuming after %d", exc, self.last_seq)
+            await asyncio.sleep(retry_s)

@@ -1,0 +1,171 @@
+"""KV-aware routing and the cluster event stream: the cost function and the event log as
+pure logic, then the Route RPC, the Events stream (resumed after a disconnect, CLEARED when
+it cannot be) and a router's own index against a real ``kvstore serve``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+
+import kvclient
+from kvclient import Instance, PoolIndex
+from kvstore.core.routing import choose
+from kvstore.dataplane import NodeClient
+from kvstore.errors import InvalidArgument
+from kvstore.master.events import ClusterEventKind, EventLog
+from kvstore.master.records import BlockAdd, BlockRef
+from tests.cluster import Server, start_server
+from tests.kvproc import layer_kv, namespace, prompt
+
+NS = bytes(16)
+
+
+def _h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+# ----------------------------------------------------------------------------- pure
+
+
+def test_cost_weighs_reuse_transfer_and_load() -> None:
+    insts = [Instance("a"), Instance("b", active_tokens=100, cached_tokens=512),
+             Instance("c", active_tokens=5000, cached_tokens=2048)]  # fmt: skip
+    got = choose(2048, 1024, insts)
+    a, b, c = got.scores
+    assert (a.prefill_tokens, a.loaded_tokens, a.cost) == (1024, 1024, 1024 + 102.4)
+    assert (b.prefill_tokens, b.loaded_tokens, b.cost) == (1024, 512, 1024 + 51.2 + 100)
+    assert (c.prefill_tokens, c.loaded_tokens, c.cost) == (0, 0, 5000)
+    assert got.choice == "a" and got.pool_tokens == 1024
+    # With load not counted, the instance holding the whole prompt wins.
+    assert choose(2048, 1024, insts, load_weight=0).choice == "c"
+    # Ties go to the less loaded instance, then to the first named.
+    assert choose(10, 0, [Instance("x", 5), Instance("y", 0)], load_weight=0).choice == "y"
+    assert choose(10, 0, [Instance("x"), Instance("y")]).choice == "x"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[], [Instance("a"), Instance("a")], [Instance("a", active_tokens=-1)]],
+)
+def test_bad_routing_input_is_refused(bad: list[Instance]) -> None:
+    with pytest.raises(InvalidArgument):
+        choose(10, 0, bad)
+    with pytest.raises(InvalidArgument):
+        choose(10, 0, [Instance("a")], overlap_weight=-1)
+
+
+def test_event_log_numbers_resumes_and_clears() -> None:
+    log = EventLog(capacity=4)
+    assert log.start(0, "") == (0, False)  # a first connect starts at the head
+    log.commit("n1", 1, [BlockAdd(NS, _h(1), (0, 1))], [])
+    log.commit("n1", 1, [BlockAdd(_h(9), _h(2), (0,))], [BlockRef(NS, _h(1))])
+    events, cursor, lost = log.since(0, b"", 10)
+    assert [(e.seq, e.kind) for e in events] == [
+        (1, ClusterEventKind.STORED), (2, ClusterEventKind.REMOVED), (3, ClusterEventKind.STORED)
+    ]  # fmt: skip
+    assert cursor == 3 and not lost and events[0].chunks == (0, 1)
+    assert [e.seq for e in log.since(0, NS, 10)[0]] == [1, 2]  # one namespace only
+    assert log.start(2, log.log_id) == (2, False)  # resume: exactly what was missed
+    assert log.start(2, "another-log") == (3, True)  # another master's numbers: clear
+    log.node_dead("n1", 1, "lease expired")
+    for i in range(3):
+        log.commit("n2", 1, [BlockAdd(NS, _h(10 + i), (0,))], [])
+    assert log.last_seq == 7
+    assert log.start(1, log.log_id)[1]  # events 2.. are no longer kept
+    events, cursor, lost = log.since(1, b"", 10)
+    assert lost and [e.seq for e in events] == [4, 5, 6, 7] and cursor == 7
+    assert events[0].kind is ClusterEventKind.NODE_DEAD
+    assert log.since(7, b"", 10) == ([], 7, False)
+    assert [e.seq for e in log.since(3, b"", 2)[0]] == [4, 5]  # at most max_events
+
+
+# ----------------------------------------------------------------------------- served
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
+                       "--host-mem", "256MiB")  # fmt: skip
+    yield srv
+    rc, out = srv.stop()
+    assert rc == 0 and "pinned_slots=0" in out, out
+
+
+async def _next_events(stream: object, want: int) -> tuple[str, list]:
+    got: list = []
+    log_id = ""
+    async with asyncio.timeout(20):
+        while True:  # at least one message
+            log_id, events = await anext(stream)  # type: ignore[call-overload]
+            got += events
+            if len(got) >= want:
+                return log_id, got
+
+
+async def test_event_stream_resumes_after_a_disconnect(server: Server) -> None:
+    ns = namespace(layers=1)
+    kv = await kvclient.KVClient.connect(server.grpc, ns)
+    async with kv:
+        stream = kv.events()
+        log_id, first = await _next_events(stream, 0)  # the head; the log's id
+        assert log_id and first == []
+        a, b = prompt(512, 501), prompt(512, 502)
+        await kv.put_layer(a, 0, layer_kv(512, 0, 501))
+        await kv.put_layer(b, 0, layer_kv(512, 0, 502))
+        _, events = await _next_events(stream, 4)
+        stored = {(e.block_hash, e.kind) for e in events}
+        want = {(h, ClusterEventKind.STORED) for h in kv.block_hashes(a) + kv.block_hashes(b)}
+        assert stored == want and all(e.ns_id == ns.id and e.node_id for e in events)
+        seqs = [e.seq for e in events]
+        assert seqs == list(range(seqs[0], seqs[0] + 4))
+        await stream.aclose()  # disconnect; the pool changes meanwhile
+        c = prompt(512, 503)
+        await kv.put_layer(c, 0, layer_kv(512, 0, 503))
+        gone = kv.block_hashes(a)[1:]
+        assert (await NodeClient(server.data, timeout_s=5).evict(ns.id, gone)).evicted >= 1
+        resumed = kv.events(seqs[-1], log_id)
+        _, missed = await _next_events(resumed, 3)
+        assert [e.seq for e in missed] == list(range(seqs[-1] + 1, seqs[-1] + 4))
+        assert [e.kind for e in missed] == [ClusterEventKind.STORED] * 2 + [
+            ClusterEventKind.REMOVED
+        ]
+        assert missed[-1].block_hash == gone[0]
+        await resumed.aclose()
+        stale = kv.events(seqs[-1], "not-this-log")
+        _, again = await _next_events(stale, 1)
+        assert again[0].kind is ClusterEventKind.CLEARED
+        await stale.aclose()
+
+
+async def test_a_routers_index_follows_the_pool_and_route_weighs_it(server: Server) -> None:
+    ns = namespace(layers=2)
+    kv = await kvclient.KVClient.connect(server.grpc, ns)
+    async with kv:
+        index = PoolIndex()
+        follower = asyncio.create_task(index.follow(kv, timeout=60))
+        try:
+            tokens = prompt(1024 + 100, 601)
+            for layer in range(2):
+                await kv.put_layer(tokens[:768], layer, layer_kv(768, layer, 601))
+            hashes = kv.block_hashes(tokens)
+            async with asyncio.timeout(20):
+                while index.prefix_blocks(ns.id, hashes, 2) < 3:
+                    await asyncio.sleep(0.05)
+            assert index.prefix_blocks(ns.id, hashes, 2) * 256 == await kv.match_prefix(tokens)
+            insts = [Instance("cold"), Instance("warm", active_tokens=50, cached_tokens=1024),
+                     Instance("busy", active_tokens=100_000)]  # fmt: skip
+            got = await kv.route(tokens, insts)
+            assert got.pool_tokens == 768
+            assert got == choose(len(tokens), 768, insts)  # the RPC is the cost function
+            assert got.choice == "warm"
+            assert (await kv.route(tokens, insts, load_weight=0, transfer_weight=0)).choice in (
+                "warm", "busy")  # fmt: skip
+            with pytest.raises(InvalidArgument):
+                await kv.route(tokens, [Instance("x"), Instance("x")])
+        finally:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
