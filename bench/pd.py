@@ -21,12 +21,21 @@ TTFT is measured from the prefill's forward start to the decode's first token
 (the decode's reads, whole prompt), **exposed transfer after prefill end** (the decode's
 last layer in, minus the prefill's forward end: what the network adds to TTFT) and one
 layer's transfer time (whole-prompt load / layers) beside it. Every prompt is fresh, so no
-run reuses another's KV. Markdown on stdout, progress on stderr.
+run reuses another's KV.
+
+``--trace PATH`` (default: ``bench/data/mooncake_conversation_sample.jsonl``, the first
+2,000 requests of Mooncake's FAST'25 conversation trace; ``--trace ''`` skips it) then
+routes that trace over ``--instances`` prefill instances, by KV overlap
+(``kvstore.core.routing``, what the ``Route`` RPC answers) and round robin, with and
+without the pool (``bench/_routing_sim.py``: a simulation whose per-token compute and load
+costs are the ones measured above), and times the ``Route`` RPC itself beside
+``match_prefix``. Markdown on stdout, progress on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import random
 import statistics
@@ -36,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench._common import (
     BarPanel,
@@ -48,6 +58,7 @@ from bench._common import (
     spawn_worker,
 )
 
+TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_sample.jsonl"
 ENGINE_BLOCK = 16
 BLOCK_TOKENS = 256
 
@@ -142,7 +153,88 @@ def measure(args: argparse.Namespace) -> list[Table]:
                         ttft[mode][n].append(row["ttft"])
                         parts.setdefault((n, mode), []).append(row)
                         bar.advance(task)
-    return _tables(lengths, modes, ttft, parts, args, sizes)
+        tables = _tables(lengths, modes, ttft, parts, args, sizes)
+        if args.trace:
+            tables += _routing_tables(args, master, lengths, parts)
+    return tables
+
+
+def _routing_tables(
+    args: argparse.Namespace, master: str, lengths: list[int], parts: dict
+) -> list[Table]:
+    """The trace routed by KV overlap vs round robin, and the Route RPC's own latency."""
+    from _routing_sim import load_requests, simulate
+
+    n = max(lengths)
+    compute_s = statistics.median(r["compute"] for r in parts[(n, "recompute")]) / 1e3 / n
+    load_s = statistics.median(r["load"] for r in parts[(n, "int8 whole")]) / 1e3 / n
+    requests = load_requests(Path(args.trace), args.requests)
+    table = Table(
+        f"Routing {len(requests)} trace requests over {args.instances} prefill instances",
+        ["policy", "prompt tokens reused", "from own cache", "TTFT mean (s)", "p50", "p99"],
+    )
+    for policy in ("round robin", "kv-aware", "round robin + pool", "kv-aware + pool"):
+        o = simulate(
+            requests,
+            policy,
+            instances=args.instances,
+            cache_blocks=args.cache_blocks,
+            pool_blocks=args.pool_blocks,
+            compute_s=compute_s,
+            load_s=load_s,
+            load=args.load,
+        )
+        table.add(
+            policy,
+            f"{o.hit_rate:.1%}",
+            f"{o.own_rate:.1%}",
+            f"{o.ttft_mean_s:.3f}",
+            f"{o.ttft_p50_s:.3f}",
+            f"{o.ttft_p99_s:.3f}",
+        )
+    table.notes.append(
+        f"Per instance an own LRU cache of {args.cache_blocks} blocks of 512 tokens; the pool "
+        f"an LRU of {args.pool_blocks} blocks. Costs from this run's {n}-token prompts: "
+        f"compute {compute_s * 1e6:.1f} µs/token (recompute), load {load_s * 1e6:.2f} µs/token "
+        f"(int8 whole-prompt load). Arrivals scaled so round robin without reuse is "
+        f"{args.load:.0%} busy. KV-aware: the Route cost (overlap 1, load 1, transfer = the "
+        "measured load/compute ratio)."
+    )
+    return [table, asyncio.run(_route_latency(master))]
+
+
+async def _route_latency(master: str, calls: int = 300) -> Table:
+    """p50/p99 of the Route RPC against match_prefix on the same 32-block prompt."""
+    import kvclient
+    from kvclient import Instance
+
+    ns = kvclient.Namespace(
+        model="bench-route",
+        revision="r",
+        num_layers=1,
+        num_kv_heads=2,
+        head_dim=16,
+        block_tokens=16,
+        quant="int8",
+    )
+    insts = [Instance(f"i{k}", active_tokens=k * 100, cached_tokens=k * 16) for k in range(8)]
+    tokens = _prompt(512, 99)
+    times: dict[str, list[float]] = {"route (8 instances)": [], "match_prefix": []}
+    async with await kvclient.KVClient.connect(master, ns) as kv:
+        for _ in range(calls):
+            t = time.perf_counter()
+            await kv.route(tokens, insts)
+            times["route (8 instances)"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await kv.match_prefix(tokens)
+            times["match_prefix"].append(time.perf_counter() - t)
+    table = Table(
+        f"Route RPC latency ({calls} calls, 32-block prompt)", ["call", "p50 (µs)", "p99 (µs)"]
+    )
+    for name, ts in times.items():
+        ts.sort()
+        table.add(name, f"{ts[len(ts) // 2] * 1e6:.0f}", f"{ts[int(len(ts) * 0.99)] * 1e6:.0f}")
+    return table
 
 
 def _one(
@@ -270,6 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--host-mem", default="1GiB")
     p.add_argument("--plot", default="")
+    p.add_argument("--trace", default=str(TRACE), help="Mooncake-format JSONL ('' to skip)")
+    p.add_argument("--requests", type=int, default=0, help="trace requests (0: all)")
+    p.add_argument("--instances", type=int, default=4)
+    p.add_argument("--cache-blocks", type=int, default=400, help="per instance, 512-token")
+    p.add_argument("--pool-blocks", type=int, default=20000)
+    p.add_argument("--load", type=float, default=0.8)
     args = p.parse_args(argv)
     print_report("bench/pd.py", "bench/pd.py", argv, measure(args))
     return 0
