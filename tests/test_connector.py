@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvclient.vllm_connector import KVStoreConnector
+from kvclient.vllm_connector import KVStoreConnector, kv_first_view
 from kvstore.dataplane import NodeClient
 from tests import cluster
 from tests.cluster import TRANSPORTS, Server, start_server
@@ -124,13 +124,12 @@ class Engine:
     """One engine instance: a paged cache per layer (kv_first, like FlashAttention) and the
     worker-side connector, stepped the way vLLM's model runner steps it."""
 
-    def __init__(self, master: str, kv_role: str, model: str) -> None:
+    def __init__(self, master: str, kv_role: str, model: str, layout: str = "kv_first") -> None:
         cfg = vllm_config(master, kv_role, model)
         self.sched = KVStoreConnector(cfg, SimpleNamespace(name="SCHEDULER"), None)
         self.work = KVStoreConnector(cfg, SimpleNamespace(name="WORKER"), None)
-        self.caches = {f"model.layers.{i}.self_attn.attn":
-                       torch.full((2, NUM_BLOCKS, BS, H, D), SENTINEL, dtype=torch.bfloat16)
-                       for i in range(L)}  # fmt: skip
+        self.caches = {f"model.layers.{i}.self_attn.attn": _new_cache(layout) for i in range(L)}
+        self.views = [kv_first_view(c, D) for c in self.caches.values()]  # [2, nb, bs, H, D]
         self.work.register_kv_caches(self.caches)
 
     def step(
@@ -148,7 +147,7 @@ class Engine:
             for prompt, blocks, lo, hi in compute.values():
                 kv = layer_kv(prompt, i)
                 for t in range(lo, hi):
-                    cache[:, blocks[t // BS], t % BS] = kv[:, t]
+                    self.views[i][:, blocks[t // BS], t % BS] = kv[:, t]
             self.work.save_kv_layer(name, cache, None)
         self.work.wait_for_save()
         finished = self.work.get_finished(out.finished_req_ids)
@@ -157,12 +156,24 @@ class Engine:
         return meta, finished, errors
 
     def tokens(self, layer: int, blocks: list[int], n: int) -> torch.Tensor:
-        cache = list(self.caches.values())[layer]
-        return torch.cat([cache[:, b] for b in blocks], dim=1)[:, :n]
+        return torch.cat([self.views[layer][:, b] for b in blocks], dim=1)[:, :n]
+
+    def fill(self, blocks: list[int]) -> None:
+        for view in self.views:
+            view[:, blocks] = SENTINEL
 
     def close(self) -> None:
         self.work.shutdown()
         self.sched.shutdown()
+
+
+def _new_cache(layout: str) -> torch.Tensor:
+    """One layer's cache as vLLM allocates it: FlashAttention's [2, nb, bs, H, D], or 0.33's
+    standardized [B, H, N, C] view (K then V along C) over a block-major buffer."""
+    if layout == "kv_first":
+        return torch.full((2, NUM_BLOCKS, BS, H, D), SENTINEL, dtype=torch.bfloat16)
+    backing = torch.full((NUM_BLOCKS, BS, H, 2 * D), SENTINEL, dtype=torch.bfloat16)
+    return backing.permute(0, 2, 1, 3)  # [B, H, N, C] over an NHD (LBNHC) buffer
 
 
 def drain_finished(engine: Engine, ids: set[str]) -> set[str]:
@@ -180,12 +191,15 @@ def drain_finished(engine: Engine, ids: set[str]) -> set[str]:
 # ----------------------------------------------------------------------------- the test
 
 
-def test_vllm_call_sequence_prefill_decode_load_error_and_abort(server: Server) -> None:
-    prompt = [(7 * i + 3) % 5000 for i in range(100)]  # 6 whole blocks of ours (96 tokens)
+@pytest.mark.parametrize("layout", ["kv_first", "bhnc"])
+def test_vllm_call_sequence_prefill_decode_load_error_and_abort(
+    server: Server, layout: str
+) -> None:
+    prompt = [(7 * i + 3 + len(layout)) % 5000 for i in range(100)]  # 6 whole blocks of ours
     blocks = list(range(NUM_BLOCKS - 1, NUM_BLOCKS - 26, -1))  # 25 engine blocks, reversed
     model = f"connector-{server.data}"
-    prefill = Engine(server.grpc, "kv_producer", model)
-    decode = Engine(server.grpc, "kv_consumer", model)
+    prefill = Engine(server.grpc, "kv_producer", model, layout)
+    decode = Engine(server.grpc, "kv_consumer", model, layout)
     try:
         # --- prefill instance: a chunked prefill of 64, then 36 tokens, then finished.
         p1 = Request("p1", prompt)
@@ -225,8 +239,7 @@ def test_vllm_call_sequence_prefill_decode_load_error_and_abort(server: Server) 
         # and its blocks 2 and 3 of ours evicted between the match and the load.
         d2 = Request("d2", prompt)
         mine = list(range(25))
-        for c in decode.caches.values():
-            c[:, mine] = SENTINEL
+        decode.fill(mine)
         assert decode.sched.get_num_new_matched_tokens(d2, 8) == (88, False)
         decode.sched.update_state_after_alloc(d2, Blocks(mine), 88)
         kv = decode.sched.scheduler.kv  # type: ignore[union-attr]
@@ -245,7 +258,7 @@ def test_vllm_call_sequence_prefill_decode_load_error_and_abort(server: Server) 
         decode.sched.request_finished(d2, mine)
 
         # --- an aborted request on the prefill side: its saves are cancelled, reported done.
-        other = [(11 * i + 1) % 5000 for i in range(64)]
+        other = [(11 * i + 1 + len(layout)) % 5000 for i in range(64)]
         p3 = Request("p3", other)
         prefill.sched.get_num_new_matched_tokens(p3, 0)
         prefill.sched.update_state_after_alloc(p3, Blocks(blocks[:16]), 0)
@@ -260,3 +273,24 @@ def test_vllm_call_sequence_prefill_decode_load_error_and_abort(server: Server) 
         decode.close()
     stats = asyncio.run(cluster.node_stats(server.data))
     assert stats["pinned_slots"] == 0  # holds released, no lease left by loads or saves
+
+
+def test_kv_first_view_of_each_cache_layout_vllm_allocates() -> None:
+    """The views name K and V where vLLM's attention backends keep them (no copy)."""
+    fa = torch.randn(2, 5, BS, H, D)
+    assert kv_first_view(fa, D) is fa
+    fi = torch.randn(5, 2, BS, H, D)
+    assert torch.equal(kv_first_view(fi, D)[1, 3], fi[3, 1])
+    bhnc = _new_cache("bhnc")
+    bhnc.copy_(torch.randn(bhnc.shape))
+    view = kv_first_view(bhnc, D)
+    assert view.data_ptr() == bhnc.data_ptr() and view.shape == (2, NUM_BLOCKS, BS, H, D)
+    assert torch.equal(view[0, 7, 2, 1], bhnc[7, 1, 2, :D])  # K: the first D of C
+    assert torch.equal(view[1, 7, 2, 1], bhnc[7, 1, 2, D:])  # V: the last D
+    for bad in (
+        torch.zeros(5, BS, H, D),
+        torch.zeros(4, H, BS, D + 1),
+        torch.zeros(3, 3, BS, H, D),
+    ):
+        with pytest.raises(ValueError, match="supports"):
+            kv_first_view(bad, D)

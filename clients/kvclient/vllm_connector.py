@@ -18,7 +18,8 @@ layers, KV heads per TP shard, head size, dtype) plus ``block_tokens`` and ``qua
 :mod:`kvclient.connector`; this module only translates vLLM's objects.
 
 Supported caches: one tensor per layer in the ``[2, num_blocks, block_size, H, D]``
-(FlashAttention) or ``[num_blocks, 2, block_size, H, D]`` (FlashInfer) layout.
+(FlashAttention) or ``[num_blocks, 2, block_size, H, D]`` (FlashInfer) layout, or vLLM
+0.33's standardized ``[B, H, N, C]`` views (K then V along C): :func:`kv_first_view`.
 ``register_kv_caches`` refuses others (e.g. MLA's) with a clear error.
 """
 
@@ -61,6 +62,30 @@ class KVStoreConnectorMetadata(_MetaBase):  # type: ignore[misc, valid-type]
 
     def __init__(self, meta: ConnectorMetadata) -> None:
         self.meta = meta
+
+
+def kv_first_view(t: torch.Tensor, head_dim: int, name: str = "KV cache") -> torch.Tensor:
+    """A layer's paged cache as a ``[2, num_blocks, block_size, H, D]`` view (no copy).
+
+    Accepts ``[2, num_blocks, block_size, H, D]`` (FlashAttention), ``[num_blocks, 2,
+    block_size, H, D]`` (FlashInfer) and vLLM 0.33's standardized ``[B, H, N, C]`` views
+    whose C is K's head then V's (``C == 2 * head_dim``), in any physical order: V is K
+    shifted by ``head_dim`` along C, which one stride expresses. Raises ``ValueError`` for
+    anything else (MLA's latent caches among them).
+    """
+    if t.dim() == 5 and t.shape[0] == 2:
+        return t
+    if t.dim() == 5 and t.shape[1] == 2:
+        return t.transpose(0, 1)
+    if t.dim() == 4 and t.shape[-1] == 2 * head_dim:
+        B, H, N, _ = t.shape
+        s = t.stride()
+        strides = (head_dim * s[3], s[0], s[2], s[1], s[3])
+        return t.as_strided((2, B, N, H, head_dim), strides, t.storage_offset())
+    raise ValueError(
+        f"{name} is {tuple(t.shape)}: kvstore's connector supports [2, num_blocks, block_size, "
+        f"H, D], [num_blocks, 2, block_size, H, D] and [B, H, N, 2*D] (D={head_dim})"
+    )
 
 
 def _role_name(role: Any) -> str:
@@ -196,13 +221,9 @@ class KVStoreConnector(_Base):  # type: ignore[misc, valid-type]
         return self.worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        for name, t in kv_caches.items():
-            if t.dim() != 5 or 2 not in (t.shape[0], t.shape[1]):
-                raise ValueError(
-                    f"KV cache {name} is {tuple(t.shape)}: kvstore's connector supports "
-                    "[2, num_blocks, block_size, H, D] and [num_blocks, 2, block_size, H, D]"
-                )
-        self._work().register_kv_caches(kv_caches)
+        D = self._kv.ns.head_dim
+        views = {name: kv_first_view(t, D, name) for name, t in kv_caches.items()}
+        self._work().register_kv_caches(views, layout="kv_first")
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         self._bound = connector_metadata.meta
@@ -224,7 +245,7 @@ class KVStoreConnector(_Base):  # type: ignore[misc, valid-type]
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None, **kwargs: Any
     ) -> None:
-        self._work().save_kv_layer(layer_name, kv_layer)
+        self._work().save_kv_layer(layer_name)  # the registered view of this very cache
 
     def wait_for_save(self) -> None:
         self._work().wait_for_save()
