@@ -40,7 +40,7 @@ from .connector import (
 )
 from .sync import SyncKVClient
 
-__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
+__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "kv_first_view", "namespace_of"]
 
 logger = logging.getLogger("kvclient.vllm")
 
