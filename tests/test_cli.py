@@ -15,6 +15,7 @@ import torch
 
 import kvclient
 from kvstore.core.kvgen import realistic_kv
+from kvstore.master.client import MasterClient
 from tests.cluster import TRANSPORTS, start_server
 
 pytestmark = pytest.mark.slow
@@ -141,6 +142,56 @@ async def test_master_with_redis_index() -> None:
         async with await kvclient.KVClient.connect(masters[1].grpc, ns) as kv:
             assert await kv.match_prefix(tokens) == 512
             assert (await kv.get_layer(tokens, 0)).shape[1] == 512
+    finally:
+        rc, out = node.stop()
+        for m in masters:
+            m.stop()
+    assert rc == 0, out
+
+
+@pytest.mark.skipif(not os.environ.get("KVSTORE_TEST_REDIS"), reason="KVSTORE_TEST_REDIS unset")
+async def test_two_masters_on_one_redis_keep_each_others_nodes_alive() -> None:
+    """Leases live in Redis: a node heartbeating to one master stays alive (not suspect,
+    not expired) on the other, lease period after lease period, and a match through either
+    master finds its blocks throughout. The second master starts after the node registered,
+    so it knows the node from the store (as after a restart), not from a registration."""
+    url = os.environ["KVSTORE_TEST_REDIS"].rsplit("/", 1)[0] + "/14"
+    with redis.Redis.from_url(url, socket_timeout=5) as r:
+        r.flushdb()
+    lease = 2.0
+    flags = (
+        "--grpc-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--redis",
+        url,
+        "--node-lease-s",
+        str(lease),
+    )
+    masters = [start_server("master", *flags)]
+    node = start_server("node", "--master", masters[0].grpc, "--data-port", "0",
+                        "--metrics-port", "0", "--host-mem", "32MiB")  # fmt: skip
+    masters.append(start_server("master", *flags))  # restores the node from Redis
+    ns = kvclient.Namespace(model=f"leases-{time.time_ns()}", revision="r", num_layers=1,
+                            num_kv_heads=2, head_dim=64, dtype=torch.float16)  # fmt: skip
+    tokens = list(range(512))
+    try:
+        async with await kvclient.KVClient.connect(masters[0].grpc, ns) as kv:
+            assert await kv.put_layer(tokens, 0, realistic_kv(512, 2, 64, torch.float16)) == 512
+        clients = [await kvclient.KVClient.connect(m.grpc, ns) for m in masters]
+        try:
+            end = time.monotonic() + 3 * lease + 1
+            while time.monotonic() < end:  # bounded: three lease periods
+                for kv in clients:
+                    assert await kv.match_prefix(tokens) == 512
+                async with MasterClient(masters[1].grpc, timeout_s=5) as other:
+                    (info,) = await other.nodes()
+                assert info.alive and not info.suspect, info
+                await asyncio.sleep(0.5)
+        finally:
+            for kv in clients:
+                await kv.close()
     finally:
         rc, out = node.stop()
         for m in masters:

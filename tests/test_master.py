@@ -570,6 +570,20 @@ def test_membership_leases() -> None:
         Membership(0)
 
 
+def test_a_node_seen_through_the_shared_store_is_suspect_a_sweep_later() -> None:
+    """Another master serves its heartbeats; this one learns of them once per sweep, so it
+    waits a sweep interval longer before calling the node suspect, never longer to expire."""
+    m = Membership(lease_s=10.0)
+    m.register("a", 5, now=0.0)
+    assert m.heartbeat("a", 5, now=3.0, remote=True)
+    assert not m.status("a", 3.0 + 5.5).suspect  # type: ignore[union-attr]  (local: 5.0)
+    assert m.status("a", 3.0 + 6.0).suspect  # type: ignore[union-attr]
+    assert m.heartbeat("a", 5, now=2.0)  # older than what it knows: ignored
+    assert m.status("a", 9.0).suspect  # type: ignore[union-attr]
+    assert m.heartbeat("a", 5, now=9.0) and m.status("a", 14.5).suspect  # type: ignore[union-attr]
+    assert m.sweep(19.0) == [("a", 5)]
+
+
 def test_a_reported_node_is_suspect_until_it_heartbeats() -> None:
     m = Membership(lease_s=10.0)
     m.register("a", 5, now=0.0)

@@ -29,6 +29,7 @@ from kvstore.errors import (
     TransportError,
     Unreachable,
 )
+from kvstore.master.index import MemoryIndexStore
 from kvstore.master.records import (
     BlockAdd,
     BlockRef,
@@ -393,3 +394,22 @@ async def test_redis_going_away_fails_calls_and_watches(own_redis: str) -> None:
                 await asyncio.wait_for(sub.read(1, timeout=5), 10)
             with pytest.raises(Unreachable):
                 await asyncio.wait_for(store.apply(CommitBatch("n1", epoch, 1)), 10)
+
+
+@needs_redis
+async def test_leases_are_shared_by_every_master_on_the_store(
+    masters: tuple[RedisIndexStore, RedisIndexStore],
+) -> None:
+    """A registration or heartbeat through one master is a fresh lease for the other (by
+    Redis TIME); a dropped epoch has none. A store of one master shares nothing."""
+    a, b = masters
+    epoch = (await a.register_node(NodeRecord("n1", "tcp://n1:7"))).epoch
+    (got,) = (await b.leases()).items()
+    assert got[0] == "n1" and got[1][0] == epoch and 0 <= got[1][1] < 1.0
+    await asyncio.sleep(0.3)
+    assert (await b.leases())["n1"][1] >= 0.25  # aging by the store's clock
+    assert await b.update_node("n1", epoch, tiers=[])  # a heartbeat through b
+    assert (await a.leases())["n1"][1] < 0.25
+    assert await a.drop_node("n1", epoch, "lease expired")
+    assert await b.leases() == {} and await a.leases() == {}
+    assert await MemoryIndexStore().leases() == {}

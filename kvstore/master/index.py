@@ -120,6 +120,14 @@ class IndexStore(abc.ABC):
     async def nodes(self) -> list[NodeRecord]:
         """Every known node record, alive or recently dead, sorted by node id."""
 
+    async def leases(self) -> dict[str, tuple[int, float]]:
+        """Live node id -> (epoch, seconds since its last register or ``update_node``), by
+        the store's own clock, where several masters share the store (each serves the
+        heartbeats of its own nodes, so none can tell from its own memory whether another
+        master's node is alive); ``{}`` for a store only one master uses, whose own leases
+        are the whole truth."""
+        return {}
+
     @abc.abstractmethod
     async def apply(self, batch: CommitBatch) -> int:
         """Apply one node's commit batch atomically; return the node's applied seq.

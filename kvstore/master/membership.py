@@ -39,6 +39,9 @@ class _Member:
     dead: bool = False
     reported: bool = False
     """A client failed to read from it: suspect until its next heartbeat."""
+    remote: bool = False
+    """Last seen through the shared store (it heartbeats to another master): this master
+    learns of its heartbeats once per sweep, so it is suspect a sweep interval later."""
 
 
 class Membership:
@@ -74,12 +77,14 @@ class Membership:
         """A node known from before a master restart: alive, with one full lease of grace."""
         self.register(node_id, epoch, now)
 
-    def heartbeat(self, node_id: str, epoch: int, now: float) -> bool:
-        """Renew the lease if ``epoch`` is the node's live epoch; False means re-register."""
+    def heartbeat(self, node_id: str, epoch: int, now: float, *, remote: bool = False) -> bool:
+        """Renew the lease if ``epoch`` is the node's live epoch; False means re-register.
+        ``remote``: the heartbeat went to another master (read from the shared store)."""
         member = self._members.get(node_id)
         if member is None or member.dead or member.epoch != epoch:
             return False
-        member.last_seen = max(member.last_seen, now)
+        if now >= member.last_seen:
+            member.last_seen, member.remote = now, remote
         member.reported = False
         return True
 
@@ -116,10 +121,11 @@ class Membership:
             return None
         age = max(0.0, now - member.last_seen)
         alive = not member.dead and age < self.lease_s
+        late = self.suspect_after_s + (self.sweep_interval_s if member.remote else 0.0)
         return MemberStatus(
             epoch=member.epoch,
             alive=alive,
-            suspect=alive and (age >= self.suspect_after_s or member.reported),
+            suspect=alive and (age >= late or member.reported),
             lease_age_s=age,
         )
 

@@ -295,6 +295,20 @@ end
 return out
 """
 
+_LEASES = """
+local out = {tostring(now_ms())}
+local r = redis.call('ZRANGE', P .. ':leases', 0, -1, 'WITHSCORES')
+for i = 1, #r, 2 do
+  local f = redis.call('HMGET', P .. ':n:' .. r[i], 'epoch', 'alive')
+  if f[2] == '1' then
+    out[#out + 1] = r[i]
+    out[#out + 1] = f[1]
+    out[#out + 1] = r[i + 1]
+  end
+end
+return out
+"""
+
 _ABORT = """
 for j = 5, #ARGV do emit('abort', ARGV[3], ARGV[j], '', '0', '', ARGV[4]) end
 flush(ARGV[2])
@@ -499,6 +513,7 @@ class RedisIndexStore(IndexStore):
         self._events_key = f"{namespace_prefix}:events"
         scripts = {"apply": _APPLY, "register": _REGISTER, "update": _UPDATE, "drop": _DROP}
         scripts |= {"purge": _PURGE, "locate": _LOCATE, "abort": _ABORT, "nodes": _NODES}
+        scripts["leases"] = _LEASES
         scripts["object"] = _LOCATE_OBJECT
         self._scripts = {
             n: self._redis.register_script(_LUA_PRELUDE + s) for n, s in scripts.items()
@@ -586,6 +601,17 @@ class RedisIndexStore(IndexStore):
             return False
         await self._purge(node_id, epoch + 1)
         return True
+
+    async def leases(self) -> dict[str, tuple[int, float]]:
+        """See :meth:`IndexStore.leases`: ``P:leases`` (Redis TIME of each live node's last
+        register or heartbeat, whichever master served it) against Redis TIME now."""
+        reply = await self._script("leases", [self.prefix])
+        now = float(reply[0])
+        rows = reply[1:]
+        return {
+            rows[i].decode(): (int(rows[i + 1]), max(0.0, (now - float(rows[i + 2])) / 1000))
+            for i in range(0, len(rows), 3)
+        }
 
     async def nodes(self) -> list[NodeRecord]:
         """See :meth:`IndexStore.nodes`."""

@@ -209,7 +209,15 @@ class MasterService(pb_grpc.MasterServicer):
     async def sweep(self) -> list[tuple[str, int]]:
         """Expire nodes silent for a lease: their epochs are dropped from the index (watchers
         get EVICT for the blocks they held). Returns the (node, epoch) pairs expired."""
-        dead = self.membership.sweep(self._clock())
+        now = self._clock()
+        for node_id, (epoch, age) in (await self.store.leases()).items():
+            # Shared leases (masters on one Redis): a node heartbeating to another master
+            # is alive here too, seen when the store says; a newer epoch replaces ours.
+            status = self.membership.status(node_id, now)
+            if status is None or status.epoch < epoch:
+                self.membership.register(node_id, epoch, now - age)
+            self.membership.heartbeat(node_id, epoch, now - age, remote=True)
+        dead = self.membership.sweep(now)
         for node_id, epoch in dead:
             log.warning("node %s (epoch %d) missed its lease; dropping its entries", node_id, epoch)
             await self._drop(node_id, epoch, "lease expired")
