@@ -149,15 +149,18 @@ def _transport(value: object) -> str:
 
 
 def _master_address(value: object) -> str:
-    """``HOST:PORT`` (``[v6]:PORT``) of a master, port 1..65535."""
+    """``HOST:PORT`` (``[v6]:PORT``) of a master, port 1..65535, or several of them
+    separated by commas (masters sharing one Redis: the node fails over between them)."""
     text = _text(value)
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or host in ("[", "[]") or (":" in host and not host.startswith("[")):
-        raise InvalidArgument(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
-    number = _port(port)
-    if number == 0:
-        raise InvalidArgument(f"{text!r}: the master's port must not be 0")
-    return text
+    parts = [p.strip() for p in text.split(",")]
+    for part in parts:
+        host, sep, port = part.rpartition(":")
+        bad_host = not host or host in ("[", "[]") or (":" in host and not host.startswith("["))
+        if not sep or bad_host:
+            raise InvalidArgument(f"{part!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
+        if _port(port) == 0:
+            raise InvalidArgument(f"{part!r}: the master's port must not be 0")
+    return ",".join(parts)
 
 
 def _redis_url(value: object) -> str:
@@ -251,7 +254,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(redis://host:port/db) so several masters share one pool; unset: in this "
             "process", ("master",), "URL"),
     Setting("master", _master_address, None, "HOST:PORT of the master this node registers "
-            "with", ("node",), "HOST:PORT", required=("node",)),
+            "with; several, comma-separated, for masters sharing one Redis (it fails over)",
+            ("node",), "HOST:PORT[,HOST:PORT]", required=("node",)),
     Setting("data-port", _port, 50052, "the node's tcp:// data port (0: a free one)", _NODES,
             "PORT"),
     Setting("node-id", _node_id, "", "this node's id (empty: node-<random>); a node that "

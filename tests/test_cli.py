@@ -197,3 +197,46 @@ async def test_two_masters_on_one_redis_keep_each_others_nodes_alive() -> None:
         for m in masters:
             m.stop()
     assert rc == 0, out
+
+
+@pytest.mark.skipif(not os.environ.get("KVSTORE_TEST_REDIS"), reason="KVSTORE_TEST_REDIS unset")
+async def test_kill_9_of_a_master_and_nodes_and_clients_go_on_through_the_other() -> None:
+    """Masters on one Redis, a node and a client naming both: after ``kill -9`` of the one
+    they used, the client's calls and the node's heartbeats and commits go to the other,
+    under the same epoch (nothing re-registered, nothing lost)."""
+    url = os.environ["KVSTORE_TEST_REDIS"].rsplit("/", 1)[0] + "/13"
+    with redis.Redis.from_url(url, socket_timeout=5) as r:
+        r.flushdb()
+    lease = 2.0
+    flags = ("--grpc-port", "0", "--metrics-port", "0", "--redis", url,
+             "--node-lease-s", str(lease))  # fmt: skip
+    masters = [start_server("master", *flags) for _ in range(2)]
+    both = ",".join(m.grpc for m in masters)
+    node = start_server("node", "--master", both, "--data-port", "0", "--metrics-port", "0",
+                        "--host-mem", "32MiB")  # fmt: skip
+    ns = kvclient.Namespace(model=f"failover-{time.time_ns()}", revision="r", num_layers=1,
+                            num_kv_heads=2, head_dim=64, dtype=torch.float16)  # fmt: skip
+    first, second = list(range(512)), list(range(1000, 1512))
+    try:
+        kv = await kvclient.KVClient.connect([m.grpc for m in masters], ns, timeout_s=5)
+        async with kv:
+            assert await kv.put_layer(first, 0, realistic_kv(512, 2, 64, torch.float16)) == 512
+            async with MasterClient(masters[1].grpc, timeout_s=5) as other:
+                (before,) = await other.nodes()
+            masters[0].kill()
+            assert await kv.match_prefix(first) == 512  # through the other master
+            end = time.monotonic() + 2 * lease + 1
+            while time.monotonic() < end:  # bounded: two lease periods on the survivor
+                assert await kv.match_prefix(first) == 512
+                await asyncio.sleep(0.5)
+            async with MasterClient(masters[1].grpc, timeout_s=5) as other:
+                (after,) = await other.nodes()
+            assert after.alive and not after.suspect and after.epoch == before.epoch, after
+            put = await kv.put_layer(second, 0, realistic_kv(512, 2, 64, torch.float16, seed=1))
+            assert put == 512 and await kv.match_prefix(second) == 512  # commits reach it
+            assert (await kv.get_layer(first, 0)).shape[1] == 512
+    finally:
+        rc, out = node.stop()
+        for m in masters:
+            m.stop()
+    assert rc == 0, out

@@ -190,19 +190,22 @@ class ClientCore:
     @classmethod
     async def connect(
         cls,
-        master: str,
+        master: str | Sequence[str],
         ns: Namespace,
         *,
         replicas: int = 1,
         timeout_s: float = 10.0,
         **options: Any,
     ) -> Self:
-        """Connect to the master at ``host:port`` and check that it answers.
+        """Connect to the master at ``host:port`` and check that it answers. Several masters
+        sharing one Redis (a list, or ``"a:p,b:p"``): calls fail over to the next one when
+        theirs is down or silent, within their deadline.
 
         Blocks up to ``timeout_s``. Raises :class:`~kvstore.errors.Unreachable` or
-        :class:`~kvstore.errors.KVTimeout` when the master does not answer.
+        :class:`~kvstore.errors.KVTimeout` when no master answers.
         """
-        mc = MasterClient(master, timeout_s=timeout_s)
+        target = master if isinstance(master, str) else ",".join(master)
+        mc = MasterClient(target, timeout_s=timeout_s)
         try:
             await mc.stats()
         except BaseException:

@@ -349,8 +349,8 @@ class WorkerConnector:
             return
         B = self.kv.ns.block_tokens
         for spec in meta.loads:
+            n = -(-spec.end_tokens // B) * B  # the chunks holding the promised tokens
             if spec.stream:  # one watch for every layer, read as the prefill saves it
-                n = -(-spec.end_tokens // B) * B
                 handle = self.kv.start_stream_layers_paged(
                     spec.token_ids[:n], self._caches, spec.block_ids, self._layout,
                     self.stream_timeout_s, shard=self.shard,
@@ -359,7 +359,7 @@ class WorkerConnector:
                 continue
             for layer, cache in enumerate(self._caches):
                 handle = self.kv.start_get_layer_paged(
-                    spec.token_ids, layer, cache, spec.block_ids, self._layout, self.shard,
+                    spec.token_ids[:n], layer, cache, spec.block_ids, self._layout, self.shard,
                     timeout=self.timeout_s, skip_tokens=spec.skip_tokens,
                 )  # fmt: skip
                 self._loads.setdefault(layer, []).append((spec, handle))

@@ -61,7 +61,7 @@ class SyncKVClient:
         self._runner = runner
 
     @classmethod
-    def connect(cls, master: str, ns: Namespace, **options: Any) -> SyncKVClient:
+    def connect(cls, master: str | Sequence[str], ns: Namespace, **options: Any) -> SyncKVClient:
         """Connect like :meth:`KVClient.connect` (same arguments), blocking."""
         runner = shared_loop()
         limit = float(options.get("timeout_s", 10.0)) + _GRACE_S

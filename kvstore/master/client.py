@@ -17,6 +17,8 @@ releases the channel.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, NoReturn
@@ -54,6 +56,11 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 __all__ = ["MasterClient", "error_for_status", "error_from_rpc"]
+
+log = logging.getLogger("kvstore.master.client")
+
+_FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""What a call to one of several masters moves on to the next one for."""
 
 _ERRORS: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.UNAVAILABLE: Unreachable,
@@ -98,8 +105,14 @@ class _InProcessContext:
 
 
 class MasterClient:
-    """One gRPC channel to a master. Methods are coroutines that block only their caller
+    """gRPC channels to a master, or to several masters sharing one Redis
+    (``"host-a:50051,host-b:50051"``). Methods are coroutines that block only their caller
     (each waits at most its deadline); errors are ``kvstore.errors`` types (see module doc).
+
+    With several masters a unary call that finds its master unavailable, or not answering
+    within its share of the deadline, is tried on the next one within the same deadline,
+    and later calls stay with the master that answered. Streams (``watch``, ``events``) run
+    on the current master; one that breaks moves the client on for the next call.
     """
 
     def __init__(
@@ -111,29 +124,42 @@ class MasterClient:
         service: pb_grpc.MasterServicer | None = None,
     ) -> None:
         """``service``: see :meth:`in_process` (``target`` then only names it)."""
-        if not target:
+        targets = [t.strip() for t in str(target).split(",") if t.strip()]
+        if not targets:
             raise InvalidArgument("master address must not be empty")
         if not timeout_s > 0:
             raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
-        self.target = target
+        self.targets = targets
         self.timeout_s = float(timeout_s)
         self._service = service
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.MasterStub | None = None
+        self._channels: list[grpc.aio.Channel] = []
+        self._stubs: list[pb_grpc.MasterStub] = []
+        self._current = 0
         if service is not None:
             return
-        self._channel = grpc.aio.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-                # Reconnect quickly after a master restart instead of the 1 s..120 s default.
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 2000),
-            ],
-        )
-        self._stub = pb_grpc.MasterStub(self._channel)
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            # Reconnect quickly after a master restart instead of the 1 s..120 s default.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
+        self._channels = [grpc.aio.insecure_channel(t, options=options) for t in targets]
+        self._stubs = [pb_grpc.MasterStub(ch) for ch in self._channels]
+
+    @property
+    def target(self) -> str:
+        """The master calls go to now."""
+        return self.targets[self._current]
+
+    @property
+    def _stub(self) -> pb_grpc.MasterStub | None:
+        return self._stubs[self._current] if self._stubs else None
+
+    def _moved_on(self) -> None:
+        """The current master failed: the next call starts with the next one."""
+        self._current = (self._current + 1) % len(self.targets)
 
     @classmethod
     def in_process(
@@ -148,8 +174,8 @@ class MasterClient:
 
     async def close(self) -> None:
         """Close the channel; in-flight calls fail. Idempotent."""
-        if self._channel is not None:
-            await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def __aenter__(self) -> MasterClient:
         return self
@@ -165,10 +191,24 @@ class MasterClient:
     async def _call(self, method: str, request: Any, timeout: float | None) -> Any:
         if self._service is not None:
             return await self._call_in_process(method, request, timeout or self.timeout_s)
-        try:
-            return await getattr(self._stub, method)(request, timeout=timeout or self.timeout_s)
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, method) from exc
+        limit = timeout or self.timeout_s
+        deadline = time.monotonic() + limit
+        n = len(self._stubs)
+        for attempt in range(n):
+            left = deadline - time.monotonic()
+            share = left / (n - attempt)  # a frozen master costs its share, not the deadline
+            try:
+                return await getattr(self._stubs[self._current], method)(request, timeout=share)
+            except grpc.RpcError as exc:
+                failover = exc.code() in _FAILOVER_CODES and attempt + 1 < n
+                if not failover:
+                    if exc.code() in _FAILOVER_CODES:
+                        self._moved_on()
+                    raise error_from_rpc(exc, method) from exc
+                log.warning("master %s: %s; trying %s", self.target, exc.code(), self.targets[
+                    (self._current + 1) % n])  # fmt: skip
+                self._moved_on()
+        raise Unreachable(f"master {method}: no master answered")  # pragma: no cover
 
     async def _call_in_process(self, method: str, request: Any, timeout: float) -> Any:
         handler = getattr(self._service, method)
@@ -386,6 +426,8 @@ class MasterClient:
             async for msg in call:
                 yield msg.log_id, [wire.cluster_event_from_pb(e) for e in msg.events]
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._moved_on()  # the next call tries another master
             raise error_from_rpc(exc, "Events") from exc
         finally:
             call.cancel()
@@ -415,6 +457,8 @@ class MasterClient:
                 if msg.events:
                     yield [wire.watch_event_from_pb(e) for e in msg.events]
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._moved_on()  # the next call tries another master
             raise error_from_rpc(exc, "Watch") from exc
         finally:
             call.cancel()

@@ -266,7 +266,9 @@ class MasterService(pb_grpc.MasterServicer):
         node_id = wire.check_node_id(request.node_id)
         tiers = wire.tiers_from_pb(request.tiers)
         counters = wire.check_counters(request.counters)
-        if not self.membership.heartbeat(node_id, request.epoch, self._clock()):
+        now = self._clock()
+        known = self.membership.heartbeat(node_id, request.epoch, now)
+        if not known and not await self._adopt(node_id, request.epoch, now):
             return pb.HeartbeatResponse(ok=False, reregister=True)
         if not await self.store.update_node(node_id, request.epoch, tiers=tiers):
             return pb.HeartbeatResponse(ok=False, reregister=True)
@@ -325,6 +327,18 @@ class MasterService(pb_grpc.MasterServicer):
         await self._drop(node_id, request.epoch, "node left")
         return pb.DeregisterResponse(dropped=True)
 
+    async def _adopt(self, node_id: str, epoch: int, now: float) -> bool:
+        """A node this master does not know under ``epoch`` heartbeats or commits: masters
+        sharing one store accept it if the store says that epoch is alive (the node moved
+        from another master: no new epoch, nothing re-reported)."""
+        rec = next((r for r in await self.store.nodes() if r.node_id == node_id), None)
+        if rec is None or not rec.alive or rec.epoch != epoch:
+            return False
+        self.membership.register(node_id, epoch, now)
+        self._records[node_id] = rec
+        log.info("node %s (epoch %d) moved to this master", node_id, epoch)
+        return True
+
     async def _drop(self, node_id: str, epoch: int, reason: str) -> None:
         """Drop a dead epoch's entries from the index and mark its record not alive."""
         await self.store.drop_node(node_id, epoch, reason)
@@ -362,7 +376,8 @@ class MasterService(pb_grpc.MasterServicer):
             self._observe("Commit", time.perf_counter() - start)
 
     async def _apply_commit(self, batch: CommitBatch) -> int:
-        if not self.membership.is_live(batch.node_id, batch.epoch):
+        live = self.membership.is_live(batch.node_id, batch.epoch)
+        if not live and not await self._adopt(batch.node_id, batch.epoch, self._clock()):
             raise StaleEpoch(f"node {batch.node_id!r} epoch {batch.epoch} is not live; re-register")
         applied = await self.store.apply(batch)
         self.events.commit(batch.node_id, batch.epoch, batch.adds, batch.evicts)

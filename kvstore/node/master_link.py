@@ -203,24 +203,35 @@ class MasterLink:
         self._hb_thread.start()
 
     def _heartbeats(self, node_id: str, call_soon: Callable[..., object]) -> None:
-        with grpc.insecure_channel(self.address) as channel:
-            stub = pb_grpc.MasterStub(channel)
+        """Every lease/3, a heartbeat to the current master; one that fails (the master
+        is down or silent) moves on to the next of several masters (``a:p,b:p``), which
+        knows this node's epoch from the Redis they share."""
+        targets = [t.strip() for t in self.address.split(",") if t.strip()]
+        channels = [grpc.insecure_channel(t) for t in targets]
+        current = 0
+        try:
             while not self._hb_stop.wait(self.lease_s / 3):
-                try:
-                    reply = stub.Heartbeat(
-                        pb.HeartbeatRequest(
-                            node_id=node_id,
-                            epoch=self.epoch,
-                            tiers=wire.tiers_to_pb(self.usage),
-                            counters=self.counters,
-                        ),
-                        timeout=max(1.0, self.lease_s / 3),
+                for _ in channels:  # bounded: each master once per beat
+                    request = pb.HeartbeatRequest(
+                        node_id=node_id,
+                        epoch=self.epoch,
+                        tiers=wire.tiers_to_pb(self.usage),
+                        counters=self.counters,
                     )
-                except grpc.RpcError as exc:
-                    logger.warning("heartbeat failed: %s", exc.code())
-                    continue
-                if reply.reregister:
-                    call_soon(self.reregister.set)
+                    try:
+                        reply = pb_grpc.MasterStub(channels[current]).Heartbeat(
+                            request, timeout=max(1.0, self.lease_s / (3 * len(channels)))
+                        )
+                    except grpc.RpcError as exc:
+                        logger.warning("heartbeat to %s failed: %s", targets[current], exc.code())
+                        current = (current + 1) % len(channels)
+                        continue
+                    if reply.reregister:
+                        call_soon(self.reregister.set)
+                    break
+        finally:
+            for channel in channels:
+                channel.close()
 
     async def deregister(self, timeout: float = 2.0) -> None:
         """Tell the master this node leaves (its entries go at once, not a lease later);
