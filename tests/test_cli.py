@@ -240,3 +240,37 @@ async def test_kill_9_of_a_master_and_nodes_and_clients_go_on_through_the_other(
         for m in masters:
             m.stop()
     assert rc == 0, out
+
+
+@pytest.mark.skipif(not os.environ.get("KVSTORE_TEST_REDIS"), reason="KVSTORE_TEST_REDIS unset")
+async def test_a_flushed_redis_is_rebuilt_from_the_nodes_within_a_lease() -> None:
+    """Redis loses everything (FLUSHDB): the node's next heartbeat is refused, it registers
+    again and re-reports every block it holds, so the index is back within a lease + 2 s."""
+    url = os.environ["KVSTORE_TEST_REDIS"].rsplit("/", 1)[0] + "/12"
+    with redis.Redis.from_url(url, socket_timeout=5) as r:
+        r.flushdb()
+    lease = 2.0
+    master = start_server("master", "--grpc-port", "0", "--metrics-port", "0", "--redis", url,
+                          "--node-lease-s", str(lease))  # fmt: skip
+    node = start_server("node", "--master", master.grpc, "--data-port", "0",
+                        "--metrics-port", "0", "--host-mem", "32MiB")  # fmt: skip
+    ns = kvclient.Namespace(model=f"flushed-{time.time_ns()}", revision="r", num_layers=1,
+                            num_kv_heads=2, head_dim=64, dtype=torch.float16)  # fmt: skip
+    prompts = [list(range(k * 1000, k * 1000 + 512)) for k in range(3)]
+    try:
+        async with await kvclient.KVClient.connect(master.grpc, ns) as kv:
+            for k, tokens in enumerate(prompts):
+                t = realistic_kv(512, 2, 64, torch.float16, seed=k)
+                assert await kv.put_layer(tokens, 0, t) == 512
+            with redis.Redis.from_url(url, socket_timeout=5) as r:
+                r.flushdb()
+            assert await kv.match_prefix(prompts[0]) == 0  # the index is gone
+            deadline = time.monotonic() + lease + 2
+            while [await kv.match_prefix(p) for p in prompts] != [512] * 3:
+                assert time.monotonic() < deadline, "the index was not rebuilt in time"
+                await asyncio.sleep(0.1)
+            assert (await kv.get_layer(prompts[2], 0)).shape[1] == 512
+    finally:
+        rc, out = node.stop()
+        master.stop()
+    assert rc == 0, out
