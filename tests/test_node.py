@@ -205,6 +205,29 @@ async def test_concurrent_puts_share_commits(rig: Rig) -> None:
             await conn.close()
 
 
+async def test_a_registration_re_reports_in_bounded_commits(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node rejoining re-reports every block it holds in Commits of at most
+    REPORT_BATCH entries (one Commit may carry at most MAX_COMMIT_ITEMS), all of them."""
+    keys = blocks(20)
+    conn = await connect(rig.node.data_uri, timeout=TIMEOUT)
+    try:
+        ack = await put(conn, rig.node, keys, chunks(keys))
+        assert ack.stored == 20
+    finally:
+        await conn.close()
+    monkeypatch.setattr(type(rig.node.link), "REPORT_BATCH", 8)
+    link, before = rig.node.link, rig.master.service.counters.commits
+    epoch = link.epoch
+    link.reregister.set()  # what a master that lost the node asks for
+    async with asyncio.timeout(TIMEOUT):
+        while link.epoch == epoch or rig.master.service.counters.commits - before < 3:
+            await asyncio.sleep(0.02)
+    assert rig.master.service.counters.commits - before == 3  # 8 + 8 + 4, under the new epoch
+    assert await rig.holders(keys) == [1] * 20
+
+
 async def test_group_commit_one_rpc_for_callers_queued_together(rig: Rig) -> None:
     node, keys = rig.node, blocks(8)
     before = rig.master.service.counters.commits

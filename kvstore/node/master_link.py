@@ -65,6 +65,9 @@ class MasterLink:
     """Registers the node, commits its changes, heartbeats. Owned by the node's event loop;
     the heartbeat thread only reads the latest usage and asks the loop to re-register."""
 
+    REPORT_BATCH = 4096
+    """Entries per Commit when a registration re-reports what the node holds."""
+
     def __init__(
         self,
         master: MasterClient,
@@ -121,8 +124,11 @@ class MasterLink:
                 if s.landed_mask and not s.quarantined
             ]
             objs = [ObjectAdd(k, n) for k, n in self.objects.items()]
-            if adds or objs:
-                await self._send(adds, [], objs, [])
+            # Streamed in bounded batches: a node holding more entries than one Commit may
+            # carry (MAX_COMMIT_ITEMS) must still be able to rejoin.
+            step = self.REPORT_BATCH
+            for i in range(0, max(len(adds), len(objs)), step):
+                await self._send(adds[i : i + step], [], objs[i : i + step], [])
 
     async def commit(
         self,
