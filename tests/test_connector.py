@@ -13,7 +13,9 @@ code); the connector, the client and the server are the real ones.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -176,6 +178,14 @@ def _new_cache(layout: str) -> torch.Tensor:
     return backing.permute(0, 2, 1, 3)  # [B, H, N, C] over an NHD (LBNHC) buffer
 
 
+def _lookups(server: Server) -> float:
+    """How many Lookup RPCs the master has served (from its /metrics)."""
+    with urllib.request.urlopen(f"http://{server.addresses['metrics']}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    found = re.search(r'^kvstore_rpc_seconds_count\{method="Lookup"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def drain_finished(engine: Engine, ids: set[str]) -> set[str]:
     """Empty steps (vLLM steps while delayed frees remain) until ``ids`` are reported."""
     sent: set[str] = set()
@@ -226,8 +236,10 @@ def test_vllm_call_sequence_prefill_decode_load_error_and_abort(
         assert decode.sched.get_num_new_matched_tokens(d1, 0) == (96, False)
         assert decode.sched.get_num_new_matched_tokens(d1, 0) == (96, False)  # asked again
         decode.sched.update_state_after_alloc(d1, Blocks(blocks), 96)
+        asked = _lookups(server)
         meta, _, errors = decode.step(new_req(d1, blocks, 96, 4), {"d1": (prompt, blocks, 96, 100)})
         assert len(meta.meta.loads) == 1 and not meta.meta.saves and errors == set()
+        assert _lookups(server) - asked == 1  # one Lookup for every layer's read
         for layer in range(L):  # quant "none": the very bytes the prefill computed
             assert torch.equal(decode.tokens(layer, blocks, 100), layer_kv(prompt, layer))
         assert decode.sched.request_finished(d1, blocks) == (

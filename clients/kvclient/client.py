@@ -606,15 +606,25 @@ class ClientCore:
         return sink
 
     async def _locate(
-        self, hashes: list[bytes], index: int, *, load_all: bool, start: int = 0
+        self,
+        hashes: list[bytes],
+        index: int,
+        *,
+        load_all: bool,
+        start: int = 0,
+        lookup: Callable[[], Awaitable[list[list[Holder]]]] | None = None,
     ) -> dict[int, list[Holder]]:
         """Block index → the live holders of chunk ``index``, in the order to try them:
         the leading run from block ``start`` of blocks that have one, or (``load_all``)
-        every block from ``start`` that has one."""
+        every block from ``start`` that has one. ``lookup``: the master's answer for
+        ``hashes[start:]`` shared by several layers' reads (one Lookup RPC for them all)."""
         if len(hashes) <= start:
             return {}
         wanted = hashes[start:]
-        holders = await self._master.lookup(self.ns.id, wanted, self._chunks_per_block)
+        if lookup is not None:
+            holders = await lookup()
+        else:
+            holders = await self._master.lookup(self.ns.id, wanted, self._chunks_per_block)
         located: dict[int, list[Holder]] = {}
         for i, block in enumerate(holders, start):
             having = self._reads.ranked([h for h in block if h.has(index)])

@@ -357,11 +357,11 @@ class WorkerConnector:
                 )  # fmt: skip
                 self._streams.append((spec, handle))
                 continue
-            for layer, cache in enumerate(self._caches):
-                handle = self.kv.start_get_layer_paged(
-                    spec.token_ids[:n], layer, cache, spec.block_ids, self._layout, self.shard,
-                    timeout=self.timeout_s, skip_tokens=spec.skip_tokens,
-                )  # fmt: skip
+            handles = self.kv.start_get_layers_paged(  # one Lookup for every layer
+                spec.token_ids[:n], self._caches, spec.block_ids, self._layout, self.shard,
+                timeout=self.timeout_s, skip_tokens=spec.skip_tokens,
+            )  # fmt: skip
+            for layer, handle in enumerate(handles):
                 self._loads.setdefault(layer, []).append((spec, handle))
 
     def wait_for_layer_load(self, layer: str | int) -> None:

@@ -9,6 +9,7 @@ client's event loop. Partial failures come back as data (:class:`~kvclient.handl
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -151,6 +152,7 @@ class EngineOps(_Base):
         *,
         load_all: bool,
         skip_tokens: int = 0,
+        lookup: Callable[[], Awaitable[Any]] | None = None,
     ) -> tuple[list[bytes], Callable[[], Awaitable[set[int]]]]:
         hashes, views = self._paged_views(token_ids, cache, block_ids, layout, writable=True)
         index = self._chunk_index(layer, shard)
@@ -161,7 +163,9 @@ class EngineOps(_Base):
             decode_into(buf, views[i], expect_key=key, skip=partial if i == first else 0)
 
         async def get() -> set[int]:
-            located = await self._locate(hashes, index, load_all=load_all, start=first)
+            located = await self._locate(
+                hashes, index, load_all=load_all, start=first, lookup=lookup
+            )
             return await self._fetch(hashes, layer, shard, located, sink) | set(range(first))
 
         return hashes, lambda: self._deadline(get(), timeout, "get_layer_paged")
@@ -207,6 +211,42 @@ class EngineOps(_Base):
             skip_tokens=skip_tokens,
         )  # fmt: skip
         return self._result_handle(run, len(hashes), layer)
+
+    def start_get_layers_paged(
+        self,
+        token_ids: Sequence[int] | Any,
+        caches: Sequence[torch.Tensor],
+        block_ids: Any,
+        layout: str = "blocks_first",
+        shard: int = 0,
+        *,
+        timeout: float | None = None,
+        skip_tokens: int = 0,
+    ) -> list[Handle]:
+        """:meth:`start_get_layer_paged` for every layer at once (``caches[l]`` is layer
+        ``l``'s cache), with one Lookup RPC for all of them instead of one per layer; a
+        handle per layer, each done when its layer is in. Raises at once like it."""
+        L = self.ns.num_layers
+        if isinstance(caches, torch.Tensor) or len(caches) != L:
+            raise BadShape(f"caches must hold one paged cache per layer ({L})")
+        hashes = self.block_hashes(token_ids)
+        first = self._first_block(skip_tokens, len(hashes), exact=False)
+        shared: list[asyncio.Future[Any]] = []
+
+        async def lookup() -> Any:
+            if not shared:  # the first layer to run asks; the others wait for its answer
+                ask = self._master.lookup(self.ns.id, hashes[first:], self._chunks_per_block)
+                shared.append(asyncio.ensure_future(ask))
+            return await asyncio.shield(shared[0])
+
+        handles = []
+        for layer, cache in enumerate(caches):
+            n, run = self._get_paged(
+                token_ids, layer, cache, block_ids, layout, shard, timeout, load_all=True,
+                skip_tokens=skip_tokens, lookup=lookup,
+            )  # fmt: skip
+            handles.append(self._result_handle(run, len(n), layer))
+        return handles
 
     def start_put_layer(
         self,

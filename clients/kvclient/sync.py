@@ -48,6 +48,7 @@ _DIRECT = (
     "start_get_layer",
     "start_put_layer_paged",
     "start_get_layer_paged",
+    "start_get_layers_paged",
     "start_stream_layers",
     "start_stream_layers_paged",
 )
