@@ -72,6 +72,7 @@ from service import BLOCK, HEAD_DIM, HEADS, big_namespace, layer_kv, prompt
 
 from kvclient import KVClient
 from kvclient.ucx import Grants
+from kvstore.control.client import MasterClient
 from kvstore.core.arena import parse_size
 from kvstore.core.codec import (
     ChunkKey,
@@ -86,7 +87,6 @@ from kvstore.dataplane import SEND, ChunkRef, NodeClient, PutChunk
 from kvstore.dataplane.location import SlotLocation
 from kvstore.dataplane.messages import Ack, Message, Put, Ready
 from kvstore.dataplane.messages import expect as answer_as
-from kvstore.master.client import MasterClient
 from kvstore.transport import Connection, as_byte_view, connect
 from kvstore.transport.nixl import NixlAgent, Span
 

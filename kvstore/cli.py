@@ -214,7 +214,7 @@ async def _run(cfg: Resolved) -> int:
     import logging
     import signal
 
-    from kvstore.master.client import MasterClient
+    from kvstore.control.client import MasterClient
     from kvstore.master.redis_store import RedisIndexStore
     from kvstore.master.server import MasterConfig, MasterServer, grpc_address
     from kvstore.metrics import Metrics, MetricsServer

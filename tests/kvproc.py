@@ -27,11 +27,11 @@ import torch
 import xxhash
 
 import kvclient
+from kvstore.control.client import MasterClient
 from kvstore.core.codec import ChunkKey, chunk_nbytes, encode_blocks
 from kvstore.core.kvgen import attention_error, realistic_kv
 from kvstore.dataplane import NodeClient, PutChunk
 from kvstore.dataplane.messages import Put
-from kvstore.master.client import MasterClient
 from kvstore.transport.framing import encode_prefix
 
 HEADS, HEAD_DIM = 8, 128

@@ -14,8 +14,8 @@ import redis
 import torch
 
 import kvclient
+from kvstore.control.client import MasterClient
 from kvstore.core.kvgen import realistic_kv
-from kvstore.master.client import MasterClient
 from tests.cluster import TRANSPORTS, start_server
 
 pytestmark = pytest.mark.slow
@@ -274,3 +274,17 @@ async def test_a_flushed_redis_is_rebuilt_from_the_nodes_within_a_lease() -> Non
         rc, out = node.stop()
         master.stop()
     assert rc == 0, out
+
+
+def test_clients_and_nodes_load_none_of_the_masters_modules() -> None:
+    """The control-plane contract is its own package: importing kvclient, kvctl, the vLLM
+    connector or a storage node loads the master client but none of the master's server,
+    service, index, membership or watch modules."""
+    code = (
+        "import sys, kvclient, kvctl.main, kvclient.vllm_connector, kvstore.node.server\n"
+        "import kvstore.control.client\n"
+        "print(sorted(m for m in sys.modules if m.startswith('kvstore.master')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

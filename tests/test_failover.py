@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kvclient
-from kvstore.master.records import NodeInfo
+from kvstore.control.records import NodeInfo
 from tests.cluster import TRANSPORTS, Server, start_server
 from tests.kvproc import layer_kv, namespace, prompt
 

@@ -18,9 +18,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.errors import CapacityError, Closed, KVTimeout, StaleEpoch
-from kvstore.master.index import IndexStore, MemoryIndexStore, Subscription
-from kvstore.master.records import (
+from kvstore.control.records import (
     BlockAdd,
     BlockRef,
     CommitBatch,
@@ -32,6 +30,8 @@ from kvstore.master.records import (
     Tier,
     mask_of,
 )
+from kvstore.errors import CapacityError, Closed, KVTimeout, StaleEpoch
+from kvstore.master.index import IndexStore, MemoryIndexStore, Subscription
 from kvstore.master.redis_store import RedisIndexStore
 
 NS = bytes(range(16))

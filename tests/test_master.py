@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 
 import pytest
 
+from kvstore.control.records import EventKind, Holding, IndexEvent
 from kvstore.errors import (
     CapacityError,
     InvalidArgument,
@@ -35,7 +36,6 @@ from kvstore.master import (
     WatchEvent,
     WatchKind,
 )
-from kvstore.master.records import EventKind, Holding, IndexEvent
 from kvstore.master.watch import WatchView
 
 NS = bytes(range(16))

@@ -21,6 +21,15 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis
 
+from kvstore.control.records import (
+    BlockAdd,
+    BlockRef,
+    CommitBatch,
+    EventKind,
+    NodeRecord,
+    ObjectAdd,
+    Tier,
+)
 from kvstore.errors import (
     CapacityError,
     InvalidArgument,
@@ -30,15 +39,6 @@ from kvstore.errors import (
     Unreachable,
 )
 from kvstore.master.index import MemoryIndexStore
-from kvstore.master.records import (
-    BlockAdd,
-    BlockRef,
-    CommitBatch,
-    EventKind,
-    NodeRecord,
-    ObjectAdd,
-    Tier,
-)
 from kvstore.master.redis_store import RedisIndexStore
 
 pytestmark = pytest.mark.redis

@@ -12,11 +12,11 @@ import pytest
 
 import kvclient
 from kvclient import Instance, PoolIndex
+from kvstore.control.records import BlockAdd, BlockRef
 from kvstore.core.routing import choose
 from kvstore.dataplane import NodeClient
 from kvstore.errors import InvalidArgument
 from kvstore.master.events import ClusterEventKind, EventLog
-from kvstore.master.records import BlockAdd, BlockRef
 from tests.cluster import Server, start_server
 from tests.kvproc import layer_kv, namespace, prompt
 

@@ -26,9 +26,9 @@ from kvclient.errors import (
     ProtocolError,
     Unreachable,
 )
+from kvstore.control.client import MasterClient
 from kvstore.core.kvgen import realistic_kv
 from kvstore.dataplane.messages import Ack, expect
-from kvstore.master.client import MasterClient
 from kvstore.transport import connect
 from tests.cluster import TRANSPORTS, Server, node_stats, start_server
 from tests.kvproc import layer_kv, namespace, prompt

@@ -25,6 +25,8 @@ from typing import Any, Self, TypeVar
 
 import torch
 
+from kvstore.control.client import MasterClient
+from kvstore.control.records import Holder
 from kvstore.core.codec import (
     KV,
     ChunkKey,
@@ -48,8 +50,6 @@ from kvstore.errors import (
     TransportError,
     Unreachable,
 )
-from kvstore.master.client import MasterClient
-from kvstore.master.records import Holder
 
 from .encoding import Encoded, launch
 from .engine import EngineOps

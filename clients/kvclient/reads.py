@@ -34,12 +34,12 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from kvstore.control.records import Holder
 from kvstore.core.codec import ChunkKey, ChunkSpec, check_header
 from kvstore.dataplane import ChunkRef, NodeClient
 from kvstore.dataplane.location import SlotLocation
 from kvstore.dataplane.messages import MAX_CHUNKS_PER_REQUEST
 from kvstore.errors import ChunkError, ChunkKeyMismatch, KVStoreError, TransportError
-from kvstore.master.records import Holder
 
 from .ucx import UcxPath
 

@@ -14,9 +14,9 @@ import logging
 from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvstore.control.records import ClusterEvent, ClusterEventKind
 from kvstore.core.routing import Instance, RouteChoice
 from kvstore.errors import KVStoreError
-from kvstore.master.events import ClusterEvent, ClusterEventKind
 
 if TYPE_CHECKING:
     from .client import ClientCore as _Base

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 
+from kvstore.control.records import Holder
 from kvstore.core.codec import KV, ChunkKey, kv_span
 from kvstore.errors import BadShape, Miss
-from kvstore.master.records import Holder
 
 from .handles import prefix_len
 

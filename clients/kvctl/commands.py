@@ -1,6 +1,6 @@
 """What each ``kvctl`` subcommand asks the master, and the JSON document it prints.
 
-Fetchers are coroutines that take a :class:`~kvstore.master.client.MasterClient`; each
+Fetchers are coroutines that take a :class:`~kvstore.control.client.MasterClient`; each
 waits at most the client's deadline per RPC and raises only ``kvstore.errors`` types (the
 client translates gRPC statuses). Documents are plain dicts, exactly what ``--json``
 prints. Nothing heavy is imported at module level: grpc comes with the client, numpy with
@@ -18,9 +18,9 @@ from kvctl.explain import PrefixReport, explain_prefix
 from kvstore.errors import InvalidArgument, KVStoreError
 
 if TYPE_CHECKING:
+    from kvstore.control.client import MasterClient
+    from kvstore.control.records import MasterStats, NodeInfo
     from kvstore.core.hashing import Namespace
-    from kvstore.master.client import MasterClient
-    from kvstore.master.records import MasterStats, NodeInfo
 
 __all__ = [
     "DrainResult",
@@ -305,8 +305,8 @@ def read_tokens(path: str, stdin: TextIO) -> list[int]:
 def plan_lookup(ns: Namespace, tokens: Sequence[int]) -> LookupPlan:
     """Hash ``tokens`` under ``ns``; raises InvalidArgument if the prompt or the namespace
     exceed what one master request may carry."""
+    from kvstore.control.wire import MAX_BLOCKS, MAX_CHUNKS
     from kvstore.core.hashing import block_hashes
-    from kvstore.master.wire import MAX_BLOCKS, MAX_CHUNKS
 
     plan = LookupPlan(ns, len(tokens), tuple(block_hashes(ns, tokens)))
     if len(plan.block_hashes) > MAX_BLOCKS:

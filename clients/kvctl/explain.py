@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 from kvstore.errors import ProtocolError
 
 if TYPE_CHECKING:
+    from kvstore.control.records import Holder, NodeInfo
     from kvstore.core.hashing import Namespace
-    from kvstore.master.records import Holder, NodeInfo
 
 __all__ = [
     "BlockReport",

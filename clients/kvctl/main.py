@@ -44,7 +44,7 @@ from kvstore.errors import InvalidArgument, KVStoreError, KVTimeout, Unreachable
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
 
-    from kvstore.master.client import MasterClient
+    from kvstore.control.client import MasterClient
 
 __all__ = ["DEFAULT_MASTER", "DEFAULT_TIMEOUT_S", "EXIT_MASTER", "EXIT_USAGE", "main"]
 
@@ -148,7 +148,7 @@ def _ask_master(target: str, timeout_s: float, fetch: Callable[[MasterClient], A
 async def _with_client(
     target: str, timeout_s: float, fetch: Callable[[MasterClient], Awaitable[T]]
 ) -> T:
-    from kvstore.master.client import MasterClient
+    from kvstore.control.client import MasterClient
 
     async with MasterClient(target, timeout_s=timeout_s) as client:
         return await fetch(client)

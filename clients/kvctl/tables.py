@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from kvctl.commands import DrainResult, EvictResult, StatsReport
-    from kvstore.master.records import MasterStats, NodeInfo
+    from kvstore.control.records import MasterStats, NodeInfo
 
 __all__ = [
     "console_for",

@@ -32,8 +32,8 @@ from kvstore.errors import KVStoreError
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
 
-    from kvstore.master.client import MasterClient
-    from kvstore.master.records import MasterStats, NodeInfo
+    from kvstore.control.client import MasterClient
+    from kvstore.control.records import MasterStats, NodeInfo
 
 __all__ = [
     "Frame",
@@ -407,7 +407,7 @@ def run(opts: TopOptions, out: TextIO) -> None:
 
 
 async def _run(opts: TopOptions, out: TextIO) -> None:
-    from kvstore.master.client import MasterClient
+    from kvstore.control.client import MasterClient
 
     async with MasterClient(opts.master, timeout_s=opts.timeout_s) as client:
 

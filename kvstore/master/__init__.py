@@ -4,11 +4,8 @@
 is the seam for index backends (:class:`MemoryIndexStore` today).
 """
 
-from kvstore.errors import StaleEpoch
-from kvstore.master.client import MasterClient, error_from_rpc
-from kvstore.master.index import IndexStore, MemoryIndexStore, Subscription
-from kvstore.master.membership import Membership, MemberStatus
-from kvstore.master.records import (
+from kvstore.control.client import MasterClient, error_from_rpc
+from kvstore.control.records import (
     BlockAdd,
     BlockRef,
     CommitBatch,
@@ -26,6 +23,9 @@ from kvstore.master.records import (
     WatchEvent,
     WatchKind,
 )
+from kvstore.errors import StaleEpoch
+from kvstore.master.index import IndexStore, MemoryIndexStore, Subscription
+from kvstore.master.membership import Membership, MemberStatus
 from kvstore.master.server import MasterConfig, MasterServer
 from kvstore.master.service import MasterCounters, MasterService
 

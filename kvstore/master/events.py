@@ -19,41 +19,16 @@ is ``capacity`` events; a read returns at most ``max_events``.
 from __future__ import annotations
 
 import asyncio
-import enum
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from kvstore.control.records import BlockAdd, BlockRef, ClusterEvent, ClusterEventKind
 from kvstore.dataplane.location import SlotLocation
-from kvstore.master.records import BlockAdd, BlockRef
 
 __all__ = ["ClusterEvent", "ClusterEventKind", "EventLog"]
 
 DEFAULT_CAPACITY = 262144
 """Events a master keeps for consumers that reconnect (~60 MB at worst)."""
-
-
-class ClusterEventKind(enum.Enum):
-    STORED = 1  # node_id (epoch) now holds chunks of the block
-    REMOVED = 2  # node_id no longer holds the block
-    NODE_DEAD = 3  # every block node_id held under epoch is gone
-    CLEARED = 4  # the consumer missed events: drop its index, rebuild from what follows
-
-
-@dataclass(frozen=True)
-class ClusterEvent:
-    """One numbered change of the pool's index (fields unused by a kind are empty)."""
-
-    seq: int
-    kind: ClusterEventKind
-    ns_id: bytes = b""
-    block_hash: bytes = b""
-    node_id: str = ""
-    epoch: int = 0
-    chunks: tuple[int, ...] = ()
-    medium: str = ""
-    """STORED: ``"gpu"`` or ``"host"`` where the slot's location says, else empty."""
-    reason: str = ""
 
 
 def _medium(location: bytes) -> str:

@@ -32,8 +32,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from typing import TypeVar
 
-from kvstore.errors import CapacityError, Closed, KVStoreError, KVTimeout, StaleEpoch
-from kvstore.master.records import (
+from kvstore.control.records import (
     BlockAdd,
     BlockRef,
     CommitBatch,
@@ -47,6 +46,7 @@ from kvstore.master.records import (
     Tier,
     mask_of,
 )
+from kvstore.errors import CapacityError, Closed, KVStoreError, KVTimeout, StaleEpoch
 
 __all__ = ["BoundedSubscription", "IndexStore", "MemoryIndexStore", "Subscription"]
 

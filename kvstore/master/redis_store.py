@@ -50,18 +50,7 @@ from redis import exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from kvstore.errors import (
-    CapacityError,
-    Closed,
-    InvalidArgument,
-    KVStoreError,
-    KVTimeout,
-    StaleEpoch,
-    TransportError,
-    Unreachable,
-)
-from kvstore.master.index import BoundedSubscription, IndexStore, Subscription
-from kvstore.master.records import (
+from kvstore.control.records import (
     CommitBatch,
     EventKind,
     Holding,
@@ -74,6 +63,17 @@ from kvstore.master.records import (
     mask_of,
     mask_to_bytes,
 )
+from kvstore.errors import (
+    CapacityError,
+    Closed,
+    InvalidArgument,
+    KVStoreError,
+    KVTimeout,
+    StaleEpoch,
+    TransportError,
+    Unreachable,
+)
+from kvstore.master.index import BoundedSubscription, IndexStore, Subscription
 
 __all__ = ["RedisIndexStore"]
 

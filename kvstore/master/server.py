@@ -21,8 +21,8 @@ from types import TracebackType
 
 import grpc
 
+from kvstore.control import wire
 from kvstore.errors import Closed, InvalidArgument, TransportError
-from kvstore.master import wire
 from kvstore.master.index import IndexStore, MemoryIndexStore
 from kvstore.master.membership import Membership
 from kvstore.master.service import MasterService

@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvstore.control import wire
+from kvstore.control.records import CommitBatch, NodeInfo, NodeRecord, Tier, WatchEvent
 from kvstore.core import routing
 from kvstore.errors import (
     CapacityError,
@@ -30,11 +32,9 @@ from kvstore.errors import (
     Miss,
     StaleEpoch,
 )
-from kvstore.master import wire
 from kvstore.master.events import DEFAULT_CAPACITY, EventLog
 from kvstore.master.index import IndexStore, Subscription
 from kvstore.master.membership import Membership
-from kvstore.master.records import CommitBatch, NodeInfo, NodeRecord, Tier, WatchEvent
 from kvstore.master.watch import WatchView
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc

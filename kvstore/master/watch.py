@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvstore.master.records import (
+from kvstore.control.records import (
     EventKind,
     Holding,
     IndexEvent,

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import grpc
 
 from kvstore import __version__
+from kvstore.control import wire
+from kvstore.control.client import MasterClient
+from kvstore.control.records import BlockAdd, BlockRef, CommitBatch, ObjectAdd, Tier
 from kvstore.core.slots import ObjectStore
 from kvstore.errors import KVStoreError, StaleEpoch, TransportError
-from kvstore.master import wire
-from kvstore.master.client import MasterClient
-from kvstore.master.records import BlockAdd, BlockRef, CommitBatch, ObjectAdd, Tier
 from kvstore.metrics import Metrics
 from kvstore.node.tiers import Tiers
 from kvstore.v1 import kvstore_pb2 as pb

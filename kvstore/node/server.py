@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from kvstore.control.client import MasterClient
+from kvstore.control.records import BlockAdd, ObjectAdd
 from kvstore.core.codec import chunk_nbytes
 from kvstore.core.hashing import Namespace
 from kvstore.core.slots import Lease, ObjectStore, Slot, SlotKey, TierStats
@@ -79,8 +81,6 @@ from kvstore.errors import (
     ProtocolError,
     TransportError,
 )
-from kvstore.master.client import MasterClient
-from kvstore.master.records import BlockAdd, ObjectAdd
 from kvstore.metrics import Metrics
 from kvstore.node.checks import ChunkChecks, LandedChunk
 from kvstore.node.master_link import MasterLink, NodeIdentity

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore.control.records import BlockAdd, Tier
 from kvstore.core.arena import Arena
 from kvstore.core.slots import Slot, SlotKey, SlotTable
 from kvstore.dataplane.location import SlotLocation
 from kvstore.errors import InvalidArgument, KVStoreError, ProtocolError
-from kvstore.master.records import BlockAdd, Tier
 from kvstore.metrics import Metrics
 from kvstore.transport.nixl import Registration
 

@@ -25,6 +25,20 @@ from typing import Any, NoReturn
 
 import grpc
 
+from kvstore.control import wire
+from kvstore.control.records import (
+    ClusterEvent,
+    CommitBatch,
+    HeartbeatReply,
+    Holder,
+    MasterStats,
+    NodeInfo,
+    ObjectHolder,
+    PrefixMatch,
+    Registration,
+    Tier,
+    WatchEvent,
+)
 from kvstore.core.routing import Instance, RouteChoice
 from kvstore.errors import (
     CapacityError,
@@ -38,26 +52,12 @@ from kvstore.errors import (
     TransportError,
     Unreachable,
 )
-from kvstore.master import wire
-from kvstore.master.events import ClusterEvent
-from kvstore.master.records import (
-    CommitBatch,
-    HeartbeatReply,
-    Holder,
-    MasterStats,
-    NodeInfo,
-    ObjectHolder,
-    PrefixMatch,
-    Registration,
-    Tier,
-    WatchEvent,
-)
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 __all__ = ["MasterClient", "error_for_status", "error_from_rpc"]
 
-log = logging.getLogger("kvstore.master.client")
+log = logging.getLogger("kvstore.control.client")
 
 _FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 """What a call to one of several masters moves on to the next one for."""

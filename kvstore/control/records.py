@@ -1,7 +1,7 @@
 """Plain records of the control plane, shared by the index store, the master and its client.
 
 No I/O and no protobuf here: the master converts to and from the wire in
-:mod:`kvstore.master.wire`; everything else speaks these frozen dataclasses.
+:mod:`kvstore.control.wire`; everything else speaks these frozen dataclasses.
 
 A *mask* is a Python ``int`` whose bit ``i`` says chunk ``i`` (``layer * tp_size +
 shard``) is present. On the wire it travels as little-endian bytes, which is exactly
@@ -327,3 +327,26 @@ class MasterStats:
     objects: int
     hits: int
     misses: int
+
+
+class ClusterEventKind(enum.Enum):
+    STORED = 1  # node_id (epoch) now holds chunks of the block
+    REMOVED = 2  # node_id no longer holds the block
+    NODE_DEAD = 3  # every block node_id held under epoch is gone
+    CLEARED = 4  # the consumer missed events: drop its index, rebuild from what follows
+
+
+@dataclass(frozen=True)
+class ClusterEvent:
+    """One numbered change of the pool's index (fields unused by a kind are empty)."""
+
+    seq: int
+    kind: ClusterEventKind
+    ns_id: bytes = b""
+    block_hash: bytes = b""
+    node_id: str = ""
+    epoch: int = 0
+    chunks: tuple[int, ...] = ()
+    medium: str = ""
+    """STORED: ``"gpu"`` or ``"host"`` where the slot's location says, else empty."""
+    reason: str = ""

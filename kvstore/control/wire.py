@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence, Set
 
-from kvstore.core.routing import MAX_INSTANCES, Instance, RouteChoice, RouteScore
-from kvstore.dataplane.location import MAX_LOCATION_BYTES
-from kvstore.errors import InvalidArgument, ProtocolError
-from kvstore.master.events import ClusterEvent, ClusterEventKind
-from kvstore.master.records import (
+from kvstore.control.records import (
     BlockAdd,
     BlockRef,
+    ClusterEvent,
+    ClusterEventKind,
     CommitBatch,
     Holder,
     Holding,
@@ -30,6 +28,9 @@ from kvstore.master.records import (
     mask_from_bytes,
     mask_to_bytes,
 )
+from kvstore.core.routing import MAX_INSTANCES, Instance, RouteChoice, RouteScore
+from kvstore.dataplane.location import MAX_LOCATION_BYTES
+from kvstore.errors import InvalidArgument, ProtocolError
 from kvstore.v1 import kvstore_pb2 as pb
 
 __all__ = [
@@ -418,7 +419,7 @@ def route_choice_from_pb(msg: pb.RouteResponse) -> RouteChoice:
 
 
 def cluster_event_to_pb(event: ClusterEvent) -> pb.ClusterEvent:
-    """A :class:`~kvstore.master.events.ClusterEvent` as its message."""
+    """A :class:`~kvstore.control.records.ClusterEvent` as its message."""
     return pb.ClusterEvent(
         seq=event.seq, kind=event.kind.value,  # type: ignore[arg-type]
         ns_id=event.ns_id, block_hash=event.block_hash,
