@@ -21,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench._common import latency_stats
 from kvstore.core.routing import Instance, choose
 
 __all__ = ["Outcome", "load_requests", "simulate"]
@@ -79,11 +80,6 @@ class _Lru:
             self.held.popitem(last=False)
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def simulate(
     requests: list[Request],
     policy: str,
@@ -136,11 +132,12 @@ def simulate(
         caches[pick].add(req.blocks)
         if use_pool:
             pool.add(req.blocks)
+    stats = latency_stats(ttfts)
     return Outcome(
         policy,
         reused / total,
         own_reused / max(reused, 1),
-        sum(ttfts) / len(ttfts),
-        _pct(ttfts, 0.5),
-        _pct(ttfts, 0.99),
+        stats["mean"],
+        stats["p50"],
+        stats["p99"],
     )

@@ -52,6 +52,7 @@ from bench._common import (
     Serve,
     Table,
     expect,
+    latency_stats,
     print_report,
     progress,
     save_bar_plot,
@@ -232,8 +233,8 @@ async def _route_latency(master: str, calls: int = 300) -> Table:
         f"Route RPC latency ({calls} calls, 32-block prompt)", ["call", "p50 (µs)", "p99 (µs)"]
     )
     for name, ts in times.items():
-        ts.sort()
-        table.add(name, f"{ts[len(ts) // 2] * 1e6:.0f}", f"{ts[int(len(ts) * 0.99)] * 1e6:.0f}")
+        stats = latency_stats(ts)
+        table.add(name, f"{stats['p50'] * 1e6:.0f}", f"{stats['p99'] * 1e6:.0f}")
     return table
 
 

@@ -10,6 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +21,7 @@ import pytest
 from kvclient.ucx import nixl_available
 from kvstore.dataplane import NodeClient
 
-__all__ = ["TRANSPORTS", "Server", "node_stats", "start_server"]
+__all__ = ["TRANSPORTS", "Server", "node_stats", "rpc_count", "serving", "start_server"]
 
 TRANSPORTS = [
     "tcp",
@@ -101,3 +104,24 @@ def start_server(*args: str, timeout: float = 60.0) -> Server:
 async def node_stats(data_uri: str) -> dict[str, Any]:
     """A node's own counters (slots, pinned slots, leases ...) from its data port."""
     return await NodeClient(data_uri, timeout_s=5).stats()
+
+
+def rpc_count(server: Server, method: str) -> float:
+    """How many ``method`` RPCs the master of ``server`` has served (from its /metrics)."""
+    url = f"http://{server.addresses['metrics']}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    pattern = rf'^kvstore_rpc_seconds_count\{{method="{method}"\}} (\S+)$'
+    found = re.search(pattern, text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+@contextmanager
+def serving(host_mem: str, transport: str = "tcp") -> Iterator[Server]:
+    """``kvstore serve`` on free ports for the ``with`` body; on exit it must stop cleanly
+    with no slot left pinned."""
+    srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
+                       "--host-mem", host_mem, "--transport", transport)  # fmt: skip
+    yield srv
+    rc, out = srv.stop()
+    assert rc == 0 and "pinned_slots=0" in out, out

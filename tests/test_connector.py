@@ -13,9 +13,7 @@ code); the connector, the client and the server are the real ones.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -27,7 +25,7 @@ import torch
 from kvclient.vllm_connector import KVStoreConnector, kv_first_view
 from kvstore.dataplane import NodeClient
 from tests import cluster
-from tests.cluster import TRANSPORTS, Server, start_server
+from tests.cluster import TRANSPORTS, Server, rpc_count, serving
 
 pytestmark = pytest.mark.slow
 
@@ -38,11 +36,8 @@ SENTINEL = -3.0
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def server(request: pytest.FixtureRequest) -> Iterator[Server]:
-    srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
-                       "--host-mem", "64MiB", "--transport", request.param)  # fmt: skip
-    yield srv
-    rc, out = srv.stop()
-    assert rc == 0 and "pinned_slots=0" in out, out
+    with serving("64MiB", request.param) as srv:
+        yield srv
 
 
 # ----------------------------------------------------------------------------- vLLM's side
@@ -178,14 +173,6 @@ def _new_cache(layout: str) -> torch.Tensor:
     return backing.permute(0, 2, 1, 3)  # [B, H, N, C] over an NHD (LBNHC) buffer
 
 
-def _lookups(server: Server) -> float:
-    """How many Lookup RPCs the master has served (from its /metrics)."""
-    with urllib.request.urlopen(f"http://{server.addresses['metrics']}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    found = re.search(r'^kvstore_rpc_seconds_count\{method="Lookup"\} (\S+)$', text, re.M)
-    return float(found.group(1)) if found else 0.0
-
-
 def drain_finished(engine: Engine, ids: set[str]) -> set[str]:
     """Empty steps (vLLM steps while delayed frees remain) until ``ids`` are reported."""
     sent: set[str] = set()
@@ -236,10 +223,10 @@ def test_vllm_call_sequence_prefill_decode_load_error_and_abort(
         assert decode.sched.get_num_new_matched_tokens(d1, 0) == (96, False)
         assert decode.sched.get_num_new_matched_tokens(d1, 0) == (96, False)  # asked again
         decode.sched.update_state_after_alloc(d1, Blocks(blocks), 96)
-        asked = _lookups(server)
+        asked = rpc_count(server, "Lookup")
         meta, _, errors = decode.step(new_req(d1, blocks, 96, 4), {"d1": (prompt, blocks, 96, 100)})
         assert len(meta.meta.loads) == 1 and not meta.meta.saves and errors == set()
-        assert _lookups(server) - asked == 1  # one Lookup for every layer's read
+        assert rpc_count(server, "Lookup") - asked == 1  # one Lookup for every layer's read
         for layer in range(L):  # quant "none": the very bytes the prefill computed
             assert torch.equal(decode.tokens(layer, blocks, 100), layer_kv(prompt, layer))
         assert decode.sched.request_finished(d1, blocks) == (

@@ -21,7 +21,7 @@ pytest.importorskip("transformers", reason="the reference engine needs the 'engi
 import kvclient
 from examples.reference_engine import Engine, build_model, namespace, reference_generate
 from kvstore.dataplane import NodeClient
-from tests.cluster import Server, start_server
+from tests.cluster import Server, serving
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +31,8 @@ MAX_NEW = 8
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
-                       "--host-mem", "256MiB")  # fmt: skip
-    yield srv
-    rc, out = srv.stop()
-    assert rc == 0 and "pinned_slots=0" in out, out
+    with serving("256MiB") as srv:
+        yield srv
 
 
 def prompts() -> tuple[list[int], list[int]]:

@@ -17,7 +17,7 @@ from kvstore.core.routing import choose
 from kvstore.dataplane import NodeClient
 from kvstore.errors import InvalidArgument
 from kvstore.master.events import ClusterEventKind, EventLog
-from tests.cluster import Server, start_server
+from tests.cluster import Server, serving
 from tests.kvproc import layer_kv, namespace, prompt
 
 NS = bytes(16)
@@ -87,11 +87,8 @@ def test_event_log_numbers_resumes_and_clears() -> None:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
-                       "--host-mem", "256MiB")  # fmt: skip
-    yield srv
-    rc, out = srv.stop()
-    assert rc == 0 and "pinned_slots=0" in out, out
+    with serving("256MiB") as srv:
+        yield srv
 
 
 async def _next_events(stream: object, want: int) -> tuple[str, list]:

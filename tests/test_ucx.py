@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from kvstore.dataplane import ChunkRef, NodeClient, PutChunk
 from kvstore.dataplane.location import SlotLocation
 from kvstore.dataplane.messages import Lease, Leased, Release, expect
 from kvstore.transport import connect
-from tests.cluster import Server, node_stats, start_server
+from tests.cluster import Server, node_stats, rpc_count, start_server
 
 pytestmark = [
     pytest.mark.slow,
@@ -197,14 +195,6 @@ async def test_reader_with_expired_lease_never_gets_another_blocks_bytes(master:
     assert rc == 0, out
 
 
-def _lookups(master: Server) -> float:
-    """How many Lookup RPCs the master has served (from its /metrics)."""
-    with urllib.request.urlopen(f"http://{master.addresses['metrics']}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    found = re.search(r'^kvstore_rpc_seconds_count\{method="Lookup"\} (\S+)$', text, re.M)
-    return float(found.group(1)) if found else 0.0
-
-
 async def test_get_reads_committed_slots_without_asking_the_node(master: Server) -> None:
     """A ``ucx://`` get READs each slot at the location the lookup gave, with no exchange
     with the node, and gets the same bytes a ``tcp://`` read does."""
@@ -220,11 +210,12 @@ async def test_get_reads_committed_slots_without_asking_the_node(master: Server)
             assert all(SlotLocation.unpack(h.location) for block in holders for h in block)
             got = await kv.get_layer(tokens, 1)
             assert (kv._reads.stats.direct, kv._reads.stats.leased) == (4, 0)
-            lookups = _lookups(master)
+            lookups = rpc_count(master, "Lookup")
             assert lookups >= 1  # the get_layer's
             streamed = [t async for _, t in kv.stream_layers(tokens, timeout=10)]
             assert kv._reads.stats.direct == 4 + 2 * 4 and kv._reads.stats.retried == 0
-            assert _lookups(master) == lookups  # the watch said where: no lookup per layer
+            # The watch said where: no lookup per layer.
+            assert rpc_count(master, "Lookup") == lookups
         async with await kvclient.KVClient.connect(master.grpc, _ns(layers=2), ucx=False) as tcp:
             assert torch.equal(got, await tcp.get_layer(tokens, 1))
             assert torch.equal(streamed[0], await tcp.get_layer(tokens, 0))

@@ -53,7 +53,7 @@ from kvstore.errors import (
 
 from .encoding import Encoded, launch
 from .engine import EngineOps
-from .handles import prefix_len
+from .handles import all_of, prefix_len
 from .objects import ObjectOps
 from .pool import ConnectionPool
 from .reads import ChunkReader, LayerRead, NodeEntry, batches
@@ -383,7 +383,7 @@ class ClientCore:
         index = self._chunk_index(layer, shard)
         k = self._held_prefix(hashes)  # pinned for us: stored, nothing to encode or send
         if k == len(hashes):
-            return hashes, lambda: _all_of(k)
+            return hashes, lambda: all_of(k)
         rest, B = hashes[k:], self.ns.block_tokens
         encoded = self._launch_encode(kv_span(t, k * B, len(token_ids)), rest, layer, shard)
 
@@ -762,7 +762,3 @@ class KVClient(EngineOps, StreamOps, RoutingOps, ObjectOps, ClientCore):
     Not fork-safe: create clients after an engine forks its workers. Safe to use from many
     tasks of one event loop at once; the ``start_*`` calls from any thread.
     """
-
-
-async def _all_of(n: int) -> set[int]:
-    return set(range(n))

@@ -125,7 +125,6 @@ class _Tracked:
     saved: int = 0  # tokens of the prompt saved (or known stored) so far
     local: int = 0  # the engine's own hit when it last asked
     stream: bool = False  # load as a prefill instance writes it
-    load: LoadSpec | None = None
     saving: bool = False  # any save scheduled: the engine must keep its blocks
 
 
@@ -213,7 +212,6 @@ class SchedulerConnector:
         blocks = tuple(int(b) for b in block_ids)
         end = local + num_external_tokens
         spec = LoadSpec(request_id, tracked.prompt, blocks, local, end, tracked.stream)
-        tracked.load = spec
         self._loads.append(spec)
 
     def prompt_of(self, request_id: str) -> tuple[int, ...] | None:
@@ -260,7 +258,7 @@ class SchedulerConnector:
         tracked = self._requests.pop(request_id, None)
         if tracked is None:
             return False, None
-        if tracked.load is not None or self.load:
+        if self.load:  # only a loading instance holds
             try:
                 self.kv.release(request_id)
             except KVStoreError as exc:  # holds expire by themselves

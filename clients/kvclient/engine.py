@@ -19,7 +19,7 @@ from kvstore.core.codec import KV, ChunkKey
 from kvstore.errors import BadShape, InvalidArgument
 
 from .encoding import launch
-from .handles import Handle, Result, StreamHandle, prefix_len
+from .handles import Handle, Result, StreamHandle, all_of, prefix_len
 from .paged import ChunkView, chunk_views, decode_into, encode_paged
 from .stream import LayerSink
 
@@ -84,7 +84,7 @@ class EngineOps(_Base):
             return {first + i for i in stored} | set(range(first))
 
         if not rest:
-            return hashes, lambda: _all_of(first)
+            return hashes, lambda: all_of(first)
         return hashes, lambda: self._tracked_put(put, rest, timeout, what)
 
     def _first_block(self, skip_tokens: Any, n_blocks: int, *, exact: bool) -> int:
@@ -358,7 +358,3 @@ class EngineOps(_Base):
             return Result(len(done) * self.ns.block_tokens, missing)
 
         return Handle(self._loop, result)
-
-
-async def _all_of(n: int) -> set[int]:
-    return set(range(n))

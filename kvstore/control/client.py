@@ -205,9 +205,9 @@ class MasterClient:
                     if exc.code() in _FAILOVER_CODES:
                         self._moved_on()
                     raise error_from_rpc(exc, method) from exc
-                log.warning("master %s: %s; trying %s", self.target, exc.code(), self.targets[
-                    (self._current + 1) % n])  # fmt: skip
+                failed = self.target
                 self._moved_on()
+                log.warning("master %s: %s; trying %s", failed, exc.code(), self.target)
         raise Unreachable(f"master {method}: no master answered")  # pragma: no cover
 
     async def _call_in_process(self, method: str, request: Any, timeout: float) -> Any:

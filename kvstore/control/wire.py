@@ -180,8 +180,9 @@ def _check_count(n: int, what: str, limit: int = MAX_COMMIT_ITEMS) -> None:
 # -- tiers and nodes ----------------------------------------------------------------------
 
 
-def tiers_from_pb(tiers: Sequence[pb.Tier]) -> tuple[Tier, ...]:
-    """Validated tiers (at most MAX_TIERS, short names, used <= capacity not required)."""
+def tiers_from_pb(tiers: Sequence[pb.Tier] | Sequence[Tier]) -> tuple[Tier, ...]:
+    """Validated tiers (at most MAX_TIERS, short names, used <= capacity not required), from
+    their messages or records."""
     _check_count(len(tiers), "tiers", MAX_TIERS)
     return tuple(
         Tier(check_text(t.name, "tier name", MAX_NAME_LEN), t.capacity_bytes, t.used_bytes)
@@ -303,9 +304,7 @@ def check_commit(batch: CommitBatch) -> CommitBatch:
     evicts = tuple(BlockRef(check_ns_id(e.ns_id), _check_hash(e.block_hash)) for e in batch.evicts)
     objects = tuple(ObjectAdd(check_key(o.key), o.nbytes) for o in batch.object_adds)
     removes = tuple(check_key(k) for k in batch.object_removes)
-    tiers = tuple(Tier(check_text(t.name, "tier name", MAX_NAME_LEN), t.capacity_bytes,
-                       t.used_bytes) for t in batch.tiers)  # fmt: skip
-    _check_count(len(tiers), "tiers", MAX_TIERS)
+    tiers = tiers_from_pb(batch.tiers)
     return CommitBatch(batch.node_id, batch.epoch, batch.seq, adds, evicts, objects, removes, tiers)
 
 
