@@ -45,9 +45,11 @@ class EngineOps(_Base):
         layout: str,
         *,
         writable: bool,
+        hashes: list[bytes] | None = None,
     ) -> tuple[list[bytes], list[ChunkView]]:
-        """Hashes and per-chunk views of the engine's cache, validated before any I/O."""
-        hashes = self.block_hashes(token_ids)
+        """Hashes (``hashes`` when the caller has them already) and per-chunk views of the
+        engine's cache, validated before any I/O."""
+        hashes = self.block_hashes(token_ids) if hashes is None else hashes
         ns = self.ns
         views = chunk_views(
             cache, block_ids, ns.block_tokens, len(hashes), layout, writable=writable,
@@ -153,8 +155,11 @@ class EngineOps(_Base):
         load_all: bool,
         skip_tokens: int = 0,
         lookup: Callable[[], Awaitable[Any]] | None = None,
+        hashes: list[bytes] | None = None,
     ) -> tuple[list[bytes], Callable[[], Awaitable[set[int]]]]:
-        hashes, views = self._paged_views(token_ids, cache, block_ids, layout, writable=True)
+        hashes, views = self._paged_views(
+            token_ids, cache, block_ids, layout, writable=True, hashes=hashes
+        )
         index = self._chunk_index(layer, shard)
         first = self._first_block(skip_tokens, len(hashes), exact=False)
         partial = skip_tokens % self.ns.block_tokens
@@ -243,7 +248,7 @@ class EngineOps(_Base):
         for layer, cache in enumerate(caches):
             n, run = self._get_paged(
                 token_ids, layer, cache, block_ids, layout, shard, timeout, load_all=True,
-                skip_tokens=skip_tokens, lookup=lookup,
+                skip_tokens=skip_tokens, lookup=lookup, hashes=hashes,
             )  # fmt: skip
             handles.append(self._result_handle(run, len(n), layer))
         return handles
@@ -323,11 +328,11 @@ class EngineOps(_Base):
         L = self.ns.num_layers
         if isinstance(caches, torch.Tensor) or len(caches) != L:
             raise BadShape(f"caches must hold one paged cache per layer ({L})")
+        hashes = self.block_hashes(token_ids)
         views = [
-            self._paged_views(token_ids, cache, block_ids, layout, writable=True)[1]
+            self._paged_views(token_ids, cache, block_ids, layout, writable=True, hashes=hashes)[1]
             for cache in caches
         ]
-        hashes = self.block_hashes(token_ids)
         n_tokens = len(hashes) * self.ns.block_tokens
 
         def sink(layer_views: list[ChunkView]) -> LayerSink:
