@@ -11,7 +11,9 @@ torch, grpc or the servers are imported (this module imports argparse and
 :mod:`kvstore.config` only; the servers come with :func:`_run`). A port that cannot be bound
 or a master that cannot be reached exits 1 with one line: each port is probed before the
 servers start, so gRPC's own log line about a taken port does not come first. SIGTERM (or
-SIGINT) stops accepting, drains, stops the gRPC server with a grace period and exits 0.
+SIGINT) stops accepting, lets exchanges in flight finish, deregisters the node (its entries
+go at once), stops the gRPC server with a grace period and exits 0; a node with
+``--drain-on-exit S`` first copies its blocks to other nodes for at most S seconds.
 
 ``serve`` runs a master and one node in one process: the node registers and commits by
 calling the master's handlers directly (``MasterClient.in_process``; its heartbeats use a
@@ -286,6 +288,11 @@ async def _run(cfg: Resolved) -> int:
         print(f"kvstore ready {' '.join(parts)}", flush=True)
         await stop.wait()
         logging.getLogger("kvstore").info("stopping")
+        if node is not None and cfg.values.get("drain_on_exit"):
+            done = await node.drain_and_wait(cfg["drain_on_exit"])
+            moved, left = done["drain_moved_chunks"], done["drain_left"]
+            print(f"kvstore drained state={done['drain_state']} moved_chunks={moved} "
+                  f"left={left} failed={done['drain_failed']}", flush=True)  # fmt: skip
     pins = node.pinned_slots if node is not None else 0
     print(f"kvstore stopped pinned_slots={pins}", flush=True)
     return 0

@@ -121,6 +121,12 @@ def _seconds(value: object) -> float:
     return seconds
 
 
+def _seconds_or_off(value: object) -> float:
+    if value in (0, "0", 0.0):
+        return 0.0
+    return _seconds(value)
+
+
 def _text(value: object) -> str:
     if not isinstance(value, str):
         raise InvalidArgument(f"not a string: {value!r}")
@@ -277,6 +283,9 @@ SETTINGS: tuple[Setting, ...] = (
             "request for this long", _NODES, "S"),
     Setting("header-timeout-s", _seconds, 5.0, "a frame header must arrive whole within "
             "this long of its first byte", _NODES, "S"),
+    Setting("drain-on-exit", _seconds_or_off, 0.0, "on SIGTERM, first mark this node "
+            "draining and copy its blocks to other nodes for at most this long, then leave "
+            "(0: leave at once; either way it deregisters)", ("node",), "S"),
 )  # fmt: skip
 """Every setting of every server command, in the order help and ``kvstore config`` show."""
 

@@ -184,10 +184,11 @@ async def test_reregistration_kills_the_old_epoch(store: IndexStore) -> None:
 
 async def test_update_node_tiers_and_draining(store: IndexStore) -> None:
     epoch = await reg(store)
-    assert await store.update_node("a", epoch, tiers=[Tier("gpu", 10, 4)])
-    assert await store.update_node("a", epoch, draining=True)
-    assert not await store.update_node("a", epoch + 1, draining=False)
-    assert not await store.update_node("nobody", epoch, draining=True)
+    assert await store.update_node("a", epoch, tiers=[Tier("gpu", 10, 4)]) is False
+    assert await store.update_node("a", epoch, draining=True) is True
+    assert await store.update_node("a", epoch, tiers=[Tier("gpu", 10, 4)]) is True  # kept
+    assert await store.update_node("a", epoch + 1, draining=False) is None
+    assert await store.update_node("nobody", epoch, draining=True) is None
     (rec,) = await store.nodes()
     assert rec.tiers == (Tier("gpu", 10, 4),) and rec.draining
     await reg(store)

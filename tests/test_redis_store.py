@@ -408,7 +408,7 @@ async def test_leases_are_shared_by_every_master_on_the_store(
     assert got[0] == "n1" and got[1][0] == epoch and 0 <= got[1][1] < 1.0
     await asyncio.sleep(0.3)
     assert (await b.leases())["n1"][1] >= 0.25  # aging by the store's clock
-    assert await b.update_node("n1", epoch, tiers=[])  # a heartbeat through b
+    assert await b.update_node("n1", epoch, tiers=[]) is False  # a heartbeat through b
     assert (await a.leases())["n1"][1] < 0.25
     assert await a.drop_node("n1", epoch, "lease expired")
     assert await b.leases() == {} and await a.leases() == {}

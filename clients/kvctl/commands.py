@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 from kvctl.explain import PrefixReport, explain_prefix
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError, KVTimeout
 
 if TYPE_CHECKING:
     from kvstore.control.client import MasterClient
@@ -29,6 +29,7 @@ __all__ = [
     "NodeEviction",
     "StatsReport",
     "TierTotal",
+    "WaitTimeout",
     "drain",
     "drain_json",
     "evict",
@@ -170,20 +171,83 @@ def stats_json(report: StatsReport) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class DrainResult:
-    """A node's draining mark after ``kvctl drain``."""
+    """A node's draining mark after ``kvctl drain``; with ``--wait``, the node's drain
+    counters once it copied everything away (``drain_moved_chunks``, ``drain_moved_bytes``,
+    ``drain_passes`` ...: see :mod:`kvstore.node.migrate`) and how long that took."""
 
     node_id: str
     draining: bool
+    progress: dict[str, Any] | None = None
+    waited_s: float = 0.0
 
 
-async def drain(client: MasterClient, node_id: str, *, undrain: bool) -> DrainResult:
-    """Set (or clear) ``node_id``'s draining mark; raises Miss for an unknown node."""
-    return DrainResult(node_id, await client.drain(node_id, undrain=undrain))
+DRAIN_POLL_S = 0.25
+
+
+class WaitTimeout(KVTimeout):
+    """``kvctl drain --wait`` gave up: the master answered, the node was not done."""
+
+
+async def drain(
+    client: MasterClient,
+    node_id: str,
+    *,
+    undrain: bool,
+    wait_s: float = 0.0,
+    timeout_s: float = 5.0,
+) -> DrainResult:
+    """Set (or clear) ``node_id``'s draining mark; raises Miss for an unknown node. With
+    ``wait_s`` > 0, then wait until the node has copied every block it holds to other
+    nodes (its data port's ``stats``, every :data:`DRAIN_POLL_S`): raises
+    :class:`WaitTimeout` naming what is left after ``wait_s``, Miss when the node leaves
+    first, ChunkError when the drain finished with chunks it could not copy."""
+    import asyncio
+    import time
+
+    from kvstore.dataplane import NodeClient
+    from kvstore.errors import ChunkError, Miss
+
+    draining = await client.drain(node_id, undrain=undrain)
+    if undrain or wait_s <= 0:
+        return DrainResult(node_id, draining)
+    t0 = time.monotonic()
+    while True:
+        infos = {n.node_id: n for n in await client.nodes()}
+        info = infos.get(node_id)
+        if info is None or not info.alive:
+            raise Miss(f"node {node_id} left before its drain finished")
+        stats = await NodeClient(info.data_uri, timeout_s=timeout_s).stats()
+        waited = time.monotonic() - t0
+        if stats.get("draining") and stats.get("drain_state") == "done":
+            if stats.get("drain_failed"):
+                raise ChunkError(
+                    f"drain of node {node_id} finished, but {stats['drain_failed']} chunks "
+                    "could not be copied (see the node's log); they leave with the node"
+                )
+            return DrainResult(node_id, True, stats, waited)
+        if waited > wait_s:
+            reason = stats.get("drain_reason") or ""
+            raise WaitTimeout(
+                f"drain of node {node_id} not done within {wait_s:g} s: state "
+                f"{stats.get('drain_state')}, {stats.get('drain_left', '?')} chunks left"
+                + (f" ({reason})" if reason else "")
+            )
+        await asyncio.sleep(DRAIN_POLL_S)
+
+
+_DRAIN_KEYS = ("drain_passes", "drain_moved_chunks", "drain_moved_bytes", "drain_failed",
+               "drain_dropped")  # fmt: skip
 
 
 def drain_json(result: DrainResult) -> dict[str, Any]:
-    """``kvctl drain --json``: ``{"node": id, "draining": bool}``."""
-    return {"node": result.node_id, "draining": result.draining}
+    """``kvctl drain --json``: ``{"node": id, "draining": bool}``; with ``--wait`` also
+    ``"waited_s"`` and the node's ``drain_*`` counters (passes, moved chunks and bytes,
+    failed, dropped)."""
+    out: dict[str, Any] = {"node": result.node_id, "draining": result.draining}
+    if result.progress is not None:
+        out["waited_s"] = round(result.waited_s, 3)
+        out.update({k: result.progress.get(k, 0) for k in _DRAIN_KEYS})
+    return out
 
 
 # -- evict ----------------------------------------------------------------------------------

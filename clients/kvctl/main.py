@@ -8,7 +8,9 @@
         stats               the master's counters and per-tier usage (Stats + Nodes)
         lookup ...          why a prompt does or does not match, block by block
                             (Lookup + MatchPrefix + Nodes)
-        drain NODE          mark a node draining, ``--undrain`` clears the mark (Drain)
+        drain NODE          mark a node draining, ``--undrain`` clears the mark (Drain);
+                            ``--wait``: then wait until the node has copied its blocks
+                            to other nodes (Nodes, then the node's data port)
         top                 a live view of nodes, tiers, hit ratio, transfer rates and
                             evictions, redrawn every second; ``--once`` prints one
                             snapshot (Stats + Nodes, and each ``--metrics`` endpoint's
@@ -158,7 +160,9 @@ def _describe(exc: KVStoreError, target: str, timeout_s: float) -> str:
     """The one stderr line for a failed master call."""
     if isinstance(exc, Unreachable):
         return f"kvctl: cannot reach master at {target} (unavailable)"
-    if isinstance(exc, KVTimeout):
+    from kvctl.commands import WaitTimeout
+
+    if isinstance(exc, KVTimeout) and not isinstance(exc, WaitTimeout):
         return (
             f"kvctl: master at {target} did not answer within {timeout_s:g} s (deadline exceeded)"
         )
@@ -189,12 +193,16 @@ def _stats_job(args: argparse.Namespace, stdin: TextIO) -> _Job[Any]:
 def _drain_job(args: argparse.Namespace, stdin: TextIO) -> _Job[Any]:
     from kvctl import commands, tables
 
-    node_id, undrain = args.node, args.undrain
+    node_id, undrain, timeout_s = args.node, args.undrain, args.timeout
+    wait_s = args.wait_s if args.wait else 0.0
     if not node_id:
         raise InvalidArgument("drain: NODE must not be empty")
+    if undrain and args.wait:
+        raise InvalidArgument("drain: --wait goes with a drain, not --undrain")
 
     def fetch(client: MasterClient) -> Awaitable[commands.DrainResult]:
-        return commands.drain(client, node_id, undrain=undrain)
+        return commands.drain(client, node_id, undrain=undrain, wait_s=wait_s,
+                              timeout_s=timeout_s)  # fmt: skip
 
     return _Job(fetch, commands.drain_json, tables.print_drain)
 
@@ -390,7 +398,11 @@ def build_parser(out: TextIO, err: TextIO, default_master: str = DEFAULT_MASTER)
         ("nodes", "every node: state, lease, epoch, transport, tiers", _nodes_job),
         ("stats", "the master's counters and per-tier usage", _stats_job),
         ("lookup", "why a prompt does or does not match, block by block", _lookup_job),
-        ("drain", "mark a node draining (no new placements)", _drain_job),
+        (
+            "drain",
+            "mark a node draining: no new placements, its blocks are copied away",
+            _drain_job,
+        ),
         ("evict", "evict a prompt's blocks (or a whole namespace) from every node", _evict_job),
     ]
     for name, help_text, job in commands:
@@ -405,6 +417,19 @@ def build_parser(out: TextIO, err: TextIO, default_master: str = DEFAULT_MASTER)
         elif name == "drain":
             sub.add_argument("node", metavar="NODE", help="node id")
             sub.add_argument("--undrain", action="store_true", help="clear the draining mark")
+            sub.add_argument(
+                "--wait",
+                action="store_true",
+                help="then wait until the node has copied every block to other nodes "
+                "(it may then leave with nothing lost)",
+            )
+            sub.add_argument(
+                "--wait-s",
+                type=_seconds,
+                default=600.0,
+                metavar="S",
+                help="with --wait: give up after this long, exit 1 (default 600)",
+            )
     _top_parser(subs, out, err)
     return parser
 

@@ -177,6 +177,14 @@ def print_stats(report: StatsReport, out: TextIO) -> None:
 
 def print_drain(result: DrainResult, out: TextIO) -> None:
     """One line: the node's draining mark after the call."""
+    progress = result.progress
+    if progress is not None:
+        chunks, nbytes = progress.get("drain_moved_chunks", 0), progress.get("drain_moved_bytes", 0)
+        out.write(
+            f"node {result.node_id}: drained: {chunks} chunks ({nbytes / 2**20:.1f} MiB) copied "
+            f"to other nodes in {result.waited_s:.1f} s; it may leave now (SIGTERM)\n"
+        )
+        return
     mark = "draining (no new placements)" if result.draining else "not draining"
     out.write(f"node {result.node_id}: {mark}\n")
 

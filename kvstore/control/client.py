@@ -271,7 +271,7 @@ class MasterClient:
             counters=dict(counters or {}),
         )
         resp = await self._call("Heartbeat", req, timeout)
-        return HeartbeatReply(resp.ok, resp.reregister)
+        return HeartbeatReply(resp.ok, resp.reregister, resp.draining)
 
     async def commit(self, batch: CommitBatch, *, timeout: float | None = None) -> int:
         """Apply a commit batch; returns the applied seq. Raises StaleEpoch if the epoch is

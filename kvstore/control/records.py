@@ -226,10 +226,12 @@ class Registration:
 
 @dataclass(frozen=True)
 class HeartbeatReply:
-    """``ok``: lease renewed. ``reregister``: the master does not know this node/epoch."""
+    """``ok``: lease renewed. ``reregister``: the master does not know this node/epoch.
+    ``draining``: the node's draining mark (it copies its blocks away while set)."""
 
     ok: bool
     reregister: bool
+    draining: bool = False
 
 
 @dataclass(frozen=True)

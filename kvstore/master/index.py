@@ -105,9 +105,10 @@ class IndexStore(abc.ABC):
         *,
         tiers: Sequence[Tier] | None = None,
         draining: bool | None = None,
-    ) -> bool:
+    ) -> bool | None:
         """Update usage and/or the draining mark of ``node_id`` if ``epoch`` is its current
-        epoch (alive or dead). Returns False (and changes nothing) otherwise."""
+        epoch (alive or dead); returns the node's draining mark after the update (what its
+        heartbeat answers), or None (changing nothing) when ``epoch`` is not current."""
 
     @abc.abstractmethod
     async def drop_node(self, node_id: str, epoch: int, reason: str) -> bool:
@@ -324,18 +325,18 @@ class MemoryIndexStore(IndexStore):
         *,
         tiers: Sequence[Tier] | None = None,
         draining: bool | None = None,
-    ) -> bool:
+    ) -> bool | None:
         """See :meth:`IndexStore.update_node`."""
         self._check_open()
         rec = self._nodes.get(node_id)
         if rec is None or rec.epoch != epoch:
-            return False
+            return None
         if tiers is not None:
             rec = replace(rec, tiers=tuple(tiers))
         if draining is not None:
             rec = replace(rec, draining=draining)
         self._nodes[node_id] = rec
-        return True
+        return rec.draining
 
     async def drop_node(self, node_id: str, epoch: int, reason: str) -> bool:
         """See :meth:`IndexStore.drop_node`."""

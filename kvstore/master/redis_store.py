@@ -235,6 +235,7 @@ if redis.call('HGET', nk, 'epoch') ~= ARGV[3] then return 0 end
 if ARGV[4] == '1' then redis.call('HSET', nk, 'tiers', ARGV[5]) end
 if ARGV[6] == '1' then redis.call('HSET', nk, 'draining', ARGV[7]) end
 redis.call('ZADD', P .. ':leases', now_ms(), node)
+if redis.call('HGET', nk, 'draining') == '1' then return 2 end
 return 1
 """
 
@@ -587,12 +588,13 @@ class RedisIndexStore(IndexStore):
         *,
         tiers: Sequence[Tier] | None = None,
         draining: bool | None = None,
-    ) -> bool:
+    ) -> bool | None:
         """See :meth:`IndexStore.update_node`; also refreshes the node's Redis-TIME lease."""
         args = [self.prefix, node_id, _int_arg(epoch, "epoch")]
         args += ["0", ""] if tiers is None else ["1", _tiers_json(tiers)]
         args += ["0", ""] if draining is None else ["1", "1" if draining else "0"]
-        return bool(await self._script("update", args))
+        done = int(await self._script("update", args))
+        return None if done == 0 else done == 2
 
     async def drop_node(self, node_id: str, epoch: int, reason: str) -> bool:
         """See :meth:`IndexStore.drop_node`. Purges the epoch's entries before returning."""

@@ -270,14 +270,16 @@ class MasterService(pb_grpc.MasterServicer):
         known = self.membership.heartbeat(node_id, request.epoch, now)
         if not known and not await self._adopt(node_id, request.epoch, now):
             return pb.HeartbeatResponse(ok=False, reregister=True)
-        if not await self.store.update_node(node_id, request.epoch, tiers=tiers):
+        draining = await self.store.update_node(node_id, request.epoch, tiers=tiers)
+        if draining is None:
             return pb.HeartbeatResponse(ok=False, reregister=True)
         rec = self._records.get(node_id)
         if rec is not None and rec.epoch == request.epoch:
-            self._records[node_id] = replace(rec, tiers=tiers)
+            # (the store's mark: another master sharing it may have set it)
+            self._records[node_id] = replace(rec, tiers=tiers, draining=draining)
         self._usage.pop(node_id, None)  # the heartbeat's usage is the newest now
         self.node_counters[node_id] = counters
-        return pb.HeartbeatResponse(ok=True, reregister=False)
+        return pb.HeartbeatResponse(ok=True, reregister=False, draining=draining)
 
     @_unary
     async def Nodes(
@@ -297,7 +299,7 @@ class MasterService(pb_grpc.MasterServicer):
         if rec is None:
             raise Miss(f"unknown node {node_id!r}")
         draining = not request.undrain
-        if not await self.store.update_node(node_id, rec.epoch, draining=draining):
+        if await self.store.update_node(node_id, rec.epoch, draining=draining) is None:
             raise Miss(f"node {node_id!r} re-registered meanwhile; try again")
         self._records[node_id] = replace(rec, draining=draining)
         return pb.DrainResponse(draining=draining)

@@ -95,6 +95,8 @@ class MasterLink:
         self._lock = asyncio.Lock()
         self._queued: list[_Queued] = []
         self._flusher: asyncio.Task[None] | None = None
+        self.on_draining: Callable[[bool], None] | None = None
+        """Called on the loop with the draining mark each heartbeat's answer carries."""
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
 
@@ -234,6 +236,8 @@ class MasterLink:
                         continue
                     if reply.reregister:
                         call_soon(self.reregister.set)
+                    elif self.on_draining is not None:
+                        call_soon(self.on_draining, reply.draining)
                     break
         finally:
             for channel in channels:

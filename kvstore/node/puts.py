@@ -89,6 +89,8 @@ class Puts:
         self._aside_bytes = 0
         self._unquarantine_at: dict[Slot, asyncio.TimerHandle] = {}
         self._grants: dict[tuple[SlotKey, int], _Grant] = {}
+        self.granting = True
+        """False while the node drains: acks grant no slot here for a writer's next layer."""
 
     @property
     def inflight(self) -> int:
@@ -232,8 +234,8 @@ class Puts:
         """Claim the chunk indices ``put.grant`` of the put's blocks for its writer, each for
         :data:`GRANT_S` with its slot pinned: ``(position, index, location)`` per grant.
         Only free chunks (not landed, not claimed) of live slots in registered memory,
-        within :data:`MAX_GRANTS`."""
-        if not put.writer or not put.grant:
+        within :data:`MAX_GRANTS`; none while the node drains."""
+        if not put.writer or not put.grant or not self.granting:
             return ()
         loop = asyncio.get_running_loop()
         expires = loop.time() + GRANT_S

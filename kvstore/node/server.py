@@ -84,6 +84,7 @@ from kvstore.errors import (
 from kvstore.metrics import Metrics
 from kvstore.node.checks import ChunkChecks, LandedChunk
 from kvstore.node.master_link import MasterLink, NodeIdentity
+from kvstore.node.migrate import Migration
 from kvstore.node.puts import Puts, count_transfer
 from kvstore.node.scrub import MAX_PENDING_BYTES, Scrub
 from kvstore.node.tiers import Tiers, host_copy
@@ -190,6 +191,14 @@ class StorageNode:
         self.puts = Puts(
             self.tiers, self.checks, self.scrub, self.link, self.metrics, config.io_timeout_s
         )
+        self.migration = Migration(
+            self.node_id, self.tiers, self.link.master, self._namespaces.get, self.checks,
+            self._drop, config.io_timeout_s,
+        )  # fmt: skip
+        self.link.on_draining = self._on_draining
+        self._leaving = False
+        """Set by :meth:`drain_and_wait` (SIGTERM with ``--drain-on-exit``): the drain goes
+        on whatever an older heartbeat answer says."""
         self._serving = 0
         """Exchanges being served now (the scrub gives way to them)."""
         self._readds: list[BlockAdd] = []
@@ -230,6 +239,7 @@ class StorageNode:
         self.link.start_heartbeats(self.node_id, asyncio.get_running_loop())
         self._tasks.append(asyncio.create_task(self._sweeper(), name="kvstore-node-sweeper"))
         self._tasks.append(asyncio.create_task(self.scrub.run(), name="kvstore-node-scrub"))
+        self._tasks.append(asyncio.create_task(self.migration.run(), name="kvstore-node-drain"))
 
     def _identity(self) -> NodeIdentity:
         cfg = self.config
@@ -269,6 +279,28 @@ class StorageNode:
         if self._nixl is not None:
             await self._nixl.close()
         self.checks.close()
+
+    def _on_draining(self, draining: bool) -> None:
+        """The master's draining mark (from a heartbeat's answer): copy blocks away while
+        set, and grant no writer a slot for its next layer here."""
+        if self._leaving and not draining:
+            return
+        self.migration.set_draining(draining)
+        self.puts.granting = not draining
+
+    async def drain_and_wait(self, timeout_s: float) -> dict[str, int | str]:
+        """Mark this node draining at the master, copy every block away (at most
+        ``timeout_s``) and return the progress counters (``drain_state`` ``done`` when
+        nothing was left). What the node does on SIGTERM with ``--drain-on-exit``; the
+        caller then stops it."""
+        self._leaving = True
+        try:
+            await self.link.master.drain(self.node_id, timeout=self.config.io_timeout_s)
+        except KVStoreError as exc:  # copy anyway: the writers' next snapshot may lag
+            logger.warning("drain mark not set at the master: %s", exc)
+        self._on_draining(True)
+        await self.migration.settled(timeout_s)
+        return self.migration.counters()
 
     @property
     def pinned_slots(self) -> int:
@@ -602,6 +634,7 @@ class StorageNode:
                 "capacity_bytes": sum(st.capacity_bytes for _, st in stats),
                 "used_bytes": sum(st.used_bytes for _, st in stats),
                 "tiers": [_tier_stats(name, st) for name, st in stats],
+                **self.migration.counters(),
             }
         )
 

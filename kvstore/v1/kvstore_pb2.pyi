@@ -63,12 +63,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("ok", "reregister")
+    __slots__ = ("ok", "reregister", "draining")
     OK_FIELD_NUMBER: _ClassVar[int]
     REREGISTER_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     reregister: bool
-    def __init__(self, ok: _Optional[bool] = ..., reregister: _Optional[bool] = ...) -> None: ...
+    draining: bool
+    def __init__(self, ok: _Optional[bool] = ..., reregister: _Optional[bool] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class BlockAdd(_message.Message):
     __slots__ = ("ns_id", "block_hash", "chunks", "location")

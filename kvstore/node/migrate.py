@@ -1,0 +1,348 @@
+"""Drain with migration: a draining node copies its blocks to the nodes placement would
+choose next, so that it can then leave with nothing lost.
+
+The operator's mark (``kvctl drain NODE``, the master's ``Drain``) reaches the node in the
+answer to its next heartbeat (within a third of a lease); ``kvstore node --drain-on-exit S``
+sets it itself on SIGTERM. While the mark is set, :class:`Migration` runs passes: each takes
+every landed chunk not yet copied (most recently used blocks first, so that a pool short of
+room keeps the hot ones), asks the master who else holds those blocks and which nodes take
+new blocks, and puts the chunks, node to node, over the ``tcp://`` data plane, in batches of
+at most :data:`BATCH_CHUNKS` chunks and :data:`BATCH_BYTES` bytes, :data:`IN_FLIGHT` at a
+time. The receiving node checks every chunk as it arrives (header against the namespace,
+key, checksum) and commits it to the master, exactly as for a writer's put.
+
+Where a block goes: the first node, in the block's rendezvous order over the nodes that
+take new blocks (:func:`~kvstore.core.placement.rank_nodes`, as a writer ranks them), that
+does not already hold those chunks — so a block keeps as many copies as it had (with
+``replicas=2``, its other copy is not counted twice). A chunk the receiver refuses as bad is
+checked here; if it is bad here too it is dropped (it was poison, not worth keeping), else
+it is tried again in a later pass, at most :data:`MAX_TRIES` times. A receiver that fails
+an exchange is left out for :data:`BENCH_S`. Chunks that land during the drain (another
+layer of a block, from a writer whose grant predates the mark) are copied by the next pass.
+
+Progress (:meth:`Migration.counters`, in the node's ``stats`` and heartbeats): ``state`` is
+``idle`` (not draining), ``moving``, ``waiting`` (no node takes new blocks: ``reason``
+says why) or ``done`` (nothing left to copy); ``kvctl drain --wait`` waits for ``done``.
+Copies a chunk takes: slot → kernel (``sendall`` of a view; from the GPU tier through one
+host copy) → the receiver's slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.control.client import MasterClient
+from kvstore.control.records import NodeInfo
+from kvstore.core.hashing import Namespace
+from kvstore.core.placement import Candidate, rank_nodes, unplaceable_reason, weight_for_free
+from kvstore.core.slots import Lease, Slot, SlotKey
+from kvstore.dataplane.client import NodeClient
+from kvstore.dataplane.messages import MAX_CHUNKS_PER_REQUEST, PutChunk
+from kvstore.errors import KVStoreError, KVTimeout, Miss
+from kvstore.node.checks import ChunkChecks, LandedChunk
+from kvstore.node.tiers import Tiers, host_copy, landed_bits
+
+__all__ = ["BATCH_BYTES", "BATCH_CHUNKS", "BENCH_S", "IN_FLIGHT", "MAX_TRIES", "Migration"]
+
+logger = logging.getLogger("kvstore.node")
+
+BATCH_CHUNKS = 1024
+"""Most chunks one node-to-node put carries (within a request's 4096)."""
+BATCH_BYTES = 16 * 2**20
+"""Most chunk bytes one node-to-node put carries."""
+IN_FLIGHT = 2
+"""Node-to-node puts in flight at once (the node keeps serving its readers meanwhile)."""
+MAX_TRIES = 5
+"""Passes that may try one chunk before it counts as failed (not copied)."""
+BENCH_S = 5.0
+"""How long a receiver whose exchange failed is left out of the passes."""
+PAUSE_S = 0.5
+"""Pause between passes while something is left (receivers busy, chunks landing)."""
+LOOKUP_BLOCKS = 4096
+"""Blocks per master Lookup while planning a pass."""
+
+_NamespaceOf = Callable[[bytes], tuple[Namespace, int] | None]
+
+
+@dataclass
+class _Batch:
+    target: NodeInfo
+    ns: Namespace
+    size: int
+    items: list[tuple[Slot, int]] = field(default_factory=list)
+    """(slot, chunk index) of each chunk to copy, in request order."""
+
+
+class Migration:
+    """The copy of a draining node's blocks. Owned by the node's event loop: :meth:`run`
+    is its task; :meth:`set_draining` follows the master's mark."""
+
+    def __init__(
+        self,
+        node_id: str,
+        tiers: Tiers,
+        master: MasterClient,
+        namespace_of: _NamespaceOf,
+        checks: ChunkChecks,
+        drop: Callable[[Slot, int], None],
+        io_timeout_s: float,
+    ) -> None:
+        self.node_id = node_id
+        self.tiers = tiers
+        self.master = master
+        self.namespace_of = namespace_of
+        self.checks = checks
+        self.drop = drop
+        self.io_timeout_s = io_timeout_s
+        self.draining = False
+        self.state = "idle"
+        self.reason = ""
+        self.passes = 0
+        self.moved_chunks = 0
+        self.moved_bytes = 0
+        self.left = 0
+        self.failed = 0
+        self.dropped = 0
+        self._copied: dict[SlotKey, tuple[Slot, int]] = {}
+        """Per block: its slot and the mask of chunks copied away from it."""
+        self._tries: dict[tuple[SlotKey, int], int] = {}
+        self._benched: dict[str, float] = {}
+        self._wake = asyncio.Event()
+        self._settled = asyncio.Event()
+
+    def set_draining(self, draining: bool) -> None:
+        """Follow the draining mark: set, passes start (counters from zero); cleared, they
+        stop (copies made so far stay, as extra copies)."""
+        if draining == self.draining:
+            return
+        self.draining = draining
+        if draining:
+            self.passes = self.moved_chunks = self.moved_bytes = self.failed = self.dropped = 0
+            self._copied.clear()
+            self._tries.clear()
+            self.state, self.reason = "moving", ""
+            self._settled.clear()
+        else:
+            self.state, self.reason, self.left = "idle", "", 0
+        self._wake.set()
+
+    def counters(self) -> dict[str, int | str]:
+        """Progress, for the node's ``stats`` (strings stay out of heartbeats)."""
+        return {
+            "draining": int(self.draining),
+            "drain_state": self.state,
+            "drain_reason": self.reason,
+            "drain_passes": self.passes,
+            "drain_moved_chunks": self.moved_chunks,
+            "drain_moved_bytes": self.moved_bytes,
+            "drain_left": self.left,
+            "drain_failed": self.failed,
+            "drain_dropped": self.dropped,
+        }
+
+    async def settled(self, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until a pass finds nothing left to copy; whether it
+        did (``--drain-on-exit``)."""
+        try:
+            await asyncio.wait_for(self._settled.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def run(self) -> None:
+        """Passes while draining, until cancelled (the node stops)."""
+        while True:
+            if not self.draining:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self.one_pass()
+            except KVStoreError as exc:  # the master did not answer: try again later
+                self.reason = f"{type(exc).__name__}: {exc}"
+                logger.warning("drain pass: %s", self.reason)
+            self._wake.clear()
+            pause = PAUSE_S if self.left or self.state != "done" else 2 * PAUSE_S
+            try:
+                await asyncio.wait_for(self._wake.wait(), pause)
+            except TimeoutError:
+                pass
+
+    async def one_pass(self) -> None:
+        """Copy what is left once; updates the progress counters."""
+        self.passes += 1
+        todo = self._todo()
+        if not todo:
+            self.left, self.state, self.reason = 0, "done", ""
+            self._settled.set()
+            return
+        self.left = sum(len(c) for _, c in todo)
+        self._settled.clear()
+        infos = await self.master.nodes(timeout=self.io_timeout_s)
+        now = time.monotonic()
+        targets = {
+            n.node_id: n
+            for n in infos
+            if n.placeable and n.node_id != self.node_id and self._benched.get(n.node_id, 0) < now
+        }
+        if not targets:
+            others = [n for n in infos if n.node_id != self.node_id]
+            benched = [n for n in others if n.placeable]
+            self.state = "waiting"
+            self.reason = (
+                f"every node that takes blocks failed an exchange; retrying ({len(benched)})"
+                if benched
+                else unplaceable_reason(infos) + "; add a node, or undrain one"
+            )
+            return
+        self.state, self.reason = "moving", ""
+        batches = await self._plan(todo, targets)
+        gate = asyncio.Semaphore(IN_FLIGHT)
+
+        async def send(batch: _Batch) -> None:
+            async with gate:
+                await self._send(batch)
+
+        await asyncio.gather(*(send(b) for b in batches))
+        left = self._todo()
+        self.left = sum(len(c) for _, c in left)
+
+    def _todo(self) -> list[tuple[Slot, list[int]]]:
+        """Every readable block with chunks not yet copied (nor given up), most recently
+        used first."""
+        out = []
+        for tier in self.tiers:
+            for slot in tier.table.slots():
+                if slot.quarantined or not slot.landed_mask:
+                    continue
+                if self.namespace_of(slot.key[0]) is None:
+                    continue
+                seen = self._copied.get(slot.key)
+                copied = seen[1] if seen is not None and seen[0] is slot else 0
+                chunks = [
+                    c
+                    for c in landed_bits(slot.landed_mask & ~copied)
+                    if self._tries.get((slot.key, c), 0) < MAX_TRIES
+                ]
+                if chunks:
+                    out.append((slot, chunks))
+        out.sort(key=lambda item: item[0].stamp, reverse=True)
+        return out
+
+    async def _plan(
+        self, todo: list[tuple[Slot, list[int]]], targets: dict[str, NodeInfo]
+    ) -> list[_Batch]:
+        cands = [Candidate(n.node_id, weight_for_free(n.free_bytes)) for n in targets.values()]
+        by_ns: dict[bytes, list[tuple[Slot, list[int]]]] = {}
+        for item in todo:
+            by_ns.setdefault(item[0].key[0], []).append(item)
+        batches: dict[tuple[str, bytes], list[_Batch]] = {}
+        for ns_id, items in by_ns.items():
+            known = self.namespace_of(ns_id)
+            if known is None:
+                continue
+            ns, size = known
+            for i in range(0, len(items), LOOKUP_BLOCKS):
+                part = items[i : i + LOOKUP_BLOCKS]
+                holders = await self.master.lookup(
+                    ns_id, [s.key[1] for s, _ in part], timeout=self.io_timeout_s
+                )
+                for (slot, chunks), held in zip(part, holders, strict=True):
+                    masks = {h.node_id: h.mask for h in held}
+                    for target in rank_nodes(slot.key[1], cands, len(cands)):
+                        missing = [c for c in chunks if not masks.get(target, 0) >> c & 1]
+                        if missing:
+                            break
+                    else:  # every node that takes blocks has them: nothing to copy
+                        self._mark_copied(slot, chunks)
+                        continue
+                    rows = batches.setdefault((target, ns_id), [])
+                    if (
+                        not rows
+                        or len(rows[-1].items) + len(missing) > BATCH_CHUNKS
+                        or (len(rows[-1].items) + len(missing)) * size > BATCH_BYTES
+                    ):
+                        rows.append(_Batch(targets[target], ns, size))
+                    rows[-1].items.extend((slot, c) for c in missing)
+        assert BATCH_CHUNKS <= MAX_CHUNKS_PER_REQUEST
+        return [b for rows in batches.values() for b in rows]
+
+    def _mark_copied(self, slot: Slot, chunks: Sequence[int]) -> None:
+        seen = self._copied.get(slot.key)
+        mask = seen[1] if seen is not None and seen[0] is slot else 0
+        for c in chunks:
+            mask |= 1 << c
+        self._copied[slot.key] = (slot, mask)
+
+    async def _send(self, batch: _Batch) -> None:
+        """One node-to-node put of ``batch``; counts what was copied."""
+        leases: list[Lease[Slot]] = []
+        chunks: list[PutChunk] = []
+        sent: list[tuple[Slot, int]] = []
+        bufs = []
+        host = self.tiers.host
+        try:
+            pinned: set[SlotKey] = set()
+            for slot, c in batch.items:
+                tier = self.tiers.owner(slot)
+                if tier is None or not slot.alive or slot.quarantined:
+                    continue  # evicted meanwhile: nothing to copy
+                if not slot.landed_mask >> c & 1:
+                    continue
+                if slot.key not in pinned:
+                    leases.append(tier.table.pin(slot))
+                    pinned.add(slot.key)
+                view = tier.table.chunk_view(slot, c)[: batch.size]
+                bufs.append((view if host.holds(view) else host_copy(view)).numpy())
+                chunks.append(PutChunk(slot.key[1], slot.parent, c, batch.size))
+                sent.append((slot, c))
+            if not chunks:
+                return
+            node = NodeClient(batch.target.data_uri, timeout_s=self.io_timeout_s)
+            ack = await node.put(
+                batch.ns.canonical_bytes(), chunks, bufs, wait_s=self.io_timeout_s / 4
+            )
+        except Miss:  # a slot went between the checks and the pin: the next pass sees
+            return
+        except (KVStoreError, OSError) as exc:
+            self._benched[batch.target.node_id] = time.monotonic() + BENCH_S
+            self._count_tries(sent)
+            kind = "timed out" if isinstance(exc, KVTimeout) else f"failed: {exc}"
+            logger.warning("drain: put to %s %s", batch.target.node_id, kind)
+            return
+        finally:
+            for lease in leases:
+                lease.release()
+        busy, failed = set(ack.busy), set(ack.failed)
+        for pos, (slot, c) in enumerate(sent):
+            if pos in busy:
+                continue  # another writer is storing it there: the next pass sees
+            if pos in failed:
+                self._refused(batch, slot, c)
+                continue
+            self._mark_copied(slot, [c])
+            self.moved_chunks += 1
+            self.moved_bytes += batch.size
+        self.failed = sum(n >= MAX_TRIES for n in self._tries.values())
+
+    def _count_tries(self, sent: list[tuple[Slot, int]]) -> None:
+        for slot, c in sent:
+            key = (slot.key, c)
+            self._tries[key] = self._tries.get(key, 0) + 1
+        self.failed = sum(n >= MAX_TRIES for n in self._tries.values())
+
+    def _refused(self, batch: _Batch, slot: Slot, c: int) -> None:
+        """The receiver found the chunk bad: check it here; bad here too, drop it."""
+        tier = self.tiers.owner(slot)
+        if tier is None or not slot.alive or slot.quarantined:
+            return
+        view = tier.table.chunk_view(slot, c)
+        if self.checks.check("drain", batch.ns, [LandedChunk(0, slot.key[1], c, view)]):
+            self.dropped += 1
+            self.drop(slot, c)
+        else:
+            self._count_tries([(slot, c)])

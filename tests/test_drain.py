@@ -1,0 +1,177 @@
+"""Drain with migration, with real processes: a master and three storage nodes as
+subprocesses, prompts written with ``replicas=1`` and ``replicas=2``. ``kvctl drain NODE
+--wait`` returns once the node has copied every block it held to the nodes placement
+chooses next (node to node, checked on arrival); after the node is stopped every prompt is
+still readable, bit for bit, and a block written twice still has two copies. A node started
+with ``--drain-on-exit`` does the same by itself on SIGTERM. Draining the only node waits,
+and says why, instead of reporting success."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvclient
+from tests.cluster import TRANSPORTS, Server, start_server
+from tests.kvproc import layer_kv, namespace, prompt
+
+pytestmark = pytest.mark.slow
+
+LAYERS = 2
+KVCTL = str(Path(sys.executable).with_name("kvctl"))
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _node_args(master: Server, transport: str, *extra: str) -> list[str]:
+    return ["node", "--master", master.grpc, "--data-port", "0", "--metrics-port", "0",
+            "--host-mem", "64MiB", "--transport", transport, *extra]  # fmt: skip
+
+
+@pytest.fixture
+def master() -> Iterator[Server]:
+    # A 3 s lease: heartbeats (which carry the draining mark to the node) every second.
+    srv = start_server("master", "--grpc-port", "0", "--metrics-port", "0",
+                       "--node-lease-s", "3")  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def _kvctl(master: Server, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [KVCTL, "--master", master.grpc, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+async def _connect(master: Server, nodes: int, replicas: int) -> kvclient.KVClient:
+    kv = await kvclient.KVClient.connect(
+        master.grpc, namespace(LAYERS), replicas=replicas, timeout_s=10
+    )
+    deadline = time.monotonic() + 20
+    while len(await kv._live_nodes(refresh=True)) < nodes:
+        assert time.monotonic() < deadline, "the nodes did not register"
+        await asyncio.sleep(0.1)
+    return kv
+
+
+async def _write(kv: kvclient.KVClient, seed: int) -> tuple[list[int], list[torch.Tensor]]:
+    tokens = prompt(2048, seed=seed)
+    for layer in range(LAYERS):
+        assert await kv.put_layer(tokens, layer, layer_kv(2048, layer, seed)) == 2048
+    return tokens, [(await kv.get_layer(tokens, layer)).clone() for layer in range(LAYERS)]
+
+
+async def _holders(kv: kvclient.KVClient, tokens: list[int]) -> list[dict[str, int]]:
+    """Per block: holder node id -> its chunk mask."""
+    found = await kv._master.lookup(kv.ns.id, kv.block_hashes(tokens))
+    return [{h.node_id: h.mask for h in block} for block in found]
+
+
+async def test_drain_wait_then_stop_loses_no_block(master: Server, transport: str) -> None:
+    nodes = [start_server(*_node_args(master, transport)) for _ in range(3)]
+    try:
+        async with (
+            await _connect(master, 3, replicas=1) as one,
+            await _connect(master, 3, replicas=2) as two,
+        ):
+            single, single_ref = await _write(one, seed=101)
+            double, double_ref = await _write(two, seed=102)
+            before = await _holders(one, single) + await _holders(two, double)
+            full = (1 << LAYERS) - 1
+            assert all(m == full for block in before for m in block.values())
+            # The node holding the most chunks leaves.
+            count = {n.addresses["node"]: 0 for n in nodes}
+            for block in before:
+                for node_id in block:
+                    count[node_id] += LAYERS
+            victim = max(nodes, key=lambda n: count[n.addresses["node"]])
+            vid = victim.addresses["node"]
+            assert count[vid] > 0
+
+            run = _kvctl(master, "drain", vid, "--wait", "--wait-s", "60", "--json")
+            assert run.returncode == 0, run.stderr
+            report = json.loads(run.stdout)
+            assert report["node"] == vid and report["draining"] is True
+            # Every chunk it held had to be copied: none had a copy on a node that stays
+            # beyond the ones counted (replicas=2 keeps two copies).
+            assert report["drain_moved_chunks"] == count[vid], report
+            assert report["drain_failed"] == 0 and report["drain_dropped"] == 0
+
+            after_single = await _holders(one, single)
+            after_double = await _holders(two, double)
+            for block in after_single:
+                assert any(n != vid and m == full for n, m in block.items()), block
+            for block in after_double:
+                assert sum(n != vid and m == full for n, m in block.items()) == 2, block
+
+            rc, out = victim.stop()
+            assert rc == 0, out
+        async with (
+            await _connect(master, 2, replicas=1) as fresh,
+            await _connect(master, 2, replicas=2) as fresh2,
+        ):
+            for kv, tokens, ref in ((fresh, single, single_ref), (fresh2, double, double_ref)):
+                assert await kv.match_prefix(tokens) == 2048
+                for layer in range(LAYERS):
+                    assert torch.equal(await kv.get_layer(tokens, layer), ref[layer])
+            assert fresh._reads.stats.failed_reads == 0
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+async def test_drain_on_exit_copies_before_leaving(master: Server) -> None:
+    nodes = [start_server(*_node_args(master, "tcp", "--drain-on-exit", "60"))
+             for _ in range(2)]  # fmt: skip
+    try:
+        async with await _connect(master, 2, replicas=1) as kv:
+            tokens, ref = await _write(kv, seed=103)
+            held = await _holders(kv, tokens)
+            victim = max(nodes, key=lambda n: sum(n.addresses["node"] in block for block in held))
+            rc, out = victim.stop(timeout=90)
+            assert rc == 0, out
+            assert "kvstore drained state=done" in out and "left=0 failed=0" in out, out
+            vid = victim.addresses["node"]
+            infos = {i.node_id: i for i in await kv._master.nodes()}
+            assert not infos[vid].alive  # deregistered as it left
+            for block in await _holders(kv, tokens):
+                assert set(block) - {vid} and vid not in block
+            for layer in range(LAYERS):
+                assert torch.equal(await kv.get_layer(tokens, layer), ref[layer])
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+async def test_draining_the_only_node_waits_and_says_why(master: Server) -> None:
+    node = start_server(*_node_args(master, "tcp"))
+    try:
+        async with await _connect(master, 1, replicas=1) as kv:
+            tokens, ref = await _write(kv, seed=104)
+            run = _kvctl(master, "drain", node.addresses["node"], "--wait", "--wait-s", "3")
+            assert run.returncode == 1
+            assert "not done within 3 s" in run.stderr and "draining" in run.stderr, run.stderr
+            # Nothing was lost meanwhile: the node still serves what it holds.
+            for layer in range(LAYERS):
+                assert torch.equal(await kv.get_layer(tokens, layer), ref[layer])
+            with pytest.raises(kvclient.errors.Unreachable, match="draining"):
+                await kv.put_layer(prompt(512, seed=105), 0, layer_kv(512, 0, 105))
+            undrain = _kvctl(master, "drain", node.addresses["node"], "--undrain")
+            assert undrain.returncode == 0, undrain.stderr
+    finally:
+        node.stop()
