@@ -222,15 +222,24 @@ class Serve:
     stderr: IO[str]
 
     @classmethod
-    def start(cls, *flags: str, timeout: float = 60.0) -> Serve:
+    def start(
+        cls,
+        *flags: str,
+        timeout: float = 60.0,
+        command: str = "serve",
+        prefix: Sequence[str] = (),
+    ) -> Serve:
         """Run ``python -m kvstore.cli serve --grpc-port 0 --data-port 0 --metrics-port 0
         FLAGS`` and wait up to ``timeout`` s for its ``kvstore ready`` line. Raises
-        ``RuntimeError`` (with the tail of its stderr) when it exits or stays silent."""
+        ``RuntimeError`` (with the tail of its stderr) when it exits or stays silent.
+        ``command`` ``master`` or ``node``: that command with FLAGS alone (no ports added);
+        ``prefix``: what runs it (``ip netns exec NS``)."""
         ports = ["--grpc-port", "0", "--data-port", "0", "--metrics-port", "0"]
+        ports = ports if command == "serve" else []
         # Kept open for the life of the process (read on failure, closed by stop()).
         err = tempfile.TemporaryFile("w+")  # noqa: SIM115
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli", "serve", *ports, *flags],
+            [*prefix, sys.executable, "-m", "kvstore.cli", command, *ports, *flags],
             stdout=subprocess.PIPE,
             stderr=err,
             stdin=subprocess.DEVNULL,
@@ -241,7 +250,7 @@ class Serve:
         if line is None:
             tail = serve.stderr_tail()  # (stop() closes the file)
             serve.stop()
-            raise RuntimeError(f"kvstore serve did not become ready: {tail}")
+            raise RuntimeError(f"kvstore {command} did not become ready: {tail}")
         serve.addresses = dict(re.findall(r"(\w+)=(\S+)", line))
         return serve
 

@@ -179,7 +179,7 @@ class ChunkReader:
                 await self._read(node, uri, idx, want, locations, sink, loaded)
             return loaded
         except (TransportError, TimeoutError) as exc:
-            logger.warning("get from %s failed: %s", uri, exc or "no answer in time")
+            logger.warning("get from %s failed: %s", uri, str(exc) or type(exc).__name__)
             self.stats.failed_reads += 1
             if len(self._failed) >= _MAX_FAILED:
                 self._failed.clear()
