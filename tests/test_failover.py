@@ -119,6 +119,25 @@ async def test_a_put_counts_as_stored_on_min_replicas(
         assert (await either.get_layer(tokens, 0)).shape[1] == 1024
 
 
+async def test_a_frozen_replica_does_not_fail_a_put_stored_elsewhere(
+    cluster: tuple[Server, list[Server]],
+) -> None:
+    """``min_replicas=1``: a put whose other replica is frozen (SIGSTOP, still listed)
+    counts the copy that landed; the frozen one gets one per-node deadline more and is
+    given up, instead of the whole put timing out (as the chaos harness first found)."""
+    master, nodes = cluster
+    async with await _connect(master, min_replicas=1) as either:
+        victim = _first_holder(nodes)
+        victim.proc.send_signal(signal.SIGSTOP)
+        try:
+            tokens = prompt(1024, seed=94)
+            assert await either.put_layer(tokens, 0, layer_kv(1024, 0, 94)) == 1024
+            got = await either.get_layer(tokens, 0)
+            assert got.shape[1] == 1024
+        finally:
+            victim.proc.send_signal(signal.SIGCONT)
+
+
 async def test_a_node_stopped_with_sigterm_leaves_at_once(
     cluster: tuple[Server, list[Server]],
 ) -> None:

@@ -51,6 +51,7 @@ from kvstore.errors import (
     Unreachable,
 )
 
+from . import args
 from .encoding import Encoded, launch
 from .engine import EngineOps
 from .handles import all_of, prefix_len
@@ -108,7 +109,8 @@ class ClientCore:
     first layer, which that rank would wait on), ``node_timeout_s`` (each read of one node,
     default a quarter of ``timeout_s``: a frozen holder costs that, then the block's next
     holder is read), ``min_replicas`` (of the ``replicas`` nodes a block is put on, how many
-    must store it for it to count as stored; default all)."""
+    must store it for it to count as stored; default all: once every block has that many
+    copies, the other replicas' puts get ``node_timeout_s`` more, then are cancelled)."""
 
     def __init__(
         self,
@@ -246,18 +248,22 @@ class ClientCore:
         return block_hashes(self.ns, token_ids)
 
     def _chunk_index(self, layer: int, shard: int) -> int:
-        if not 0 <= layer < self.ns.num_layers:
-            raise InvalidArgument(f"layer {layer} outside [0, {self.ns.num_layers})")
-        if not 0 <= shard < self.ns.tp_size:
-            raise InvalidArgument(f"shard {shard} outside [0, {self.ns.tp_size})")
-        return layer * self.ns.tp_size + shard
+        layer = args.index(layer, "layer", self.ns.num_layers)
+        return layer * self.ns.tp_size + args.index(shard, "shard", self.ns.tp_size)
+
+    def _limit(self, timeout: float | None) -> float:
+        """The call's deadline in seconds: ``timeout``, checked, or the client's default."""
+        return self.timeout_s if timeout is None else args.seconds(timeout)
 
     async def _deadline(self, coro: Any, timeout: float | None, what: str) -> Any:
         """Run ``coro`` under the call's deadline; translate the expiry to KVTimeout."""
-        if self._closed:
+        try:
+            if self._closed:
+                raise Closed("client is closed")
+            limit = self._limit(timeout)
+        except KVStoreError:
             coro.close()
-            raise Closed("client is closed")
-        limit = self.timeout_s if timeout is None else timeout
+            raise
         try:
             async with asyncio.timeout(limit):
                 return await coro
@@ -381,6 +387,7 @@ class ClientCore:
         hashes = self.block_hashes(token_ids)
         self._check_layer_tensor(t, len(token_ids))
         index = self._chunk_index(layer, shard)
+        self._limit(timeout)
         k = self._held_prefix(hashes)  # pinned for us: stored, nothing to encode or send
         if k == len(hashes):
             return hashes, lambda: all_of(k)
@@ -441,7 +448,7 @@ class ClientCore:
                 await asyncio.shield(self._abort(hashes, f"{what} failed or was cancelled"))
                 raise
 
-        limit = self.timeout_s if timeout is None else timeout
+        limit = self._limit(timeout)
         token = _PUT_DEADLINE.set(asyncio.get_running_loop().time() + limit)
         try:
             task = asyncio.ensure_future(put_or_abort())  # (takes a copy of the context)
@@ -471,22 +478,42 @@ class ClientCore:
                 by_id[node.node_id] = node
                 placed[i] += 1
         parts = [(nid, part) for nid, idx in groups.items() for part in batches(idx)]
-        results = await asyncio.gather(
-            *(self._put_to_node(by_id[nid], part, hashes, index, chunks) for nid, part in parts),
-            return_exceptions=True,
-        )
-        copies = [0] * len(hashes)
-        errors = []
-        for res in results:
-            if isinstance(res, BaseException):
-                if not isinstance(res, KVStoreError):
-                    raise res
-                errors.append(res)
-            else:
-                for i in res:
-                    copies[i] += 1
+        pending = {
+            asyncio.ensure_future(self._put_to_node(by_id[nid], part, hashes, index, chunks))
+            for nid, part in parts
+        }
         # Stored: on min_replicas of its nodes (on all of them, when fewer are placeable).
-        stored = {i for i, n in enumerate(copies) if n >= min(self.min_replicas, placed[i])}
+        need = [min(self.min_replicas, n) for n in placed]
+        copies = [0] * len(hashes)
+        errors: list[KVStoreError] = []
+        grace_until: float | None = None
+        try:
+            while pending:
+                wait_s = None if grace_until is None else grace_until - time.monotonic()
+                if wait_s is not None and wait_s <= 0:
+                    break
+                done, pending = await asyncio.wait(
+                    pending, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in done:
+                    exc = task.exception()
+                    if exc is None:
+                        for i in task.result():
+                            copies[i] += 1
+                    elif isinstance(exc, KVStoreError):
+                        errors.append(exc)
+                    else:
+                        raise exc
+                if grace_until is None and all(c >= n for c, n in zip(copies, need, strict=True)):
+                    # Every block has its min_replicas copies: the other replicas get one
+                    # per-node deadline more, so a frozen one costs that, not the call.
+                    grace_until = time.monotonic() + self.node_timeout_s
+        finally:
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=min(2.0, self.timeout_s))
+        stored = {i for i, c in enumerate(copies) if c >= need[i]}
         if errors and not stored:
             raise errors[0]
         return stored
@@ -580,6 +607,7 @@ class ClientCore:
         """
         hashes = self.block_hashes(token_ids)
         index = self._chunk_index(layer, shard)
+        device = args.device(device)
         B = self.ns.block_tokens
         if out is not None:
             hashes = hashes[: self._check_layer_tensor(out, None, "out") // B]
@@ -687,10 +715,12 @@ class ClientCore:
         :class:`KVTimeout` and transport errors; a miss is 0.
         """
         hashes = self.block_hashes(token_ids)
+        hold_s = args.seconds(hold_s, "hold_s", zero=True)
+        if tag is not None:
+            args.text(tag, "tag")
+        self._limit(timeout)
         if not hashes:
             return 0
-        if hold_s < 0:
-            raise InvalidArgument(f"hold_s must be >= 0, got {hold_s}")
         match = self._match(hashes, hold_s, tag)
         return int(await self._deadline(match, timeout, "match_prefix"))
 
@@ -698,7 +728,8 @@ class ClientCore:
         """Release the holds ``match_prefix(..., tag=tag)`` took, before they expire; how
         many holds were released. Unknown tags release nothing. Nodes that cannot be
         reached keep theirs until they expire (logged, never raised)."""
-        holds = self._holds.pop(tag, [])
+        self._limit(timeout)
+        holds = self._holds.pop(args.text(tag, "tag"), [])
         for hashes, _ in holds:
             for h in hashes:
                 self._held.pop(h, None)

@@ -18,6 +18,7 @@ import torch
 from kvstore.core.codec import KV, ChunkKey
 from kvstore.errors import BadShape, InvalidArgument
 
+from . import args
 from .encoding import launch
 from .handles import Handle, Result, StreamHandle, all_of, prefix_len
 from .paged import ChunkView, chunk_views, decode_into, encode_paged
@@ -232,7 +233,8 @@ class EngineOps(_Base):
         ``l``'s cache), with one Lookup RPC for all of them instead of one per layer; a
         handle per layer, each done when its layer is in. Raises at once like it."""
         L = self.ns.num_layers
-        if isinstance(caches, torch.Tensor) or len(caches) != L:
+        caches = args.tensors(caches, "caches")
+        if len(caches) != L:
             raise BadShape(f"caches must hold one paged cache per layer ({L})")
         hashes = self.block_hashes(token_ids)
         first = self._first_block(skip_tokens, len(hashes), exact=False)
@@ -326,7 +328,8 @@ class EngineOps(_Base):
         of layer ``l`` in place (all of the prompt's whole blocks) once they are. Raises
         :class:`BadShape`/:class:`InvalidArgument` at once for bad caches or block ids."""
         L = self.ns.num_layers
-        if isinstance(caches, torch.Tensor) or len(caches) != L:
+        caches = args.tensors(caches, "caches")
+        if len(caches) != L:
             raise BadShape(f"caches must hold one paged cache per layer ({L})")
         hashes = self.block_hashes(token_ids)
         views = [

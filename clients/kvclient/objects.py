@@ -12,6 +12,8 @@ import xxhash
 from kvstore.dataplane.messages import MAX_KEY_LEN
 from kvstore.errors import CapacityError, InvalidArgument, TransportError
 
+from . import args
+
 if TYPE_CHECKING:
     from .client import ClientCore as _Base
 else:
@@ -26,8 +28,7 @@ class ObjectOps(_Base):
     """Mixin of :class:`~kvclient.KVClient` with the object calls."""
 
     def _object_key(self, key: str) -> bytes:
-        if not isinstance(key, str) or not key or len(key.encode()) > MAX_KEY_LEN:
-            raise InvalidArgument(f"object key must be a non-empty str of <= {MAX_KEY_LEN} bytes")
+        key = args.text(key, "object key", MAX_KEY_LEN, empty=False)
         return xxhash.xxh3_128_digest(key.encode())
 
     async def put_object(
@@ -39,7 +40,12 @@ class ObjectOps(_Base):
         :class:`KVTimeout`, transport errors.
         """
         hkey = self._object_key(key)
-        view = memoryview(value).cast("B")
+        if not isinstance(value, bytes | bytearray | memoryview):
+            raise InvalidArgument(f"value must be bytes-like, got {type(value).__name__}")
+        try:
+            view = memoryview(value).cast("B")
+        except (TypeError, ValueError) as exc:  # (a view with holes or of odd format)
+            raise InvalidArgument(f"value is not one contiguous buffer: {exc}") from None
         if view.nbytes > self.max_object_bytes:
             raise CapacityError(
                 f"object of {view.nbytes} bytes exceeds max_object_bytes={self.max_object_bytes}"

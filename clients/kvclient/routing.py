@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.control.records import ClusterEvent, ClusterEventKind
 from kvstore.core.routing import Instance, RouteChoice
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError
+
+from . import args
 
 if TYPE_CHECKING:
     from .client import ClientCore as _Base
@@ -45,6 +47,17 @@ class RoutingOps(_Base):
         :mod:`kvstore.core.routing` (``weights``: ``overlap_weight``, ``transfer_weight``,
         ``load_weight``). One RPC. Raises :class:`InvalidArgument` for bad instances."""
         hashes = self.block_hashes(token_ids)
+        if isinstance(instances, str | bytes) or not isinstance(instances, Sequence):
+            raise InvalidArgument("instances must be a sequence of kvclient.Instance")
+        for i, inst in enumerate(instances):
+            if not isinstance(inst, Instance):
+                raise InvalidArgument(f"instances[{i}] is not a kvclient.Instance")
+            args.text(inst.id, f"instances[{i}].id")
+            args.nonneg_int(inst.active_tokens, f"instances[{i}].active_tokens")
+            args.nonneg_int(inst.cached_tokens, f"instances[{i}].cached_tokens")
+        for name, weight in weights.items():
+            args.number(weight, name)
+        self._limit(timeout)
         call = self._master.route(
             self.ns.id, hashes, self._chunks_per_block, self.ns.block_tokens, len(token_ids),
             instances, **weights,
@@ -64,8 +77,11 @@ class RoutingOps(_Base):
         log; resuming after ``after_seq`` of ``log_id`` gives exactly the events missed,
         or CLEARED first when they are no longer kept. ``timeout`` (default: the master's
         stream limit) bounds the whole stream."""
-        ns = b"" if all_namespaces else self.ns.id
-        stream = self._master.events(ns, after_seq, log_id, timeout=timeout or 3600.0)
+        after_seq = args.nonneg_int(after_seq, "after_seq")
+        log_id = args.text(log_id, "log_id")
+        ns = b"" if args.flag(all_namespaces, "all_namespaces") else self.ns.id
+        limit = 3600.0 if timeout is None else args.seconds(timeout)
+        stream = self._master.events(ns, after_seq, log_id, timeout=limit)
         async for batch in stream:
             yield batch
 

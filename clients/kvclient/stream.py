@@ -24,6 +24,7 @@ from kvstore.control.records import Holder
 from kvstore.core.codec import KV, ChunkKey, kv_span
 from kvstore.errors import BadShape, Miss
 
+from . import args
 from .handles import prefix_len
 
 if TYPE_CHECKING:
@@ -156,6 +157,7 @@ class StreamOps(_Base):
         that drops each layer holds one at a time."""
         hashes = self.block_hashes(token_ids)
         self._chunk_index(0, shard)
+        device = args.device(device)
         B, L = self.ns.block_tokens, self.ns.num_layers
         if out is None:
             shape = (2, len(hashes) * B, self.ns.num_kv_heads, self.ns.head_dim)
@@ -165,9 +167,9 @@ class StreamOps(_Base):
                 return self._tensor_sink(t, len(hashes))
 
             return hashes, new
-        if isinstance(out, torch.Tensor) or len(out) != L:
-            got = "a tensor" if isinstance(out, torch.Tensor) else f"{len(out)} entries"
-            raise BadShape(f"out must hold one destination per layer ({L}), got {got}")
+        out = args.sequence(out, "out")
+        if len(out) != L:
+            raise BadShape(f"out must hold one destination per layer ({L}), got {len(out)}")
         sizes = {self._check_layer_tensor(o, None, f"out[{i}]") for i, o in enumerate(out)}
         if len(sizes) > 1:
             raise BadShape(f"out's layers hold different token counts: {sorted(sizes)}")
@@ -189,7 +191,7 @@ class StreamOps(_Base):
     ) -> AsyncGenerator[tuple[int, Any], None]:
         """Stream the layers of ``hashes`` (shard ``shard``) into ``sink_of(layer)``,
         yielding ``(layer, sink.value())`` as each layer is complete."""
-        limit = self.timeout_s if timeout is None else timeout
+        limit = self._limit(timeout)
         deadline = time.monotonic() + limit
         L = self.ns.num_layers
         if not hashes:

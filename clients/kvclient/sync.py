@@ -99,7 +99,7 @@ class SyncKVClient:
         out: Sequence[Any] | None = None,
     ) -> Iterator[tuple[int, Any]]:
         """Blocking twin of :meth:`KVClient.stream_layers` (same contract)."""
-        limit = self._client.timeout_s if timeout is None else timeout
+        limit = self._client._limit(timeout)
         deadline = time.monotonic() + limit
         agen = self._client.stream_layers(token_ids, limit, shard=shard, device=device, out=out)
 
@@ -127,8 +127,7 @@ def _blocking(name: str) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def call(self: SyncKVClient, *args: Any, **kwargs: Any) -> Any:
-        timeout = kwargs.get("timeout")
-        limit = (self._client.timeout_s if timeout is None else timeout) + _GRACE_S
+        limit = self._client._limit(kwargs.get("timeout")) + _GRACE_S
         return self._runner.run(method(self._client, *args, **kwargs), limit)
 
     call.__doc__ = f"Blocking twin of :meth:`KVClient.{name}`.\n\n{method.__doc__ or ''}"
