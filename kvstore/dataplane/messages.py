@@ -159,7 +159,8 @@ def _field(header: dict[str, Any], name: str, kind: type, default: Any = ...) ->
         or (kind is not bool and isinstance(value, bool))
     ):
         got = "nothing" if value is ... else type(value).__name__
-        raise ProtocolError(f"field {name!r} must be {kind.__name__}, got {got}")
+        want = getattr(kind, "__name__", str(kind))  # (``int | float`` has no __name__)
+        raise ProtocolError(f"field {name!r} must be {want}, got {got}")
     return value
 
 
