@@ -224,7 +224,8 @@ class Cluster:
         self.masters[i] = Serve.start(
             "--redis", f"redis://127.0.0.1:{self.redis_port}/0", "--host", self.host,
             "--grpc-port", str(self.master_ports[i]), "--metrics-port", "0",
-            "--node-lease-s", str(self.lease_s), "--log-level", "ERROR", command="master",
+            "--node-lease-s", str(self.lease_s), "--log-level", "ERROR", "--insecure",
+            command="master",
         )  # fmt: skip
 
     def start_node(self, i: int) -> None:
@@ -235,7 +236,7 @@ class Cluster:
             "--master", ",".join(order), "--host", self.node_hosts[i],
             "--data-port", str(self.node_ports[i]), "--metrics-port", "0",
             "--node-id", f"chaos-n{i}", "--host-mem", "64MiB", "--log-level", "ERROR",
-            command="node", prefix=prefix,
+            "--insecure", command="node", prefix=prefix,
         )  # fmt: skip
 
     @staticmethod
@@ -337,9 +338,17 @@ class Log:
 
 
 async def _client(masters: list[str]) -> kvclient.KVClient:
-    return await kvclient.KVClient.connect(
-        masters, NS, replicas=2, min_replicas=1, timeout_s=OP_TIMEOUT_S
-    )
+    """A client of both masters; retried for up to 60 s (a loaded machine starts slowly)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return await kvclient.KVClient.connect(
+                masters, NS, replicas=2, min_replicas=1, timeout_s=OP_TIMEOUT_S
+            )
+        except KVStoreError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
 
 
 async def writer(masters: list[str], index: int, log: Log, stop: asyncio.Event) -> None:

@@ -93,6 +93,11 @@ def _add_settings(parser: argparse.ArgumentParser, command: str) -> None:
     for s in settings_for(command):
         default = s.shown(s.default_for(command))
         required = " (required)" if command in s.required else ""
+        if s.switch:  # --insecure: no value
+            parser.add_argument(s.flag, dest=s.dest, action="store_const", const=True,
+                                default=argparse.SUPPRESS,
+                                help=f"{s.help} (default: {default}; env {s.env}=1)")  # fmt: skip
+            continue
         parser.add_argument(
             s.flag,
             dest=s.dest,
@@ -168,6 +173,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(render_toml(cfg))
         return 0
     try:
+        _check_exposure(cfg)
+    except InvalidArgument as exc:
+        print(f"kvstore {command}: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    try:
         _probe_ports(cfg)
     except OSError as exc:
         print(f"kvstore {command}: error: {exc}", file=sys.stderr, flush=True)
@@ -185,6 +195,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KVStoreError, OSError) as exc:
         print(f"kvstore {command}: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_RUNTIME
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def _check_exposure(cfg: Resolved) -> None:
+    """Refuse to serve a non-loopback address with no auth file, unless ``--insecure``:
+    anyone who reaches an open port may read, forge or evict KV. Also loads the auth file,
+    so that a bad one fails here, in one line."""
+    if cfg.values.get("auth_file"):
+        from kvstore.control.auth import AuthConfig
+
+        AuthConfig.load(cfg["auth_file"])
+        return
+    if not _is_loopback(cfg["host"]) and not cfg["insecure"]:
+        raise InvalidArgument(
+            f"--host {cfg['host']} is not a loopback address and no --auth-file is given: "
+            "anyone reaching the ports could read, forge or evict KV; give --auth-file "
+            "(docs/security.md), or --insecure on a network you trust"
+        )
 
 
 def _probe_ports(cfg: Resolved) -> None:
@@ -216,6 +254,7 @@ async def _run(cfg: Resolved) -> int:
     import logging
     import signal
 
+    from kvstore.control.auth import AuthConfig
     from kvstore.control.client import MasterClient
     from kvstore.master.redis_store import RedisIndexStore
     from kvstore.master.server import MasterConfig, MasterServer, grpc_address
@@ -223,6 +262,8 @@ async def _run(cfg: Resolved) -> int:
     from kvstore.node.server import NodeConfig, StorageNode
 
     command = cfg.command
+    auth = AuthConfig.load(cfg["auth_file"]) if cfg.values.get("auth_file") else None
+    secret = auth.cluster_secret if auth is not None else ""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -244,7 +285,7 @@ async def _run(cfg: Resolved) -> int:
                 store = RedisIndexStore(cfg["redis"])
                 await store.start()
                 exits.push_async_callback(store.close)
-            master = MasterServer(mcfg, store)
+            master = MasterServer(mcfg, store, auth=auth)
             master.service.add_rpc_observer(
                 lambda method, seconds: metrics.rpc_seconds.labels(method=method).observe(seconds)
             )
@@ -267,10 +308,15 @@ async def _run(cfg: Resolved) -> int:
                     max_connections=cfg["max_connections"],
                     idle_timeout_s=cfg["idle_timeout_s"],
                     header_timeout_s=cfg["header_timeout_s"],
+                    token=secret,
                 ),
                 metrics,
                 # serve: the node commits straight to its in-process master, not over gRPC.
-                master=MasterClient.in_process(master.service) if command == "serve" else None,
+                master=(
+                    MasterClient.in_process(master.service, token=secret)
+                    if command == "serve"
+                    else None
+                ),
             )
             await node.start()
             exits.push_async_callback(node.stop, 5.0)
@@ -282,6 +328,7 @@ async def _run(cfg: Resolved) -> int:
             if cfg["transport"] == "ucx":
                 parts.append(f"ucx={await _ucx_uri(node)}")
             parts.append(f"node={node.node_id}")
+        parts.append("auth=" + ("on" if auth is not None else "off"))
         msrv = MetricsServer(metrics, cfg["host"], cfg["metrics_port"])
         exits.callback(msrv.close)
         parts.append(f"metrics={msrv.address}")

@@ -74,7 +74,7 @@ CONFIG_ENV = "KVSTORE_CONFIG"
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
-Value = str | int | float | None
+Value = str | int | float | bool | None
 
 # -- values: each parser takes flag/environment text or a TOML value ------------------------
 
@@ -125,6 +125,25 @@ def _seconds_or_off(value: object) -> float:
     if value in (0, "0", 0.0):
         return 0.0
     return _seconds(value)
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def _switch(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise InvalidArgument(f"not true or false: {value!r}")
+
+
+def _path(value: object) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidArgument(f"not a path: {value!r}")
+    return value.strip()
 
 
 def _text(value: object) -> str:
@@ -213,6 +232,8 @@ class Setting:
     """Older environment variables read when the canonical one is unset."""
     required: tuple[str, ...] = ()
     """Commands that refuse to start without this setting."""
+    switch: bool = False
+    """A flag that takes no value (``--insecure``); true or false in a file or variable."""
 
     @property
     def flag(self) -> str:
@@ -283,6 +304,12 @@ SETTINGS: tuple[Setting, ...] = (
             "request for this long", _NODES, "S"),
     Setting("header-timeout-s", _seconds, 5.0, "a frame header must arrive whole within "
             "this long of its first byte", _NODES, "S"),
+    Setting("auth-file", _path, None, "TOML file of the cluster secret and the tokens "
+            "(chmod 600): every master call then needs a token whose role may make it",
+            _BOTH, "PATH"),
+    Setting("insecure", _switch, False, "serve a non-loopback address without an "
+            "auth file (anyone who reaches the port may read, write and evict KV)", _BOTH,
+            "", render=lambda v: "true" if v else "false", switch=True),
     Setting("drain-on-exit", _seconds_or_off, 0.0, "on SIGTERM, first mark this node "
             "draining and copy its blocks to other nodes for at most this long, then leave "
             "(0: leave at once; either way it deregisters)", ("node",), "S"),
@@ -438,6 +465,8 @@ def _known_key(where: str, key: str, command: str | None) -> None:
 def _toml_value(s: Setting, value: Value) -> str:
     if s.render is _render_size:
         return json.dumps(s.render(value)) if value else "0"
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, str):
         return json.dumps(value, ensure_ascii=False)  # JSON strings are TOML basic strings
     return repr(value)

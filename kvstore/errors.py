@@ -24,7 +24,9 @@ the boundary with ``raise ... from exc`` so callers catch one family::
     ├── Miss                     requested KV is not (or no longer) in the pool
     ├── StaleEpoch               a node spoke with a dead epoch: it must re-register
     ├── Cancelled                the operation's handle was cancelled
-    └── Closed                   the client or server was closed
+    ├── Closed                   the client or server was closed
+    └── Unauthorized             no valid token, or its role may not do this
+        └── PermissionDenied     a valid token whose role may not call this
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ __all__ = [
     "Miss",
     "NamespaceMismatch",
     "PeerDisconnected",
+    "PermissionDenied",
     "ProtocolError",
     "StaleEpoch",
     "TransportError",
+    "Unauthorized",
     "UnknownScheme",
     "Unreachable",
 ]
@@ -147,3 +151,12 @@ class Cancelled(KVStoreError):
 
 class Closed(KVStoreError):
     """The client, connection or server has been closed."""
+
+
+class Unauthorized(KVStoreError):
+    """The master refused the call: no token, or one it does not know (gRPC
+    ``UNAUTHENTICATED``). Configure a token (``token=``, ``$KVSTORE_TOKEN``)."""
+
+
+class PermissionDenied(Unauthorized):
+    """A known token whose role may not make this call (gRPC ``PERMISSION_DENIED``)."""

@@ -160,7 +160,8 @@ def test_help_shows_every_flag_with_its_default_and_variable() -> None:
         assert out.returncode == 0, out.stderr
         text = " ".join(out.stdout.split())  # argparse wraps help lines
         for s in settings_for(command):
-            assert re.search(rf"{s.flag} \S+ .*?\(default: [^;]+; env {s.env}\)", text), s.flag
+            value = "" if s.switch else r"\S+ "  # (a switch takes no value)
+            assert re.search(rf"{s.flag} {value}.*?\(default: [^;]+; env {s.env}", text), s.flag
 
 
 # -- precedence and `kvstore config` -----------------------------------------------------
@@ -204,7 +205,9 @@ def test_effective_configuration_reads_back_unchanged(tmp_path: Path) -> None:
     path.write_text(first.stdout)
     again, sources = _effective("node", "--config", str(path))
     assert again == tomllib.loads(first.stdout)
-    assert set(sources.values()) == {f"file {path}"}
+    unset = {k for k, src in sources.items() if src.startswith("unset")}  # (commented out)
+    assert unset == {"auth-file"}
+    assert {src for k, src in sources.items() if k not in unset} == {f"file {path}"}
 
 
 def _file_as_env(path: Path, command: str) -> dict[str, str]:
@@ -221,7 +224,11 @@ def test_deploy_file_and_the_same_environment_are_the_same_configuration() -> No
     assert len(env) >= 10
     by_env, sources = _effective("serve", env=env)
     assert by_env == by_file
-    assert all(src.startswith("env KVSTORE_") for k, src in sources.items() if k != "node-id")
+    assert all(
+        src.startswith("env KVSTORE_")
+        for k, src in sources.items()
+        if k not in ("node-id", "auth-file")  # (unset in the file: no secrets in it)
+    )
 
 
 @pytest.mark.slow

@@ -31,8 +31,9 @@ from yamllint import linter
 from yamllint.config import YamlLintConfig
 
 from kvctl.main import build_parser as kvctl_parser
-from kvstore.cli import configure
+from kvstore.cli import _check_exposure, configure
 from kvstore.config import SETTINGS, Resolved
+from kvstore.errors import InvalidArgument
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -206,6 +207,15 @@ def compose_command_lines() -> list[tuple[str, list[str], dict[str, str]]]:
     return found
 
 
+def _starts(where: str, resolved: Any) -> None:
+    """A server command line passes the start-up check of its exposure: a non-loopback
+    address needs an auth file or --insecure."""
+    try:
+        _check_exposure(resolved)
+    except InvalidArgument as exc:
+        pytest.fail(f"{where} would refuse to start: {exc}")
+
+
 def parse_command_line(where: str, argv: list[str], env: dict[str, str]) -> Any:
     """``argv`` through our own parser: kvstore's (settings resolved against ``env``) or
     kvctl's. Returns the resolved configuration (kvstore) or namespace (kvctl); None for
@@ -216,6 +226,8 @@ def parse_command_line(where: str, argv: list[str], env: dict[str, str]) -> Any:
             with contextlib.redirect_stderr(err):
                 command, resolved = configure(argv[1:], environ=env)
             assert command == argv[1], where
+            if command in ("serve", "master", "node"):
+                _starts(where, resolved)
             return resolved
         if argv[0] == "kvctl":
             return kvctl_parser(out, err).parse_args(argv[1:])

@@ -25,6 +25,7 @@ from typing import Any, Self, TypeVar
 
 import torch
 
+from kvstore.control.auth import token_from_env
 from kvstore.control.client import MasterClient
 from kvstore.control.records import Holder
 from kvstore.core.codec import (
@@ -197,17 +198,23 @@ class ClientCore:
         *,
         replicas: int = 1,
         timeout_s: float = 10.0,
+        token: str | None = None,
         **options: Any,
     ) -> Self:
         """Connect to the master at ``host:port`` and check that it answers. Several masters
         sharing one Redis (a list, or ``"a:p,b:p"``): calls fail over to the next one when
-        theirs is down or silent, within their deadline.
+        theirs is down or silent, within their deadline. ``token``: this client's token for
+        a master with an auth file (default ``$KVSTORE_TOKEN``, else the file
+        ``$KVSTORE_TOKEN_FILE`` names; none if neither is set).
 
         Blocks up to ``timeout_s``. Raises :class:`~kvstore.errors.Unreachable` or
-        :class:`~kvstore.errors.KVTimeout` when no master answers.
+        :class:`~kvstore.errors.KVTimeout` when no master answers,
+        :class:`~kvstore.errors.Unauthorized` when it does not take the token.
         """
         target = master if isinstance(master, str) else ",".join(master)
-        mc = MasterClient(target, timeout_s=timeout_s)
+        if token is None:
+            token = token_from_env()
+        mc = MasterClient(target, timeout_s=timeout_s, token=args.text(token, "token"))
         try:
             await mc.stats()
         except BaseException:

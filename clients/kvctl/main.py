@@ -17,8 +17,10 @@
                             /metrics: see :mod:`kvctl.top`)
 
 ``kvctl --version`` prints the package version. ``--master`` defaults to
-``$KVSTORE_MASTER`` or ``127.0.0.1:50051``; ``--master`` and
-``--timeout`` may also follow the command. ``--json`` prints one JSON document instead of
+``$KVSTORE_MASTER`` or ``127.0.0.1:50051``; ``--master``, ``--timeout`` and
+``--token-file`` (a master with an auth file: the operator's token; default
+``$KVSTORE_TOKEN``, else the file ``$KVSTORE_TOKEN_FILE`` names) may also follow the
+command. ``--json`` prints one JSON document instead of
 a table. Exit codes: 0 ok, 1 the master could not be reached or answered with an error
 (one line on stderr), 2 usage errors (bad flags, tokens, namespace).
 
@@ -95,11 +97,12 @@ def main(
         return _top(args, out, err)
     try:
         job = args.prepare(args, sys.stdin if stdin is None else stdin)
+        token = _token(args)
     except InvalidArgument as exc:
         err.write(f"kvctl: {exc}\n")
         return EXIT_USAGE
     try:
-        result = _ask_master(args.master, args.timeout, job.fetch)
+        result = _ask_master(args.master, args.timeout, job.fetch, token)
     except KVStoreError as exc:
         err.write(_describe(exc, args.master, args.timeout) + "\n")
         return EXIT_MASTER
@@ -122,7 +125,13 @@ def _top(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.json and not args.once:
         err.write("kvctl top: --json needs --once\n")
         return EXIT_USAGE
+    try:
+        token = _token(args)
+    except InvalidArgument as exc:
+        err.write(f"kvctl: {exc}\n")
+        return EXIT_USAGE
     opts = top.TopOptions(
+        token=token,
         master=args.master,
         timeout_s=args.timeout,
         interval_s=args.interval,
@@ -141,18 +150,32 @@ def _top(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
-def _ask_master(target: str, timeout_s: float, fetch: Callable[[MasterClient], Awaitable[T]]) -> T:
+def _token(args: argparse.Namespace) -> str:
+    """``--token-file``'s token, else ``$KVSTORE_TOKEN`` / ``$KVSTORE_TOKEN_FILE``'s, else
+    none. Raises InvalidArgument for a file that cannot be read."""
+    from kvstore.control.auth import read_token_file, token_from_env
+
+    path = getattr(args, "token_file", None)
+    return read_token_file(path) if path else token_from_env()
+
+
+def _ask_master(
+    target: str,
+    timeout_s: float,
+    fetch: Callable[[MasterClient], Awaitable[T]],
+    token: str = "",
+) -> T:
     import asyncio
 
-    return asyncio.run(_with_client(target, timeout_s, fetch))
+    return asyncio.run(_with_client(target, timeout_s, fetch, token))
 
 
 async def _with_client(
-    target: str, timeout_s: float, fetch: Callable[[MasterClient], Awaitable[T]]
+    target: str, timeout_s: float, fetch: Callable[[MasterClient], Awaitable[T]], token: str
 ) -> T:
     from kvstore.control.client import MasterClient
 
-    async with MasterClient(target, timeout_s=timeout_s) as client:
+    async with MasterClient(target, timeout_s=timeout_s, token=token) as client:
         return await fetch(client)
 
 
@@ -355,6 +378,13 @@ def _connection_options(parser: argparse.ArgumentParser, master: str | None) -> 
         default=suppress if master is None else DEFAULT_TIMEOUT_S,
         metavar="S",
         help=f"deadline of each master call in seconds (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--token-file",
+        default=suppress if master is None else None,
+        metavar="PATH",
+        help="a file holding this operator's token, for a master with an auth file "
+        "(default: $KVSTORE_TOKEN, else the file $KVSTORE_TOKEN_FILE names)",
     )
 
 

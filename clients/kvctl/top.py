@@ -398,6 +398,7 @@ class TopOptions:
     json: bool
     metrics: tuple[str, ...]
     node_metrics_port: int | None
+    token: str = ""
 
 
 def run(opts: TopOptions, out: TextIO) -> None:
@@ -409,7 +410,7 @@ def run(opts: TopOptions, out: TextIO) -> None:
 async def _run(opts: TopOptions, out: TextIO) -> None:
     from kvstore.control.client import MasterClient
 
-    async with MasterClient(opts.master, timeout_s=opts.timeout_s) as client:
+    async with MasterClient(opts.master, timeout_s=opts.timeout_s, token=opts.token) as client:
 
         async def snap() -> Snapshot:
             return await take_snapshot(client, opts.metrics, opts.node_metrics_port, opts.timeout_s)

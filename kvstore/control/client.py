@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 import grpc
 
 from kvstore.control import wire
+from kvstore.control.auth import bearer
 from kvstore.control.records import (
     ClusterEvent,
     CommitBatch,
@@ -47,9 +48,11 @@ from kvstore.errors import (
     KVTimeout,
     Miss,
     PeerDisconnected,
+    PermissionDenied,
     ProtocolError,
     StaleEpoch,
     TransportError,
+    Unauthorized,
     Unreachable,
 )
 from kvstore.v1 import kvstore_pb2 as pb
@@ -71,6 +74,8 @@ _ERRORS: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
     grpc.StatusCode.CANCELLED: PeerDisconnected,
     grpc.StatusCode.UNIMPLEMENTED: ProtocolError,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthorized,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 
@@ -122,8 +127,11 @@ class MasterClient:
         timeout_s: float = 10.0,
         max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
         service: pb_grpc.MasterServicer | None = None,
+        token: str = "",
     ) -> None:
-        """``service``: see :meth:`in_process` (``target`` then only names it)."""
+        """``service``: see :meth:`in_process` (``target`` then only names it). ``token``:
+        sent with every call (``kvstore.control.auth``: a node's cluster secret, a client's
+        or an admin's token); empty: none, for a master without an auth file."""
         targets = [t.strip() for t in str(target).split(",") if t.strip()]
         if not targets:
             raise InvalidArgument("master address must not be empty")
@@ -131,6 +139,8 @@ class MasterClient:
             raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
         self.targets = targets
         self.timeout_s = float(timeout_s)
+        self.token = token
+        self._metadata = bearer(token)
         self._service = service
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[pb_grpc.MasterStub] = []
@@ -163,14 +173,15 @@ class MasterClient:
 
     @classmethod
     def in_process(
-        cls, service: pb_grpc.MasterServicer, *, timeout_s: float = 10.0
+        cls, service: pb_grpc.MasterServicer, *, timeout_s: float = 10.0, token: str = ""
     ) -> MasterClient:
         """A client of a master service running in this process on the caller's event loop
         (``kvstore serve``'s own node): unary calls go straight to ``service``'s handlers,
         with the same requests, answers, deadlines and typed errors as over gRPC, minus the
         loopback round trip (a Commit: 0.79 ms over gRPC, 0.05 ms direct). ``watch`` still
-        needs a gRPC channel and raises :class:`InvalidArgument` here."""
-        return cls("in-process", timeout_s=timeout_s, service=service)
+        needs a gRPC channel and raises :class:`InvalidArgument` here. ``token``: what the
+        node's heartbeats (over gRPC) carry."""
+        return cls("in-process", timeout_s=timeout_s, service=service, token=token)
 
     async def close(self) -> None:
         """Close the channel; in-flight calls fail. Idempotent."""
@@ -198,7 +209,8 @@ class MasterClient:
             left = deadline - time.monotonic()
             share = left / (n - attempt)  # a frozen master costs its share, not the deadline
             try:
-                return await getattr(self._stubs[self._current], method)(request, timeout=share)
+                stub = self._stubs[self._current]
+                return await getattr(stub, method)(request, timeout=share, metadata=self._metadata)
             except grpc.RpcError as exc:
                 failover = exc.code() in _FAILOVER_CODES and attempt + 1 < n
                 if not failover:
@@ -421,7 +433,7 @@ class MasterClient:
         if self._stub is None:
             raise InvalidArgument("events need a gRPC channel, not an in-process master client")
         req = pb.EventsRequest(ns_id=ns_id, after_seq=after_seq, log_id=log_id)
-        call = self._stub.Events(req, timeout=timeout or self.timeout_s)
+        call = self._stub.Events(req, timeout=timeout or self.timeout_s, metadata=self._metadata)
         try:
             async for msg in call:
                 yield msg.log_id, [wire.cluster_event_from_pb(e) for e in msg.events]
@@ -451,7 +463,7 @@ class MasterClient:
         )
         if self._stub is None:
             raise InvalidArgument("watch needs a gRPC channel, not an in-process master client")
-        call = self._stub.Watch(req, timeout=timeout or self.timeout_s)
+        call = self._stub.Watch(req, timeout=timeout or self.timeout_s, metadata=self._metadata)
         try:
             async for msg in call:
                 if msg.events:

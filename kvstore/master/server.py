@@ -22,6 +22,7 @@ from types import TracebackType
 import grpc
 
 from kvstore.control import wire
+from kvstore.control.auth import AuthConfig, AuthInterceptor
 from kvstore.errors import Closed, InvalidArgument, TransportError
 from kvstore.master.index import IndexStore, MemoryIndexStore
 from kvstore.master.membership import Membership
@@ -82,8 +83,11 @@ class MasterServer:
         store: IndexStore | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        auth: AuthConfig | None = None,
     ) -> None:
         self.config = config
+        self.auth = auth
+        """With an auth file: every call needs a token of a role that may make it."""
         self._owns_store = store is None
         self.store: IndexStore = store if store is not None else MemoryIndexStore()
         self.membership = Membership(config.node_lease_s)
@@ -137,13 +141,14 @@ class MasterServer:
         """A started grpc.aio server carrying this master's service on ``host:port``."""
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
+            interceptors=[AuthInterceptor(self.auth)] if self.auth is not None else None,
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
                 ("grpc.so_reuseport", 0),  # a taken port must fail, not be shared
                 ("grpc.keepalive_time_ms", 30_000),
                 ("grpc.keepalive_timeout_ms", 10_000),
-            ]
+            ],
         )
         pb_grpc.add_MasterServicer_to_server(self.service, server)
         target = grpc_address(host, port)

@@ -23,6 +23,7 @@ import grpc
 
 from kvstore import __version__
 from kvstore.control import wire
+from kvstore.control.auth import bearer
 from kvstore.control.client import MasterClient
 from kvstore.control.records import BlockAdd, BlockRef, CommitBatch, ObjectAdd, Tier
 from kvstore.core.slots import ObjectStore
@@ -228,7 +229,9 @@ class MasterLink:
                     )
                     try:
                         reply = pb_grpc.MasterStub(channels[current]).Heartbeat(
-                            request, timeout=max(1.0, self.lease_s / (3 * len(channels)))
+                            request,
+                            timeout=max(1.0, self.lease_s / (3 * len(channels))),
+                            metadata=bearer(self.master.token),
                         )
                     except grpc.RpcError as exc:
                         logger.warning("heartbeat to %s failed: %s", targets[current], exc.code())

@@ -136,6 +136,8 @@ class NodeConfig:
     """Once a frame's first byte has arrived, its whole prefix must arrive within this long,
     else the connection is closed: a trickle cannot hold one (the largest, ~370 KB, takes
     3 ms at 1 Gbit/s)."""
+    token: str = ""
+    """The cluster secret sent with every master call (``--auth-file``); empty: none."""
     max_header_bytes: int = 512 * 2**10
     """Longest frame header read. The largest request, a put naming 4096 chunks, measured
     337 KiB (a 126-layer, TP-8 namespace) and 364 KiB with every field at its widest."""
@@ -180,7 +182,7 @@ class StorageNode:
             self.checks, self.tiers, self._drop, config.scrub_bytes, busy=lambda: self._serving > 0
         )
         self.link = MasterLink(
-            master if master is not None else MasterClient(config.master),
+            master if master is not None else MasterClient(config.master, token=config.token),
             config.master,
             self.tiers,
             self.objects,
