@@ -46,7 +46,7 @@ _junk = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70),
     st.floats(allow_nan=True, allow_infinity=True), _text, st.binary(max_size=16),
     st.lists(st.integers(-5, 5), max_size=4), st.dictionaries(_text, st.integers(), max_size=2),
-    st.just(object()), st.just([1, 2]),
+    st.just(object()), st.just([1, 2]), st.just(10**400), st.just(2**64),
     st.builds(lambda s: torch.zeros(s), st.lists(st.integers(0, 3), max_size=3)),
     st.builds(lambda n: torch.zeros(n, dtype=torch.int64), st.integers(0, 4)),
 )  # fmt: skip
@@ -261,3 +261,24 @@ def test_the_three_reported_escapes_are_typed(sync_client: kvclient.SyncKVClient
         sync_client.put_object("key", "a str")  # type: ignore[arg-type]
     with pytest.raises(kvclient.errors.BadShape):
         sync_client.get_layer(list(range(2 * BLOCK)), 0, out=[1, 2])
+
+
+def test_what_a_review_found_is_typed_or_accepted(
+    sync_client: kvclient.SyncKVClient, server: Server
+) -> None:
+    """Values past float's range, protobuf's integer range, unknown route weights and
+    tokens gRPC metadata cannot carry are refused as KVStoreError; a numpy buffer is a
+    value ``put_object`` takes."""
+    import numpy as np
+
+    tokens = list(range(2 * BLOCK))
+    with pytest.raises(kvclient.errors.InvalidArgument):
+        sync_client.match_prefix(tokens, timeout=10**400)
+    with pytest.raises(kvclient.errors.InvalidArgument, match="unknown weight"):
+        sync_client.route(tokens, [kvclient.Instance("a")], bogus=1.0)
+    with pytest.raises(kvclient.errors.InvalidArgument):
+        sync_client.route(tokens, [kvclient.Instance("a", active_tokens=2**64)])
+    with pytest.raises(kvclient.errors.InvalidArgument, match="printable ASCII"):
+        kvclient.SyncKVClient.connect(server.grpc, NS, token="\u00e9" * 20)
+    sync_client.put_object("np-value", np.arange(4, dtype=np.uint8))
+    assert sync_client.get_object("np-value") == bytes(range(4))

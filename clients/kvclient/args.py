@@ -27,6 +27,7 @@ __all__ = [
     "sequence",
     "tensors",
     "text",
+    "token",
 ]
 
 MAX_SECONDS = 7 * 24 * 3600.0
@@ -43,7 +44,7 @@ def seconds(value: Any, name: str = "timeout", *, zero: bool = False) -> float:
     :data:`MAX_SECONDS`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidArgument(f"{name} must be a number of seconds, got {type(value).__name__}")
-    s = float(value)
+    s = _float(value, name)
     low_ok = s >= 0 if zero else s > 0
     if not (math.isfinite(s) and low_ok and s <= MAX_SECONDS):
         bound = ">= 0" if zero else "> 0"
@@ -55,9 +56,17 @@ def number(value: Any, name: str) -> float:
     """``value`` as a finite real number >= 0 (a weight)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidArgument(f"{name} must be a number, got {type(value).__name__}")
-    if not (math.isfinite(float(value)) and float(value) >= 0):
+    f = _float(value, name)
+    if not (math.isfinite(f) and f >= 0):
         raise InvalidArgument(f"{name} must be finite and >= 0, got {value!r}")
-    return float(value)
+    return f
+
+
+def _float(value: Any, name: str) -> float:
+    try:
+        return float(value)
+    except (OverflowError, ValueError, TypeError):
+        raise InvalidArgument(f"{name} {value!r} is not a representable number") from None
 
 
 def index(value: Any, name: str, upper: int) -> int:
@@ -69,10 +78,10 @@ def index(value: Any, name: str, upper: int) -> int:
     return int(value)
 
 
-def nonneg_int(value: Any, name: str) -> int:
-    """``value`` as an int >= 0."""
-    if not _is_int(value) or int(value) < 0:
-        raise InvalidArgument(f"{name} must be an int >= 0, got {value!r}")
+def nonneg_int(value: Any, name: str, upper: int = 2**63) -> int:
+    """``value`` as an int in ``[0, upper)``."""
+    if not _is_int(value) or not 0 <= int(value) < upper:
+        raise InvalidArgument(f"{name} must be an int in [0, {upper}), got {value!r}")
     return int(value)
 
 
@@ -102,6 +111,8 @@ def device(value: Any, name: str = "device") -> torch.device | None:
     device this process has."""
     if value is None:
         return None
+    if _is_int(value):  # a CUDA ordinal, as torch.cuda.current_device() gives
+        value = f"cuda:{int(value)}" if int(value) >= 0 else "invalid"
     if not isinstance(value, str | torch.device) or isinstance(value, bool):
         raise InvalidArgument(f"{name} must be a torch.device or its name, got {value!r}")
     try:
@@ -121,6 +132,14 @@ def sequence(value: Any, name: str) -> list[Any]:
     if isinstance(value, torch.Tensor | str | bytes) or not isinstance(value, Sequence):
         raise BadShape(f"{name} must be a sequence, got {type(value).__name__}")
     return list(value)
+
+
+def token(value: Any, name: str = "token") -> str:
+    """``value`` as a token gRPC metadata can carry: printable ASCII, no spaces."""
+    value = text(value, name)
+    if any(not 0x21 <= ord(ch) <= 0x7E for ch in value):
+        raise InvalidArgument(f"{name} must be printable ASCII without spaces")
+    return value
 
 
 def tensors(value: Any, name: str) -> list[torch.Tensor]:

@@ -214,7 +214,7 @@ class ClientCore:
         target = master if isinstance(master, str) else ",".join(master)
         if token is None:
             token = token_from_env()
-        mc = MasterClient(target, timeout_s=timeout_s, token=args.text(token, "token"))
+        mc = MasterClient(target, timeout_s=timeout_s, token=args.token(token))
         try:
             await mc.stats()
         except BaseException:
@@ -502,7 +502,8 @@ class ClientCore:
                 done, pending = await asyncio.wait(
                     pending, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
                 )
-                for task in done:
+                fatal = None
+                for task in done:  # (every finished task's outcome is read)
                     exc = task.exception()
                     if exc is None:
                         for i in task.result():
@@ -510,7 +511,9 @@ class ClientCore:
                     elif isinstance(exc, KVStoreError):
                         errors.append(exc)
                     else:
-                        raise exc
+                        fatal = fatal or exc
+                if fatal is not None:
+                    raise fatal
                 if grace_until is None and all(c >= n for c, n in zip(copies, need, strict=True)):
                     # Every block has its min_replicas copies: the other replicas get one
                     # per-node deadline more, so a frozen one costs that, not the call.
@@ -518,6 +521,7 @@ class ClientCore:
         finally:
             for task in pending:
                 task.cancel()
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
             if pending:
                 await asyncio.wait(pending, timeout=min(2.0, self.timeout_s))
         stored = {i for i, c in enumerate(copies) if c >= need[i]}

@@ -40,11 +40,13 @@ class ObjectOps(_Base):
         :class:`KVTimeout`, transport errors.
         """
         hkey = self._object_key(key)
-        if not isinstance(value, bytes | bytearray | memoryview):
-            raise InvalidArgument(f"value must be bytes-like, got {type(value).__name__}")
+        if isinstance(value, str):
+            raise InvalidArgument("value must be bytes-like, got str (encode it)")
         try:
             view = memoryview(value).cast("B")
-        except (TypeError, ValueError) as exc:  # (a view with holes or of odd format)
+        except TypeError:
+            raise InvalidArgument(f"value must be bytes-like, got {type(value).__name__}") from None
+        except ValueError as exc:  # (a view with holes or of odd format)
             raise InvalidArgument(f"value is not one contiguous buffer: {exc}") from None
         if view.nbytes > self.max_object_bytes:
             raise CapacityError(

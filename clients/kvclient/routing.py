@@ -29,6 +29,8 @@ __all__ = ["PoolIndex", "RoutingOps"]
 
 logger = logging.getLogger("kvclient.routing")
 
+_WEIGHTS = ("overlap_weight", "transfer_weight", "load_weight")
+
 
 class RoutingOps(_Base):
     """Mixin of :class:`~kvclient.KVClient` with the routing calls."""
@@ -56,6 +58,8 @@ class RoutingOps(_Base):
             args.nonneg_int(inst.active_tokens, f"instances[{i}].active_tokens")
             args.nonneg_int(inst.cached_tokens, f"instances[{i}].cached_tokens")
         for name, weight in weights.items():
+            if name not in _WEIGHTS:
+                raise InvalidArgument(f"unknown weight {name!r}; route takes {_WEIGHTS}")
             args.number(weight, name)
         self._limit(timeout)
         call = self._master.route(

@@ -211,6 +211,7 @@ async def drain(
     if undrain or wait_s <= 0:
         return DrainResult(node_id, draining)
     t0 = time.monotonic()
+    first_pass: int | None = None  # a "done" counts from a pass that started after this
     while True:
         infos = {n.node_id: n for n in await client.nodes()}
         info = infos.get(node_id)
@@ -218,7 +219,10 @@ async def drain(
             raise Miss(f"node {node_id} left before its drain finished")
         stats = await NodeClient(info.data_uri, timeout_s=timeout_s).stats()
         waited = time.monotonic() - t0
-        if stats.get("draining") and stats.get("drain_state") == "done":
+        passes = stats.get("drain_passes")
+        if stats.get("draining") and first_pass is None:
+            first_pass = passes
+        elif stats.get("draining") and stats.get("drain_state") == "done" and passes != first_pass:
             if stats.get("drain_failed"):
                 raise ChunkError(
                     f"drain of node {node_id} finished, but {stats['drain_failed']} chunks "

@@ -19,6 +19,8 @@ imported here only, so no other command pays for them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -427,17 +429,32 @@ async def _run(opts: TopOptions, out: TextIO) -> None:
             else:
                 _console(out).print(render(frame, opts.master))
             return
-        await _live(opts, out, snap, before)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        try:  # Ctrl-C ends the loop between snapshots, not inside a gRPC call
+            loop.add_signal_handler(signal.SIGINT, stop.set)
+        except (ValueError, RuntimeError, NotImplementedError):
+            pass  # not the main thread: KeyboardInterrupt cancels, as asyncio.run does
+        try:
+            await _live(opts, out, snap, before, stop)
+        finally:
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                loop.remove_signal_handler(signal.SIGINT)
 
 
-async def _live(opts: TopOptions, out: TextIO, snap: Any, first: Snapshot) -> None:
+async def _live(
+    opts: TopOptions, out: TextIO, snap: Any, first: Snapshot, stop: asyncio.Event
+) -> None:
     from rich.live import Live
 
     frame = Frame(first)
     console = _console(out)
     with Live(render(frame, opts.master), console=console, auto_refresh=False) as live:
         while True:
-            await asyncio.sleep(opts.interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), opts.interval_s)
+            if stop.is_set():
+                return
             try:
                 frame = Frame(await snap(), frame.now)
             except KVStoreError as exc:

@@ -50,6 +50,7 @@ __all__ = [
     "AuthInterceptor",
     "Identity",
     "bearer",
+    "check_token",
     "token_from_env",
 ]
 
@@ -86,6 +87,14 @@ class Identity:
     role: str
     tenant: str = ""
     name: str = ""
+
+
+def check_token(token: Any, what: str = "token") -> str:
+    """``token`` if gRPC metadata can carry it (printable ASCII, no spaces), else
+    InvalidArgument (a secret in a file, a client's token)."""
+    if not isinstance(token, str) or any(not 0x21 <= ord(ch) <= 0x7E for ch in token):
+        raise InvalidArgument(f"{what} must be printable ASCII without spaces")
+    return token
 
 
 def _digest(token: str) -> bytes:
@@ -131,6 +140,7 @@ class AuthConfig:
             raise InvalidArgument(
                 f"{where}: cluster_secret must be a string of >= {MIN_SECRET_LEN} characters"
             )
+        check_token(secret, f"{where}: cluster_secret")
         identities: dict[bytes, Identity] = {_digest(secret): Identity("node", name="node")}
         entries = doc.get("token", [])
         if not isinstance(entries, list):
@@ -155,6 +165,7 @@ def _entry(entry: Any, where: str) -> tuple[Identity, str]:
     tenant, name = entry.get("tenant", ""), entry.get("name", "")
     if not isinstance(token, str) or len(token) < MIN_SECRET_LEN:
         raise InvalidArgument(f"{where}: token must be >= {MIN_SECRET_LEN} characters")
+    check_token(token, f"{where}: token")
     if role not in ("client", "admin"):
         raise InvalidArgument(f"{where}: role must be client or admin, got {role!r}")
     if not isinstance(tenant, str) or not isinstance(name, str):

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 import grpc
 
 from kvstore.control import wire
-from kvstore.control.auth import bearer
+from kvstore.control.auth import bearer, check_token
 from kvstore.control.records import (
     ClusterEvent,
     CommitBatch,
@@ -139,8 +139,8 @@ class MasterClient:
             raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
         self.targets = targets
         self.timeout_s = float(timeout_s)
-        self.token = token
-        self._metadata = bearer(token)
+        self.token = check_token(token) if token else ""
+        self._metadata = bearer(self.token)
         self._service = service
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[pb_grpc.MasterStub] = []

@@ -98,6 +98,9 @@ class Migration:
         self.checks = checks
         self.drop = drop
         self.io_timeout_s = io_timeout_s
+        self.own_uri = ""
+        """This node's data URI (set once its port is open): never a target, whatever the
+        id of the record that names it (a restarted node's old record may still be live)."""
         self.draining = False
         self.state = "idle"
         self.reason = ""
@@ -145,8 +148,11 @@ class Migration:
         }
 
     async def settled(self, timeout: float) -> bool:
-        """Wait (at most ``timeout``) until a pass finds nothing left to copy; whether it
-        did (``--drain-on-exit``)."""
+        """Wait (at most ``timeout``) until a pass that starts after this call finds
+        nothing left to copy; whether one did (``--drain-on-exit``). An earlier pass's
+        "done" does not count: chunks may have landed since."""
+        self._settled.clear()
+        self._wake.set()
         try:
             await asyncio.wait_for(self._settled.wait(), timeout)
         except TimeoutError:
@@ -165,6 +171,9 @@ class Migration:
             except KVStoreError as exc:  # the master did not answer: try again later
                 self.reason = f"{type(exc).__name__}: {exc}"
                 logger.warning("drain pass: %s", self.reason)
+            except Exception as exc:  # a bug: say so, and keep draining what can be
+                self.reason = f"{type(exc).__name__}: {exc}"
+                logger.exception("drain pass failed")
             self._wake.clear()
             pause = PAUSE_S if self.left or self.state != "done" else 2 * PAUSE_S
             try:
@@ -175,19 +184,22 @@ class Migration:
     async def one_pass(self) -> None:
         """Copy what is left once; updates the progress counters."""
         self.passes += 1
+        self._settled.clear()  # (a waiter counts only a pass that starts after it)
         todo = self._todo()
         if not todo:
             self.left, self.state, self.reason = 0, "done", ""
             self._settled.set()
             return
         self.left = sum(len(c) for _, c in todo)
-        self._settled.clear()
         infos = await self.master.nodes(timeout=self.io_timeout_s)
         now = time.monotonic()
         targets = {
             n.node_id: n
             for n in infos
-            if n.placeable and n.node_id != self.node_id and self._benched.get(n.node_id, 0) < now
+            if n.placeable
+            and n.node_id != self.node_id
+            and n.data_uri != self.own_uri
+            and self._benched.get(n.node_id, 0) < now
         }
         if not targets:
             others = [n for n in infos if n.node_id != self.node_id]
@@ -210,11 +222,14 @@ class Migration:
         await asyncio.gather(*(send(b) for b in batches))
         left = self._todo()
         self.left = sum(len(c) for _, c in left)
+        if not self.draining:  # undrained during the pass
+            self.state, self.reason, self.left = "idle", "", 0
 
     def _todo(self) -> list[tuple[Slot, list[int]]]:
         """Every readable block with chunks not yet copied (nor given up), most recently
         used first."""
         out = []
+        failed = 0
         for tier in self.tiers:
             for slot in tier.table.slots():
                 if slot.quarantined or not slot.landed_mask:
@@ -223,13 +238,15 @@ class Migration:
                     continue
                 seen = self._copied.get(slot.key)
                 copied = seen[1] if seen is not None and seen[0] is slot else 0
-                chunks = [
-                    c
-                    for c in landed_bits(slot.landed_mask & ~copied)
-                    if self._tries.get((slot.key, c), 0) < MAX_TRIES
-                ]
+                chunks = []
+                for c in landed_bits(slot.landed_mask & ~copied):
+                    if self._tries.get((slot.key, c), 0) < MAX_TRIES:
+                        chunks.append(c)
+                    else:
+                        failed += 1  # given up, and still here: it leaves with the node
                 if chunks:
                     out.append((slot, chunks))
+        self.failed = failed
         out.sort(key=lambda item: item[0].stamp, reverse=True)
         return out
 
@@ -319,21 +336,20 @@ class Migration:
                 lease.release()
         busy, failed = set(ack.busy), set(ack.failed)
         for pos, (slot, c) in enumerate(sent):
-            if pos in busy:
-                continue  # another writer is storing it there: the next pass sees
+            if pos in busy:  # another writer is storing it there: a later pass sees
+                self._count_tries([(slot, c)])
+                continue
             if pos in failed:
                 self._refused(batch, slot, c)
                 continue
             self._mark_copied(slot, [c])
             self.moved_chunks += 1
             self.moved_bytes += batch.size
-        self.failed = sum(n >= MAX_TRIES for n in self._tries.values())
 
     def _count_tries(self, sent: list[tuple[Slot, int]]) -> None:
         for slot, c in sent:
             key = (slot.key, c)
             self._tries[key] = self._tries.get(key, 0) + 1
-        self.failed = sum(n >= MAX_TRIES for n in self._tries.values())
 
     def _refused(self, batch: _Batch, slot: Slot, c: int) -> None:
         """The receiver found the chunk bad: check it here; bad here too, drop it."""

@@ -233,7 +233,7 @@ class StorageNode:
             refusal=lambda exc: Error.of(exc).header(),
         )
         await self._listener.start()
-        self.data_uri = self._listener.address
+        self.data_uri = self.migration.own_uri = self._listener.address
         if cfg.transport == "ucx":
             await self._start_nixl()
         await self.link.register(self._identity())
