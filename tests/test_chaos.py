@@ -1,4 +1,4 @@
-"""The chaos harness, short: ``bench/chaos.py`` for 36 s with a fault every 5 s — two
+"""The chaos harness, short: ``bench/chaos.py`` for 22 s with a fault every 4 s — two
 masters on one Redis, four nodes, clients with ``replicas=2`` checking every byte they
 read — must finish with 0 wrong bytes, every fault kind injected (the network ones where
 namespaces are permitted), reads served throughout, and nothing left behind."""
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_short_chaos_run_reads_only_the_bytes_written(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "chaos.py"), "--duration", "36", "--every", "5",
+        [sys.executable, str(ROOT / "bench" / "chaos.py"), "--duration", "22", "--every", "4",
          "--json", str(out)],
         capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip

@@ -36,7 +36,7 @@ TIMEOUT_S = 1.0
 """The clients' default deadline: streams that wait for layers nobody writes end soon."""
 CALL_BOUND_S = 20.0
 """A call still running after this long hangs: a failure."""
-EXAMPLES = int(os.environ.get("KVSTORE_TEST_EXAMPLES", "100"))
+EXAMPLES = int(os.environ.get("KVSTORE_TEST_EXAMPLES", "50"))
 """Examples per method (a longer run: ``KVSTORE_TEST_EXAMPLES=600``: clean at 600 x 41 methods)."""
 
 # ---- argument strategies -------------------------------------------------------------
