@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvstore.control.client import MasterClient
+from kvstore.control.records import Tier
 from kvstore.dataplane import NodeClient
 from kvstore.dataplane.messages import ChunkRef, PutChunk
 from kvstore.master import MasterConfig, MasterServer
@@ -129,3 +130,18 @@ async def test_chunks_landing_during_the_drain_are_copied_and_undrain_stops(
     await asyncio.sleep(0.5)
     assert await _holders(master, more) == [{"a-drains"}, {"a-drains"}]
     assert all(h == {"a-drains", "b-stays"} for h in await _holders(master, keys))
+
+
+async def test_a_node_never_copies_to_its_own_address(
+    pool: tuple[MasterServer, StorageNode, StorageNode],
+) -> None:
+    """A restarted node's old record (another id, this node's data URI) may still be live
+    at the master: copies sent there would land back here and leave with the node."""
+    master, a, b = pool
+    big = [Tier("host", 2**40, 0)]  # (ranks first for every block: the most free room)
+    await MasterClient.in_process(master.service).register("ghost-of-a", a.data_uri, tiers=big)
+    keys = blocks(8)
+    assert await _put(a, keys, chunks(keys)) == 8
+    done = await a.drain_and_wait(10.0)
+    assert done["drain_state"] == "done" and done["drain_moved_chunks"] == 8, done
+    assert all(c is not None for c in await _read(b, keys))  # every block went to b
