@@ -43,6 +43,7 @@ from kvstore.config import (
 from kvstore.errors import InvalidArgument, KVStoreError
 
 if TYPE_CHECKING:
+    from kvstore.control.auth import AuthConfig
     from kvstore.master.server import MasterServer
     from kvstore.master.service import PoolState
     from kvstore.metrics import Metrics
@@ -173,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(render_toml(cfg))
         return 0
     try:
-        _check_exposure(cfg)
+        auth = _check_exposure(cfg)
     except InvalidArgument as exc:
         print(f"kvstore {command}: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
@@ -191,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        return asyncio.run(_run(cfg))
+        return asyncio.run(_run(cfg, auth))
     except (KVStoreError, OSError) as exc:
         print(f"kvstore {command}: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_RUNTIME
@@ -208,21 +209,21 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _check_exposure(cfg: Resolved) -> None:
+def _check_exposure(cfg: Resolved) -> AuthConfig | None:
     """Refuse to serve a non-loopback address with no auth file, unless ``--insecure``:
-    anyone who reaches an open port may read, forge or evict KV. Also loads the auth file,
-    so that a bad one fails here, in one line."""
+    anyone who reaches an open port may read, forge or evict KV. Returns the loaded auth
+    file (None without one), so that a bad one fails here, in one line."""
     if cfg.values.get("auth_file"):
         from kvstore.control.auth import AuthConfig
 
-        AuthConfig.load(cfg["auth_file"])
-        return
+        return AuthConfig.load(cfg["auth_file"])
     if not _is_loopback(cfg["host"]) and not cfg["insecure"]:
         raise InvalidArgument(
             f"--host {cfg['host']} is not a loopback address and no --auth-file is given: "
             "anyone reaching the ports could read, forge or evict KV; give --auth-file "
             "(docs/security.md), or --insecure on a network you trust"
         )
+    return None
 
 
 def _probe_ports(cfg: Resolved) -> None:
@@ -248,13 +249,12 @@ def _probe_ports(cfg: Resolved) -> None:
             raise OSError(f"cannot bind the {what} port {address} ({flag}): {reason}") from exc
 
 
-async def _run(cfg: Resolved) -> int:
+async def _run(cfg: Resolved, auth: AuthConfig | None) -> int:
     import asyncio
     import contextlib
     import logging
     import signal
 
-    from kvstore.control.auth import AuthConfig
     from kvstore.control.client import MasterClient
     from kvstore.master.redis_store import RedisIndexStore
     from kvstore.master.server import MasterConfig, MasterServer, grpc_address
@@ -262,7 +262,6 @@ async def _run(cfg: Resolved) -> int:
     from kvstore.node.server import NodeConfig, StorageNode
 
     command = cfg.command
-    auth = AuthConfig.load(cfg["auth_file"]) if cfg.values.get("auth_file") else None
     secret = auth.cluster_secret if auth is not None else ""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -27,7 +27,6 @@ __all__ = [
     "sequence",
     "tensors",
     "text",
-    "token",
 ]
 
 MAX_SECONDS = 7 * 24 * 3600.0
@@ -132,14 +131,6 @@ def sequence(value: Any, name: str) -> list[Any]:
     if isinstance(value, torch.Tensor | str | bytes) or not isinstance(value, Sequence):
         raise BadShape(f"{name} must be a sequence, got {type(value).__name__}")
     return list(value)
-
-
-def token(value: Any, name: str = "token") -> str:
-    """``value`` as a token gRPC metadata can carry: printable ASCII, no spaces."""
-    value = text(value, name)
-    if any(not 0x21 <= ord(ch) <= 0x7E for ch in value):
-        raise InvalidArgument(f"{name} must be printable ASCII without spaces")
-    return value
 
 
 def tensors(value: Any, name: str) -> list[torch.Tensor]:

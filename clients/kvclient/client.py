@@ -214,7 +214,8 @@ class ClientCore:
         target = master if isinstance(master, str) else ",".join(master)
         if token is None:
             token = token_from_env()
-        mc = MasterClient(target, timeout_s=timeout_s, token=args.token(token))
+        # (MasterClient refuses a token gRPC metadata cannot carry: check_token)
+        mc = MasterClient(target, timeout_s=timeout_s, token=args.text(token, "token"))
         try:
             await mc.stats()
         except BaseException:

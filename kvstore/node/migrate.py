@@ -52,6 +52,7 @@ logger = logging.getLogger("kvstore.node")
 
 BATCH_CHUNKS = 1024
 """Most chunks one node-to-node put carries (within a request's 4096)."""
+assert BATCH_CHUNKS <= MAX_CHUNKS_PER_REQUEST
 BATCH_BYTES = 16 * 2**20
 """Most chunk bytes one node-to-node put carries."""
 IN_FLIGHT = 2
@@ -236,10 +237,8 @@ class Migration:
                     continue
                 if self.namespace_of(slot.key[0]) is None:
                     continue
-                seen = self._copied.get(slot.key)
-                copied = seen[1] if seen is not None and seen[0] is slot else 0
                 chunks = []
-                for c in landed_bits(slot.landed_mask & ~copied):
+                for c in landed_bits(slot.landed_mask & ~self._copied_mask(slot)):
                     if self._tries.get((slot.key, c), 0) < MAX_TRIES:
                         chunks.append(c)
                     else:
@@ -285,12 +284,15 @@ class Migration:
                     ):
                         rows.append(_Batch(targets[target], ns, size))
                     rows[-1].items.extend((slot, c) for c in missing)
-        assert BATCH_CHUNKS <= MAX_CHUNKS_PER_REQUEST
         return [b for rows in batches.values() for b in rows]
 
-    def _mark_copied(self, slot: Slot, chunks: Sequence[int]) -> None:
+    def _copied_mask(self, slot: Slot) -> int:
+        """The chunks of ``slot`` copied away (none if its key's slot was replaced)."""
         seen = self._copied.get(slot.key)
-        mask = seen[1] if seen is not None and seen[0] is slot else 0
+        return seen[1] if seen is not None and seen[0] is slot else 0
+
+    def _mark_copied(self, slot: Slot, chunks: Sequence[int]) -> None:
+        mask = self._copied_mask(slot)
         for c in chunks:
             mask |= 1 << c
         self._copied[slot.key] = (slot, mask)
