@@ -2,8 +2,9 @@
 writing and reading deterministic KV and checking every byte, while a fault is injected on
 a schedule.
 
-    python bench/chaos.py [--duration 600] [--every 20] [--nodes 4] [--writers 2]
-                          [--readers 2] [--lease-s 6] [--netns auto|on|off] [--seed 1]
+    python bench/chaos.py [--duration 600] [--every 20] [--rounds 0] [--nodes 4]
+                          [--writers 2] [--readers 2] [--lease-s 6] [--netns auto|on|off]
+                          [--seed 1]
                           [--plot bench/chaos.png] [--json PATH]
 
 Everything runs on this machine: a ``redis-server`` on a free loopback port, two
@@ -15,7 +16,10 @@ permitted) every node runs in a namespace of its own behind a veth pair on one b
 or slowed (``tc tbf``); otherwise every process binds loopback and those faults are skipped
 (the report says so).
 
-Faults, in turn, every ``--every`` s, each held for half of that and then healed:
+Faults, in turn, every ``--every`` s, each held for half of that and then healed (a fault
+waits for the previous one to heal: faults never overlap). With ``--rounds N`` the run ends
+once every kind has been injected N times and healed, ``--duration`` then being its bound:
+a slow restart on a loaded machine delays the schedule but never drops a kind from it.
 
 - ``kill-node``: ``kill -9`` of a node, restarted (same id, same port, empty memory);
 - ``stop-node``: SIGSTOP, then SIGCONT;
@@ -430,11 +434,15 @@ async def chaos(args: argparse.Namespace, cluster: Cluster, kinds: list[str]) ->
         task = bar.add_task("chaos", total=int(args.duration))
         # On a fixed schedule (a calm start first), each fault healed in the background.
         next_fault = log.t0 + min(args.every, args.duration) / 2
+        planned = args.rounds * len(kinds)
         while (now := time.monotonic()) < end:
             bar.update(task, completed=int(now - log.t0),
                        description=f"chaos: {len(log.ops)} ops, {len(faults)} faults, "
                                    f"{log.wrong_bytes} wrong bytes")  # fmt: skip
-            if now >= next_fault and now + args.every / 2 < end:
+            if planned and len(faults) >= planned:
+                if healing is None or healing.done():
+                    break  # every round injected and healed
+            elif now >= next_fault and now + args.every / 2 < end:
                 if healing is not None:  # (a restart still under way: faults never overlap)
                     await healing
                 fault, heal = await injector.inject(time.monotonic() - log.t0)
@@ -445,17 +453,23 @@ async def chaos(args: argparse.Namespace, cluster: Cluster, kinds: list[str]) ->
         if healing is not None:
             await healing
         bar.update(task, completed=int(args.duration))
+    elapsed = time.monotonic() - log.t0
     stop.set()
     done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
     crashed = [repr(r) for r in done if isinstance(r, BaseException)]
-    return summarize(args, log, faults, crashed, kinds)
+    return summarize(args, elapsed, log, faults, crashed, kinds)
 
 
 def summarize(
-    args: argparse.Namespace, log: Log, faults: list[Fault], crashed: list[str], kinds: list[str]
+    args: argparse.Namespace,
+    elapsed: float,
+    log: Log,
+    faults: list[Fault],
+    crashed: list[str],
+    kinds: list[str],
 ) -> dict[str, Any]:
     ops = log.ops
-    duration = max([args.duration, *(o.end for o in ops)])
+    duration = max([elapsed, *(o.end for o in ops)])
     seconds = int(duration) + 1
     per_s = [[0, 0, 0, 0] for _ in range(seconds)]  # ops, without error, gets, full gets
     for o in ops:
@@ -490,7 +504,7 @@ def summarize(
         }  # fmt: skip
     valid = [a for a in availability if a is not None]
     return {
-        "duration_s": args.duration,
+        "duration_s": round(elapsed, 1),
         "every_s": args.every,
         "nodes": args.nodes,
         "writers": args.writers,
@@ -596,6 +610,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--duration", type=float, default=600.0)
     parser.add_argument("--every", type=float, default=20.0)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="end after every fault kind was injected this many times",
+    )
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--writers", type=int, default=2)
     parser.add_argument("--readers", type=int, default=2)
@@ -605,8 +625,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", default="")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
-    if args.nodes < 3 or args.every <= 0 or args.duration <= 0:
-        parser.error("--nodes >= 3, --every and --duration > 0")
+    if args.nodes < 3 or args.every <= 0 or args.duration <= 0 or args.rounds < 0:
+        parser.error("--nodes >= 3, --every and --duration > 0, --rounds >= 0")
     skipped = "off (--netns off)" if args.netns == "off" else netns_permitted()
     if args.netns == "on" and skipped:
         parser.error(skipped)
