@@ -9,6 +9,9 @@ splices, interesting integers at random offsets, random bytes):
 - ``frame``: :func:`kvstore.transport.framing.parse_prefix` (the data port's frame prefix);
 - ``header``: :func:`kvstore.dataplane.messages.parse_request` and every reply parser, on
   frame headers decoded from mutated JSON (the node and its clients read these);
+- ``handshake``: the data port's hello, challenge and proof parsers and
+  :meth:`kvstore.dataplane.handshake.Ticket.verify` (a node reads a ticket's claims before
+  anything else on a connection);
 - ``chunk``: :func:`kvstore.core.codec.read_header`, :func:`verify_chunk` and
   :func:`decode_chunk` on mutated chunks (what nodes and readers check);
 - ``proto``: every unary handler of the master (``MasterService``, in process) on request
@@ -177,6 +180,40 @@ def header_target() -> Target:
         return refused > len(replies)  # refused by every parser
 
     return Target("header", seeds, parse)
+
+
+def handshake_target() -> Target:
+    """The data port's hello, challenge and proof headers, and a ticket's claims."""
+    from kvstore.dataplane import handshake as hs
+
+    root = hs.ticket_root("fuzz-cluster-secret-0123")
+    ticket = hs.Ticket.issue(root, "client", "team-a")
+    seeds = [ticket.claims] + [
+        json.dumps(msg.header()).encode()
+        for msg in (hs.Hello(ticket.claims, b"\x01" * 16),
+                    hs.Challenge(b"\x02" * 16, b"\x03" * 32), hs.Proof(b"\x04" * 32))
+    ]  # fmt: skip
+
+    def parse(data: bytes) -> bool:
+        refused = 0
+        try:
+            hs.Ticket.verify(root, data)
+        except KVStoreError:
+            refused += 1
+        try:
+            header = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            return True
+        if not isinstance(header, dict):
+            return True
+        for cls in (hs.Hello, hs.Challenge, hs.Proof):
+            try:
+                cls.parse(header)
+            except KVStoreError:
+                refused += 1
+        return refused == 4
+
+    return Target("handshake", seeds, parse)
 
 
 def chunk_target() -> Target:
@@ -411,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.getLogger("kvstore").setLevel(logging.ERROR)  # (fuzzed reports log warnings)
     rng = random.Random(args.seed)
-    targets = [frame_target(), header_target(), chunk_target()]
+    targets = [frame_target(), header_target(), handshake_target(), chunk_target()]
     proto, close_proto = proto_target()
     targets.append(proto)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -155,8 +155,11 @@ class Closed(KVStoreError):
 
 class Unauthorized(KVStoreError):
     """The master refused the call: no token, or one it does not know (gRPC
-    ``UNAUTHENTICATED``). Configure a token (``token=``, ``$KVSTORE_TOKEN``)."""
+    ``UNAUTHENTICATED``); or a node's data port refused the connection's handshake (no
+    ticket, an expired or forged one), or the node could not prove the cluster secret.
+    Configure a token (``token=``, ``$KVSTORE_TOKEN``)."""
 
 
 class PermissionDenied(Unauthorized):
-    """A known token whose role may not make this call (gRPC ``PERMISSION_DENIED``)."""
+    """A known token whose role may not make this call (gRPC ``PERMISSION_DENIED``; on a
+    data port, a request the connection's role may not make)."""

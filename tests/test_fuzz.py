@@ -1,9 +1,9 @@
 """The parsers that read a peer's bytes, fuzzed: data-plane headers (every request and reply
 parser) on arbitrary JSON values, every unary master handler on arbitrary protobuf bytes
-(hypothesis, bounded), and ``bench/fuzz.py``'s mutational run over frames, headers, chunks
-and master requests plus a live ``kvstore serve`` under fuzz beside an honest client (a
-short run; the long one is in bench/RESULTS.md). Every input is answered or refused with a
-``KVStoreError``; nothing else escapes, nothing hangs."""
+(hypothesis, bounded), and ``bench/fuzz.py``'s mutational run over frames, headers, the
+handshake, chunks and master requests plus a live ``kvstore serve`` under fuzz beside an
+honest client (a short run; the long one is in bench/RESULTS.md). Every input is answered
+or refused with a ``KVStoreError``; nothing else escapes, nothing hangs."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore.control.client import _InProcessContext
+from kvstore.dataplane import handshake as hs
 from kvstore.dataplane import messages as m
 from kvstore.errors import KVStoreError
 from kvstore.master.index import MemoryIndexStore
@@ -38,11 +39,17 @@ _json = st.recursive(
 )  # fmt: skip
 _FIELDS = ["op", "ns", "ns_id", "chunks", "wait_s", "writer", "grant", "key", "nbytes",
            "blocks", "ttl_s", "hold_id", "lease_s", "stored", "skipped", "failed", "busy",
-           "grants", "grant_s", "accept", "spans", "found", "code", "message"]  # fmt: skip
+           "grants", "grant_s", "accept", "spans", "found", "code", "message", "ticket", "nonce",
+           "proof", "mac", "v", "role", "tenant", "exp"]  # fmt: skip
 _header = st.fixed_dictionaries(
-    {"op": st.sampled_from([*m.REQUESTS, "ack", "reserved", "data", "error", "x"])},
+    {
+        "op": st.sampled_from(
+            [*m.REQUESTS, "ack", "reserved", "data", "error", "hello", "challenge", "proof", "x"]
+        )
+    },
     optional={k: _json for k in _FIELDS[1:]},
 )
+_ROOT = hs.ticket_root("fuzz-cluster-secret-0123")
 _REPLIES = [m.Ack, m.Ready, m.Found, m.Leased, m.Held, m.Unheld, m.Removed, m.Evicted,
             m.Reported, m.NodeStats]  # fmt: skip
 _VALID = [
@@ -80,6 +87,15 @@ def test_data_plane_headers_parse_or_refuse(header: dict[str, Any]) -> None:
             m.expect(header, cls)
         except KVStoreError:
             pass
+    for hs_cls in (hs.Hello, hs.Challenge, hs.Proof):  # the data port's handshake
+        try:
+            hs_cls.parse(header)
+        except KVStoreError:
+            pass
+    try:
+        hs.Ticket.verify(_ROOT, json.dumps(header).encode())
+    except KVStoreError:
+        pass
 
 
 _METHODS = [
@@ -89,6 +105,7 @@ _METHODS = [
     ("LookupObject", pb.LookupObjectRequest), ("Drain", pb.DrainRequest),
     ("ReportNode", pb.ReportNodeRequest), ("Deregister", pb.DeregisterRequest),
     ("Route", pb.RouteRequest), ("Stats", pb.StatsRequest), ("Nodes", pb.NodesRequest),
+    ("DataTicket", pb.DataTicketRequest),
 ]  # fmt: skip
 
 
@@ -139,7 +156,7 @@ def test_mutational_run_and_a_server_under_fuzz(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["cases"] == 20000 and result["crashes"] == 0
-    assert set(result["targets"]) == {"frame", "header", "chunk", "proto"}
+    assert set(result["targets"]) == {"frame", "header", "handshake", "chunk", "proto"}
     live = result["server"]
     assert live["honest_failures"] == [] and live["wrong_bytes"] == 0
     assert live["honest_ops"] > 0 and live["fuzz_frames"] > 0 and live["fuzz_rpcs"] > 0

@@ -143,7 +143,7 @@ class ClientCore:
             raise InvalidArgument(f"min_replicas must be in [1, replicas={replicas}]")
         self.max_object_bytes = max_object_bytes
         self._master = master
-        self._pool = ConnectionPool(connections_per_node)
+        self._pool = ConnectionPool(connections_per_node, tickets=master.tickets())
         self._dtype = _torch_dtype(dtype_name(ns.dtype))
         self._chunks_per_block = ns.num_layers * ns.tp_size
         self._chunk_bytes = chunk_nbytes(

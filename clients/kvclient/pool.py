@@ -10,6 +10,9 @@ default). The pool never lets that reach a caller: it retires a kept connection 
 handing one out it checks that the node has not closed it meanwhile
 (:meth:`~kvstore.transport.base.Connection.reusable`: a node configured with a shorter
 timeout, or one that restarted); either way the caller's exchange runs on a fresh one.
+
+With ``tickets`` (a secured pool) each new connection first authenticates
+(:mod:`kvstore.dataplane.handshake`): one round trip, once per connection, not per exchange.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from kvstore.dataplane.handshake import TicketSource, dial
 from kvstore.errors import Closed, InvalidArgument
-from kvstore.transport import connect
 from kvstore.transport.base import Connection
 
 __all__ = ["DEFAULT_MAX_IDLE_S", "ConnectionPool"]
@@ -38,13 +41,20 @@ class ConnectionPool:
     Raises :class:`InvalidArgument` for ``per_node`` < 1 or ``max_idle_s`` not > 0.
     """
 
-    def __init__(self, per_node: int = 4, *, max_idle_s: float = DEFAULT_MAX_IDLE_S) -> None:
+    def __init__(
+        self,
+        per_node: int = 4,
+        *,
+        max_idle_s: float = DEFAULT_MAX_IDLE_S,
+        tickets: TicketSource | None = None,
+    ) -> None:
         if per_node < 1:
             raise InvalidArgument(f"per_node must be >= 1, got {per_node}")
         if not max_idle_s > 0:
             raise InvalidArgument(f"max_idle_s must be > 0, got {max_idle_s}")
         self._per_node = per_node
         self._max_idle_s = max_idle_s
+        self._tickets = tickets
         self._idle: dict[str, deque[tuple[Connection, float]]] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._closed = False
@@ -67,7 +77,7 @@ class ConnectionPool:
             idle = self._idle.setdefault(uri, deque())
             conn = await self._kept(idle)
             if conn is None:
-                conn = await connect(uri, timeout=timeout)
+                conn = await dial(uri, timeout, self._tickets)
             try:
                 yield conn
             except BaseException:

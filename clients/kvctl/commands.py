@@ -205,8 +205,10 @@ async def drain(
     import time
 
     from kvstore.dataplane import NodeClient
+    from kvstore.dataplane.client import Dial
     from kvstore.errors import ChunkError, Miss
 
+    tickets = Dial(client.tickets())  # (one ticket for every dial of the wait)
     draining = await client.drain(node_id, undrain=undrain)
     if undrain or wait_s <= 0:
         return DrainResult(node_id, draining)
@@ -217,7 +219,7 @@ async def drain(
         info = infos.get(node_id)
         if info is None or not info.alive:
             raise Miss(f"node {node_id} left before its drain finished")
-        stats = await NodeClient(info.data_uri, timeout_s=timeout_s).stats()
+        stats = await NodeClient(info.data_uri, tickets, timeout_s=timeout_s).stats()
         waited = time.monotonic() - t0
         passes = stats.get("drain_passes")
         if stats.get("draining") and first_pass is None:
@@ -286,13 +288,17 @@ async def evict(
     cannot be reached is reported, not fatal.
     """
     from kvstore.dataplane import NodeClient
+    from kvstore.dataplane.client import Dial
 
+    tickets = Dial(client.tickets())
     done = []
     for node in await client.nodes():
         if not node.alive:
             continue
         try:
-            answer = await NodeClient(node.data_uri, timeout_s=timeout_s).evict(ns_id, blocks)
+            answer = await NodeClient(node.data_uri, tickets, timeout_s=timeout_s).evict(
+                ns_id, blocks
+            )
             done.append(NodeEviction(node.node_id, answer.evicted, answer.kept))
         except KVStoreError as exc:
             done.append(NodeEviction(node.node_id, 0, 0, str(exc)))

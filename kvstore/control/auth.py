@@ -24,8 +24,9 @@ Clients find their token in ``token=`` arguments, else ``$KVSTORE_TOKEN``, else 
 ``$KVSTORE_TOKEN_FILE`` names (:func:`token_from_env`); never on a command line, where
 ``ps`` shows it.
 
-Not yet covered here: the data port (a connection is not authenticated yet), tenants'
-namespaces, quotas and TLS.
+The data ports authenticate with tickets a master issues (``DataTicket``) under the cluster
+secret: :mod:`kvstore.dataplane.handshake`. Not yet covered here: tenants' namespaces,
+quotas and TLS.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ METHOD_ROLES: Mapping[str, frozenset[str]] = {
     "ReportNode": _USERS,
     "Route": _USERS,
     "Events": _USERS,
+    "DataTicket": _USERS,
 }
 """The roles that may call each method of ``kvstore.v1.Master``; a method not listed is
 refused to everyone."""
@@ -157,6 +159,10 @@ class AuthConfig:
         """The identity of ``token``, or None."""
         return self.identities.get(_digest(token))
 
+    def caller(self, metadata: Any) -> Identity | None:
+        """The identity of the token in a call's ``metadata``, or None."""
+        return self.identify(_token_of(metadata))
+
 
 def _entry(entry: Any, where: str) -> tuple[Identity, str]:
     if not isinstance(entry, dict) or set(entry) - {"token", "role", "tenant", "name"}:
@@ -225,7 +231,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         method = handler_call_details.method
         name = method[len(_PREFIX) :] if method.startswith(_PREFIX) else method
-        identity = self.config.identify(_token_of(handler_call_details.invocation_metadata))
+        identity = self.config.caller(handler_call_details.invocation_metadata)
         handler = await continuation(handler_call_details)
         if identity is None:
             why = f"{name}: no valid token (metadata authorization: Bearer TOKEN)"

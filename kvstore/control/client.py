@@ -41,6 +41,7 @@ from kvstore.control.records import (
     WatchEvent,
 )
 from kvstore.core.routing import Instance, RouteChoice
+from kvstore.dataplane.handshake import Ticket, TicketSource
 from kvstore.errors import (
     CapacityError,
     InvalidArgument,
@@ -102,8 +103,13 @@ class _InProcessContext:
     :meth:`MasterClient.in_process` client: ``abort`` raises the error the caller would get
     over gRPC for that status."""
 
-    def __init__(self, method: str) -> None:
+    def __init__(self, method: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self._method = method
+        self._metadata = metadata
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The caller's token, as gRPC would carry it."""
+        return self._metadata
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         raise error_for_status(code, details, self._method)
@@ -224,7 +230,9 @@ class MasterClient:
 
     async def _call_in_process(self, method: str, request: Any, timeout: float) -> Any:
         handler = getattr(self._service, method)
-        return await self._in_process(handler(request, _InProcessContext(method)), method, timeout)
+        return await self._in_process(
+            handler(request, _InProcessContext(method, self._metadata)), method, timeout
+        )
 
     async def _in_process(self, call: Any, method: str, timeout: float | None) -> Any:
         """Await an in-process master call with the deadline and the errors of the RPC."""
@@ -388,6 +396,22 @@ class MasterClient:
         """Live holders of object ``key``; ``[]`` if none."""
         resp = await self._call("LookupObject", pb.LookupObjectRequest(key=key), timeout)
         return [wire.object_holder_from_pb(h) for h in resp.holders]
+
+    async def data_ticket(self, *, timeout: float | None = None) -> Ticket | None:
+        """A ticket for the nodes' data ports, for this client's token (None: no token, or
+        a master without an auth file, whose nodes do not authenticate)."""
+        if not self.token:
+            return None
+        r = await self._call("DataTicket", pb.DataTicketRequest(), timeout)
+        if not r.ticket:
+            return None
+        if len(r.key) != 32:
+            raise ProtocolError(f"DataTicket: a key of {len(r.key)} bytes, expected 32")
+        return Ticket(r.ticket, r.key, r.role, r.tenant, r.expires_unix)
+
+    def tickets(self) -> TicketSource:
+        """This client's data-port tickets, fetched again at half life."""
+        return TicketSource(self.data_ticket)
 
     async def stats(self, *, timeout: float | None = None) -> MasterStats:
         """Pool totals (the fields of ``kvctl status --json``)."""

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
 
+from kvstore.dataplane.handshake import TicketSource, dial
 from kvstore.dataplane.messages import (
     Ack,
     ChunkRef,
@@ -46,7 +47,6 @@ from kvstore.dataplane.messages import (
     expect,
 )
 from kvstore.errors import ProtocolError
-from kvstore.transport import connect
 from kvstore.transport.base import Buffer, Connection
 
 __all__ = ["Connections", "Dial", "NodeClient"]
@@ -64,12 +64,15 @@ class Connections(Protocol):
 
 class Dial:
     """:class:`Connections` that dials a new connection per exchange and closes it after
-    (for ``kvctl`` and one-off exchanges)."""
+    (for ``kvctl`` and one-off exchanges); with ``tickets``, each authenticates first."""
+
+    def __init__(self, tickets: TicketSource | None = None) -> None:
+        self.tickets = tickets
 
     @asynccontextmanager
     async def use(self, uri: str, timeout: float) -> AsyncIterator[Connection]:
         """A fresh connection to ``uri``, closed when the exchange ends."""
-        conn = await connect(uri, timeout=timeout)
+        conn = await dial(uri, timeout, self.tickets)
         try:
             yield conn
         finally:

@@ -3,8 +3,10 @@ here and nowhere else. They travel as frame headers (``kvstore.transport.framing
 bytes of a frame); byte strings travel as lowercase hex. Imports neither torch nor NIXL.
 
 One request is in flight per connection; every exchange starts with a client header whose
-``op`` names it. A chunk is named by ``(block hash, chunk index)`` with
-``chunk index = layer * tp_size + shard``::
+``op`` names it. A node with the cluster secret first runs the handshake of
+:mod:`kvstore.dataplane.handshake` (hello, challenge, proof) on each new connection. A
+chunk is named by ``(block hash, chunk index)`` with ``chunk index = layer * tp_size +
+shard``::
 
     put       C: Put{op: put, ns: <canonical ns hex>, chunks: [[block, parent, index, nbytes]..],
                      wait_s} + one buffer per chunk, in order   (tcp://: one round trip)
@@ -51,7 +53,10 @@ One request is in flight per connection; every exchange starts with a client hea
 
 Error{op: error, code, message} answers any request; its code maps to the exception tree:
 ``invalid`` → InvalidArgument, ``shape`` → BadShape, ``namespace`` → NamespaceMismatch,
-``capacity`` → CapacityError, ``protocol`` → ProtocolError, ``internal`` → TransportError.
+``capacity`` → CapacityError, ``protocol`` → ProtocolError, ``unauthorized`` → Unauthorized
+(the connection's handshake failed, :mod:`kvstore.dataplane.handshake`), ``forbidden`` →
+PermissionDenied (the connection's role may not make this request), ``internal`` →
+TransportError.
 Every parser checks types and bounds (:data:`MAX_CHUNKS_PER_REQUEST`, :data:`MAX_KEY_LEN`)
 and raises :class:`~kvstore.errors.ProtocolError` for anything malformed.
 """
@@ -67,8 +72,10 @@ from kvstore.errors import (
     InvalidArgument,
     KVStoreError,
     NamespaceMismatch,
+    PermissionDenied,
     ProtocolError,
     TransportError,
+    Unauthorized,
 )
 
 __all__ = [
@@ -142,6 +149,8 @@ _CODES: dict[str, type[KVStoreError]] = {
     "namespace": NamespaceMismatch,
     "capacity": CapacityError,
     "protocol": ProtocolError,
+    "forbidden": PermissionDenied,
+    "unauthorized": Unauthorized,
     "internal": TransportError,
 }
 

@@ -97,6 +97,7 @@ class MasterServer:
             clock=clock,
             watch_queue=config.watch_queue,
             watch_max_s=config.watch_max_s,
+            auth=auth,
         )
         self.port = 0
         """The bound port (the real one when the config asked for 0); 0 before start."""

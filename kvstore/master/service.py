@@ -21,8 +21,10 @@ from typing import Any, TypeVar
 import grpc
 
 from kvstore.control import wire
+from kvstore.control.auth import AuthConfig
 from kvstore.control.records import CommitBatch, NodeInfo, NodeRecord, Tier, WatchEvent
 from kvstore.core import routing
+from kvstore.dataplane.handshake import Ticket, ticket_root
 from kvstore.errors import (
     CapacityError,
     Closed,
@@ -30,7 +32,9 @@ from kvstore.errors import (
     KVStoreError,
     KVTimeout,
     Miss,
+    PermissionDenied,
     StaleEpoch,
+    Unauthorized,
 )
 from kvstore.master.events import DEFAULT_CAPACITY, EventLog
 from kvstore.master.index import IndexStore, Subscription
@@ -53,6 +57,8 @@ _STATUS: tuple[tuple[type[KVStoreError], grpc.StatusCode], ...] = (
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (KVTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (Closed, grpc.StatusCode.UNAVAILABLE),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (Unauthorized, grpc.StatusCode.UNAUTHENTICATED),
 )
 
 _SNAPSHOT_BATCH = 1024
@@ -165,8 +171,12 @@ class MasterService(pb_grpc.MasterServicer):
         watch_queue: int = 16384,
         watch_max_s: float = 3600.0,
         event_log: int = DEFAULT_CAPACITY,
+        auth: AuthConfig | None = None,
     ) -> None:
         self.store = store
+        self.auth = auth
+        """With an auth file: the identities ``DataTicket`` issues tickets for."""
+        self._ticket_root = ticket_root(auth.cluster_secret) if auth is not None else b""
         self.membership = membership
         self.counters = MasterCounters()
         self.node_counters: dict[str, dict[str, int]] = {}
@@ -443,6 +453,22 @@ class MasterService(pb_grpc.MasterServicer):
         else:
             self.counters.object_misses += 1
         return pb.LookupObjectResponse(holders=found)
+
+    @_unary
+    async def DataTicket(
+        self, request: pb.DataTicketRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DataTicketResponse:
+        """A data-port ticket for the caller's role and tenant; empty without an auth file
+        (the auth interceptor has already refused a caller without a valid token)."""
+        if self.auth is None:
+            return pb.DataTicketResponse()
+        who = self.auth.caller(context.invocation_metadata())
+        if who is None:
+            raise Unauthorized("DataTicket: no valid token")
+        t = Ticket.issue(self._ticket_root, who.role, who.tenant)
+        return pb.DataTicketResponse(
+            ticket=t.claims, key=t.key, expires_unix=t.expires, role=t.role, tenant=t.tenant
+        )
 
     @_unary
     async def Stats(

@@ -40,7 +40,8 @@ from kvstore.control.records import NodeInfo
 from kvstore.core.hashing import Namespace
 from kvstore.core.placement import Candidate, rank_nodes, unplaceable_reason, weight_for_free
 from kvstore.core.slots import Lease, Slot, SlotKey
-from kvstore.dataplane.client import NodeClient
+from kvstore.dataplane.client import Dial, NodeClient
+from kvstore.dataplane.handshake import TicketSource
 from kvstore.dataplane.messages import MAX_CHUNKS_PER_REQUEST, PutChunk
 from kvstore.errors import KVStoreError, KVTimeout, Miss
 from kvstore.node.checks import ChunkChecks, LandedChunk
@@ -99,6 +100,9 @@ class Migration:
         self.checks = checks
         self.drop = drop
         self.io_timeout_s = io_timeout_s
+        self.tickets: TicketSource | None = None
+        """The node's own data-port tickets (with a cluster secret): the receivers
+        authenticate each copy's connection."""
         self.own_uri = ""
         """This node's data URI (set once its port is open): never a target, whatever the
         id of the record that names it (a restarted node's old record may still be live)."""
@@ -321,7 +325,9 @@ class Migration:
                 sent.append((slot, c))
             if not chunks:
                 return
-            node = NodeClient(batch.target.data_uri, timeout_s=self.io_timeout_s)
+            node = NodeClient(
+                batch.target.data_uri, Dial(self.tickets), timeout_s=self.io_timeout_s
+            )
             ack = await node.put(
                 batch.ns.canonical_bytes(), chunks, bufs, wait_s=self.io_timeout_s / 4
             )

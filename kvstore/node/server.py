@@ -38,6 +38,7 @@ from kvstore.control.records import BlockAdd, ObjectAdd
 from kvstore.core.codec import chunk_nbytes
 from kvstore.core.hashing import Namespace
 from kvstore.core.slots import Lease, ObjectStore, Slot, SlotKey, TierStats
+from kvstore.dataplane.handshake import OPEN, TicketSource, accept, check_allowed, ticket_root
 from kvstore.dataplane.messages import (
     REQUESTS,
     SEND,
@@ -80,6 +81,7 @@ from kvstore.errors import (
     KVTimeout,
     ProtocolError,
     TransportError,
+    Unauthorized,
 )
 from kvstore.metrics import Metrics
 from kvstore.node.checks import ChunkChecks, LandedChunk
@@ -137,7 +139,9 @@ class NodeConfig:
     else the connection is closed: a trickle cannot hold one (the largest, ~370 KB, takes
     3 ms at 1 Gbit/s)."""
     token: str = ""
-    """The cluster secret sent with every master call (``--auth-file``); empty: none."""
+    """The cluster secret (``--auth-file``): sent with every master call, and the root of
+    the data port's tickets (:mod:`kvstore.dataplane.handshake`: every connection then
+    authenticates at its start); empty: none, the data port serves every connection."""
     max_header_bytes: int = 512 * 2**10
     """Longest frame header read. The largest request, a put naming 4096 chunks, measured
     337 KiB (a 126-layer, TP-8 namespace) and 364 KiB with every field at its widest."""
@@ -213,6 +217,9 @@ class StorageNode:
         self._nixl: NixlAgent | None = None
         self._nixl_metadata = b""
         self.data_uri = ""
+        self._ticket_root = ticket_root(config.token) if config.token else None
+        if config.token:
+            self.migration.tickets = TicketSource.of_secret(config.token)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -352,7 +359,17 @@ class StorageNode:
     # ------------------------------------------------------------------ data plane
 
     async def _serve(self, conn: Connection) -> None:
-        """One client connection: exchanges one after another until it closes."""
+        """One client connection: the handshake (with a cluster secret), then exchanges one
+        after another until it closes."""
+        peer = OPEN
+        if self._ticket_root is not None:
+            try:
+                peer = await accept(conn, self._ticket_root, self.config.io_timeout_s)
+            except (KVStoreError, OSError) as exc:
+                self._count_error({}, "unauthorized")
+                logger.info("connection %s refused: %s", conn.peer, exc)
+                await conn.close()
+                return
         while not conn.closed:
             try:
                 frame = await conn.recv_header(timeout=None)
@@ -360,6 +377,7 @@ class StorageNode:
                 return
             try:
                 request = parse_request(frame.header)
+                check_allowed(peer, frame.header["op"])
                 if frame.sizes and not (isinstance(request, Put) and not request.ucx):
                     raise ProtocolError(f"op {frame.header.get('op')!r} carries no payload")
                 self._serving += 1
@@ -367,7 +385,7 @@ class StorageNode:
                     await self._handle(conn, request, frame.sizes)
                 finally:
                     self._serving -= 1
-            except (InvalidArgument, CapacityError, ProtocolError, ChunkError) as exc:
+            except (InvalidArgument, CapacityError, ProtocolError, ChunkError, Unauthorized) as exc:
                 # The request was refused before any payload moved: the stream is intact.
                 self._count_error(frame.header, Error.of(exc).code)
                 if conn.closed:

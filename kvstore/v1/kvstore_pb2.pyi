@@ -494,3 +494,21 @@ class DeregisterResponse(_message.Message):
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     dropped: bool
     def __init__(self, dropped: _Optional[bool] = ...) -> None: ...
+
+class DataTicketRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DataTicketResponse(_message.Message):
+    __slots__ = ("ticket", "key", "expires_unix", "role", "tenant")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    key: bytes
+    expires_unix: float
+    role: str
+    tenant: str
+    def __init__(self, ticket: _Optional[bytes] = ..., key: _Optional[bytes] = ..., expires_unix: _Optional[float] = ..., role: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...

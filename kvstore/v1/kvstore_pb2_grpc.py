@@ -110,6 +110,11 @@ class MasterStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.DataTicket = channel.unary_unary(
+                '/kvstore.v1.Master/DataTicket',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.DataTicketRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DataTicketResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -226,6 +231,15 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DataTicket(self, request, context):
+        """The caller's credential for the nodes' data ports (kvstore/dataplane/handshake.py): its
+        role and tenant, signed under the cluster secret. Without an auth file: an empty ticket
+        (the data ports do not authenticate).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -303,6 +317,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RouteRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.RouteResponse.SerializeToString,
+            ),
+            'DataTicket': grpc.unary_unary_rpc_method_handler(
+                    servicer.DataTicket,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DataTicketRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.DataTicketResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -711,6 +730,33 @@ class Master:
             '/kvstore.v1.Master/Route',
             kvstore_dot_v1_dot_kvstore__pb2.RouteRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DataTicket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Master/DataTicket',
+            kvstore_dot_v1_dot_kvstore__pb2.DataTicketRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.DataTicketResponse.FromString,
             options,
             channel_credentials,
             insecure,
