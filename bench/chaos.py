@@ -21,7 +21,8 @@ waits for the previous one to heal: faults never overlap). With ``--rounds N`` t
 once every kind has been injected N times and healed, ``--duration`` then being its bound:
 a slow restart on a loaded machine delays the schedule but never drops a kind from it.
 
-- ``kill-node``: ``kill -9`` of a node, restarted (same id, same port, empty memory);
+- ``kill-node``: ``kill -9`` of a node, restarted (same id, same port, empty memory; it
+  registers once its old registration's lease ended: the id is bound to it);
 - ``stop-node``: SIGSTOP, then SIGCONT;
 - ``kill-master``: ``kill -9`` of a master, restarted on its port;
 - ``cut-node``: the node's link goes down: packets are dropped both ways, connections

@@ -23,6 +23,7 @@ the boundary with ``raise ... from exc`` so callers catch one family::
     ├── KVTimeout                a deadline passed (also a ``TimeoutError``)
     ├── Miss                     requested KV is not (or no longer) in the pool
     ├── StaleEpoch               a node spoke with a dead epoch: it must re-register
+    ├── NodeIdTaken              a node id held by another process's live registration
     ├── Cancelled                the operation's handle was cancelled
     ├── Closed                   the client or server was closed
     └── Unauthorized             no valid token, or its role may not do this
@@ -47,6 +48,7 @@ __all__ = [
     "KVTimeout",
     "Miss",
     "NamespaceMismatch",
+    "NodeIdTaken",
     "PeerDisconnected",
     "PermissionDenied",
     "ProtocolError",
@@ -158,6 +160,12 @@ class Unauthorized(KVStoreError):
     ``UNAUTHENTICATED``); or a node's data port refused the connection's handshake (no
     ticket, an expired or forged one), or the node could not prove the cluster secret.
     Configure a token (``token=``, ``$KVSTORE_TOKEN``)."""
+
+
+class NodeIdTaken(KVStoreError):
+    """A node id is held by another process's live registration (gRPC ``ALREADY_EXISTS``):
+    it frees when that registration's lease ends without a heartbeat. A restarted node
+    waits for that; two live nodes need two ids."""
 
 
 class PermissionDenied(Unauthorized):

@@ -20,6 +20,7 @@ import pytest
 
 import kvclient
 from kvstore.control.client import MasterClient
+from kvstore.control.records import BlockAdd, CommitBatch
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.cluster import Server, start_server
@@ -117,6 +118,36 @@ async def test_forged_control_calls_are_refused(pool: tuple[Server, Server, Path
         async with MasterClient(master.grpc, token=ADMIN) as admin:
             [info] = [n for n in await admin.nodes() if n.node_id == node_id]
             assert info.alive and not info.draining
+        assert await kv.match_prefix(tokens) == 1024
+        assert (await kv.get_layer(tokens, 0)).shape[1] == 1024
+
+
+async def test_the_cluster_secret_alone_cannot_take_over_a_live_node(
+    pool: tuple[Server, Server, Path],
+) -> None:
+    """A process holding the cluster secret (a node role) but not the live node's
+    registration key: it cannot register the node's id elsewhere (ALREADY_EXISTS), nor
+    heartbeat, commit for or deregister its epoch (PERMISSION_DENIED), though Nodes shows
+    that epoch; the node serves on."""
+    master, node, _ = pool
+    node_id = node.addresses["node"]
+    tokens = prompt(1024, seed=63)
+    async with await kvclient.KVClient.connect(master.grpc, namespace(1), token=CLIENT) as kv:
+        assert await kv.put_layer(tokens, 0, layer_kv(1024, 0, 63)) == 1024
+        async with MasterClient(master.grpc, token=SECRET) as rogue:
+            [info] = [n for n in await rogue.nodes() if n.node_id == node_id]
+            rogue.session = b"\x5a" * 32
+            with pytest.raises(kvclient.errors.NodeIdTaken):
+                await rogue.register(node_id, "tcp://10.9.9.9:1")
+            with pytest.raises(kvclient.errors.PermissionDenied):
+                await rogue.heartbeat(node_id, info.epoch)
+            with pytest.raises(kvclient.errors.PermissionDenied):
+                await rogue.commit(CommitBatch(node_id, info.epoch, 10**6, (
+                    BlockAdd(kv.ns.id, b"\x01" * 16, (0,)),)))  # fmt: skip
+            with pytest.raises(kvclient.errors.PermissionDenied):
+                await rogue.deregister(node_id, info.epoch)
+            [after] = [n for n in await rogue.nodes() if n.node_id == node_id]
+            assert (after.epoch, after.data_uri, after.alive) == (info.epoch, info.data_uri, True)
         assert await kv.match_prefix(tokens) == 1024
         assert (await kv.get_layer(tokens, 0)).shape[1] == 1024
 

@@ -15,6 +15,7 @@ import torch
 
 import kvclient
 from kvstore.control.client import MasterClient
+from kvstore.control.records import ClusterEvent, ClusterEventKind
 from kvstore.core.kvgen import realistic_kv
 from tests.cluster import TRANSPORTS, start_server
 
@@ -88,6 +89,41 @@ def test_node_and_master_split_and_sigterm() -> None:
     assert rc == 0 and "pinned_slots=0" in out, out
     rc, out = master.stop()
     assert rc == 0, out
+
+
+async def test_a_node_restarted_under_its_id_waits_for_its_old_lease() -> None:
+    """kill -9 of a node, restarted at once with the same ``--node-id``: its old
+    registration (another process's key) holds the id until its lease ends, so the new
+    process registers only then, with a later epoch, and serves."""
+    # (a lease longer than a restart takes here, ~3 s: without the binding the new
+    # process would take the id over at once, the old epoch dying "re-registered")
+    master = start_server("master", "--grpc-port", "0", "--metrics-port", "0",
+                          "--node-lease-s", "6")  # fmt: skip
+    args = ("node", "--master", master.grpc, "--data-port", "0", "--metrics-port", "0",
+            "--host-mem", "32MiB", "--node-id", "n-again")  # fmt: skip
+    first = start_server(*args)
+    try:
+        async with MasterClient(master.grpc) as mc:
+            [old] = await mc.nodes()
+            stream = mc.events(timeout=60)
+            await anext(stream)  # (the stream is open: it names its log first)
+            first.kill()
+            second = start_server(*args)
+            [new] = await mc.nodes()
+            deaths: list[ClusterEvent] = []
+            async for _, events in stream:
+                deaths += [e for e in events if e.kind is ClusterEventKind.NODE_DEAD]
+                if deaths:
+                    break
+            await stream.aclose()
+        rc, out = second.stop()
+        assert rc == 0, out
+        assert new.alive and new.epoch > old.epoch and new.data_uri == second.data
+        # The old epoch died of its lease, not of the new process taking its id over.
+        assert [(d.epoch, d.reason) for d in deaths] == [(old.epoch, "lease expired")]
+    finally:
+        first.stop()
+        master.stop()
 
 
 async def test_node_reregisters_and_rereports_after_master_restart() -> None:

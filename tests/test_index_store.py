@@ -30,7 +30,7 @@ from kvstore.control.records import (
     Tier,
     mask_of,
 )
-from kvstore.errors import CapacityError, Closed, KVTimeout, StaleEpoch
+from kvstore.errors import CapacityError, Closed, KVTimeout, NodeIdTaken, StaleEpoch
 from kvstore.master.index import IndexStore, MemoryIndexStore, Subscription
 from kvstore.master.redis_store import RedisIndexStore
 
@@ -180,6 +180,26 @@ async def test_reregistration_kills_the_old_epoch(store: IndexStore) -> None:
     )
     located = await store.locate(NS, [bh(1), bh(2)])
     assert located[0] == {} and located[1]["a"].epoch == new and located[1]["a"].mask == 0b1000
+
+
+async def test_a_live_record_binds_its_id_to_its_session(store: IndexStore) -> None:
+    """While a record is alive, only its session may register the id again; once it is
+    dead (its lease ended, or it left), any may; a record without a session binds nothing."""
+    a, b = b"\x01" * 32, b"\x02" * 32
+    first = await store.register_node(NodeRecord("n", "tcp://n:7", session=a))
+    with pytest.raises(NodeIdTaken, match="'n' is held by the live registration"):
+        await store.register_node(NodeRecord("n", "tcp://evil:1", session=b))
+    with pytest.raises(NodeIdTaken):
+        await store.register_node(NodeRecord("n", "tcp://evil:1"))  # (no session at all)
+    [rec] = await store.nodes()  # nothing changed
+    assert (rec.epoch, rec.data_uri, rec.session, rec.alive) == (first.epoch, "tcp://n:7", a, True)
+    again = await store.register_node(NodeRecord("n", "tcp://n:7", session=a))  # the owner
+    assert again.epoch > first.epoch and again.session == a
+    assert await store.drop_node("n", again.epoch, "lease expired")
+    taken = await store.register_node(NodeRecord("n", "tcp://n2:7", session=b))  # freed
+    assert taken.epoch > again.epoch and (await store.nodes())[0].session == b
+    await store.register_node(NodeRecord("free", "tcp://f:7"))
+    assert (await store.register_node(NodeRecord("free", "tcp://f2:7", session=a))).alive
 
 
 async def test_update_node_tiers_and_draining(store: IndexStore) -> None:

@@ -18,6 +18,8 @@ from kvstore.errors import (
     KVStoreError,
     KVTimeout,
     Miss,
+    NodeIdTaken,
+    PermissionDenied,
     TransportError,
     Unreachable,
 )
@@ -227,6 +229,41 @@ async def test_commit_epoch_and_seq_rules(master: tuple[MasterServer, MasterClie
         await client.commit(commit("a", new, 0, (1, (2,))))
     ((holder,),) = await client.lookup(NS, [bh(1)], CPB)
     assert holder.chunks() == [0, 1] and holder.epoch == new
+
+
+async def test_a_registration_key_binds_the_node_id(
+    master: tuple[MasterServer, MasterClient],
+) -> None:
+    """Over real gRPC: while a registration lives, another process (another key) can
+    neither register its id (NodeIdTaken) nor heartbeat, commit for or deregister it
+    (PermissionDenied), even knowing its epoch; the owner can do all of that."""
+    server, owner = master
+    owner.session = b"\x11" * 32
+    epoch = await register(owner, "a")
+    intruder = MasterClient(server.address, timeout_s=5)
+    try:
+        for key in (b"\x22" * 32, b""):
+            intruder.session = key
+            with pytest.raises(NodeIdTaken, match="held by the live registration"):
+                await intruder.register("a", "tcp://10.9.9.9:1")
+            with pytest.raises(PermissionDenied, match="registration key does not match"):
+                await intruder.heartbeat("a", epoch)
+            with pytest.raises(PermissionDenied):
+                await intruder.commit(commit("a", epoch, 1, (9, (0,))))
+            with pytest.raises(PermissionDenied):
+                await intruder.deregister("a", epoch)
+        (info,) = await owner.nodes()  # nothing the intruder sent took effect
+        assert (info.epoch, info.data_uri, info.alive) == (epoch, "tcp://127.0.0.1:7001", True)
+        assert await owner.lookup(NS, [bh(9)], CPB) == [[]]
+        assert (await owner.heartbeat("a", epoch)).ok
+        assert await owner.commit(commit("a", epoch, 1, (9, (0,)))) == 1
+        again = await register(owner, "a")  # the owner re-registers at will
+        assert again > epoch
+        assert await owner.deregister("a", again)
+        intruder.session = b"\x22" * 32  # a dead registration frees the id
+        assert (await intruder.register("a", "tcp://127.0.0.1:7001")).epoch > again
+    finally:
+        await intruder.close()
 
 
 async def test_lookup_and_match_prefix_use_the_union_of_holders(

@@ -254,8 +254,11 @@ async def test_group_commit_keeps_object_changes_in_order(rig: Rig) -> None:
 
 async def test_group_commit_failure_reaches_every_caller(rig: Rig) -> None:
     node = rig.node
-    # Someone else registers under this node's id: its epoch is dead for the master.
-    await MasterClient.in_process(rig.master.service).register(node.node_id, "tcp://x:1")
+    # A new registration with this node's key (as after a lost lease; another key is
+    # refused while this one lives): the node's epoch is dead for the master.
+    again = MasterClient.in_process(rig.master.service)
+    again.session = node.link.master.session
+    await again.register(node.node_id, "tcp://x:1")
     results = await asyncio.gather(
         *(node.link.commit([BlockAdd(NS.id, k, (0,))]) for k in blocks(3)), return_exceptions=True
     )

@@ -8,7 +8,8 @@ Every call has a deadline (its ``timeout=`` or the client's ``timeout_s``) and r
     INVALID_ARGUMENT -> InvalidArgument FAILED_PRECONDITION -> StaleEpoch (re-register)
     NOT_FOUND -> Miss                   RESOURCE_EXHAUSTED -> CapacityError
     CANCELLED -> PeerDisconnected       UNIMPLEMENTED -> ProtocolError
-    anything else -> TransportError
+    UNAUTHENTICATED -> Unauthorized     PERMISSION_DENIED -> PermissionDenied
+    ALREADY_EXISTS -> NodeIdTaken       anything else -> TransportError
 
 Create the client inside the event loop that uses it; ``close()`` (or ``async with``)
 releases the channel.
@@ -48,6 +49,7 @@ from kvstore.errors import (
     KVStoreError,
     KVTimeout,
     Miss,
+    NodeIdTaken,
     PeerDisconnected,
     PermissionDenied,
     ProtocolError,
@@ -77,6 +79,7 @@ _ERRORS: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.UNIMPLEMENTED: ProtocolError,
     grpc.StatusCode.UNAUTHENTICATED: Unauthorized,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.ALREADY_EXISTS: NodeIdTaken,
 }
 
 
@@ -147,6 +150,9 @@ class MasterClient:
         self.timeout_s = float(timeout_s)
         self.token = check_token(token) if token else ""
         self._metadata = bearer(self.token)
+        self.session = b""
+        """A node's registration key, sent on its Register, Heartbeat, Commit and
+        Deregister (a node's :class:`~kvstore.node.master_link.MasterLink` sets it)."""
         self._service = service
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[pb_grpc.MasterStub] = []
@@ -261,7 +267,8 @@ class MasterClient:
         host: str = "",
         timeout: float | None = None,
     ) -> Registration:
-        """Register (or re-register) a node; returns its new epoch and the lease."""
+        """Register (or re-register) a node; returns its new epoch and the lease. Raises
+        :class:`NodeIdTaken` while another process's registration of ``node_id`` lives."""
         req = pb.RegisterRequest(
             node_id=node_id,
             data_uri=data_uri,
@@ -270,6 +277,7 @@ class MasterClient:
             tiers=wire.tiers_to_pb(tiers),
             version=version,
             host=host,
+            session=self.session,
         )
         resp = await self._call("Register", req, timeout)
         return Registration(resp.epoch, resp.lease_s)
@@ -289,6 +297,7 @@ class MasterClient:
             epoch=epoch,
             tiers=wire.tiers_to_pb(tiers),
             counters=dict(counters or {}),
+            session=self.session,
         )
         resp = await self._call("Heartbeat", req, timeout)
         return HeartbeatReply(resp.ok, resp.reregister, resp.draining)
@@ -300,7 +309,9 @@ class MasterClient:
             return int(
                 await self._in_process(self._service.commit_in_process(batch), "Commit", timeout)
             )
-        resp = await self._call("Commit", wire.commit_to_pb(batch), timeout)
+        req = wire.commit_to_pb(batch)
+        req.session = self.session
+        resp = await self._call("Commit", req, timeout)
         return int(resp.applied_seq)
 
     async def nodes(self, *, timeout: float | None = None) -> list[NodeInfo]:
@@ -318,7 +329,7 @@ class MasterClient:
 
     async def deregister(self, node_id: str, epoch: int, *, timeout: float | None = None) -> bool:
         """A node leaving: ``epoch`` is dead at once; False if it was not the live one."""
-        request = pb.DeregisterRequest(node_id=node_id, epoch=epoch)
+        request = pb.DeregisterRequest(node_id=node_id, epoch=epoch, session=self.session)
         return bool((await self._call("Deregister", request, timeout)).dropped)
 
     async def report_node(

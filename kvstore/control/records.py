@@ -104,6 +104,9 @@ class NodeRecord:
     epoch: int = 0
     alive: bool = True
     draining: bool = False
+    session: bytes = b""
+    """SHA-256 digest of the registering process's key (empty: none); while the record is
+    alive, only that key may register the id again, heartbeat, commit or deregister."""
 
 
 @dataclass(frozen=True)

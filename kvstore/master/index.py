@@ -46,12 +46,21 @@ from kvstore.control.records import (
     Tier,
     mask_of,
 )
-from kvstore.errors import CapacityError, Closed, KVStoreError, KVTimeout, StaleEpoch
+from kvstore.errors import CapacityError, Closed, KVStoreError, KVTimeout, NodeIdTaken, StaleEpoch
 
-__all__ = ["BoundedSubscription", "IndexStore", "MemoryIndexStore", "Subscription"]
+__all__ = ["BoundedSubscription", "IndexStore", "MemoryIndexStore", "Subscription", "id_taken"]
 
 _BlockKey = tuple[bytes, bytes]
 _K = TypeVar("_K")
+
+
+def id_taken(held: NodeRecord) -> NodeIdTaken:
+    """The refusal of a Register whose id ``held``, a live record, belongs to another key."""
+    return NodeIdTaken(
+        f"node id {held.node_id!r} is held by the live registration of another process "
+        f"(epoch {held.epoch}, {held.data_uri}); it frees when that lease ends without a "
+        "heartbeat — two live nodes need two ids"
+    )
 
 
 class Subscription(abc.ABC):
@@ -93,8 +102,9 @@ class IndexStore(abc.ABC):
         The epoch is strictly greater than any this store handed out before (for any node).
         If the node had a live epoch, it is dead from now on: its entries vanish from reads
         and one NODE_DEAD event is published. ``record.epoch``/``alive`` are ignored;
-        ``draining`` is kept from the previous record if there is one. Never raises on a
-        valid record.
+        ``draining`` is kept from the previous record if there is one. Raises
+        :class:`NodeIdTaken` (changing nothing) when the id's record is alive and holds
+        another ``session`` than ``record``'s (a record without one may be taken over).
         """
 
     @abc.abstractmethod
@@ -299,6 +309,8 @@ class MemoryIndexStore(IndexStore):
         """See :meth:`IndexStore.register_node`."""
         self._check_open()
         old = self._nodes.get(record.node_id)
+        if old is not None and old.alive and old.session and old.session != record.session:
+            raise id_taken(old)
         self._epoch += 1
         draining = old.draining if old is not None else record.draining
         new = replace(record, epoch=self._epoch, alive=True, draining=draining)

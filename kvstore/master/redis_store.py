@@ -73,7 +73,7 @@ from kvstore.errors import (
     TransportError,
     Unreachable,
 )
-from kvstore.master.index import BoundedSubscription, IndexStore, Subscription
+from kvstore.master.index import BoundedSubscription, IndexStore, Subscription, id_taken
 
 __all__ = ["RedisIndexStore"]
 
@@ -215,13 +215,16 @@ _REGISTER = """
 local node, maxlen, nk = ARGV[2], ARGV[3], P .. ':n:' .. ARGV[2]
 local now = now_ms()
 local last = tonumber(redis.call('GET', P .. ':epoch') or '0')
+local old = redis.call('HMGET', nk, 'epoch', 'alive', 'draining', 'session', 'data_uri')
+if old[2] == '1' and old[4] and old[4] ~= '' and old[4] ~= ARGV[11] then
+  return {'taken', old[1], old[5]}
+end
 local es = string.format('%.0f', math.max(last + 1, now))
 redis.call('SET', P .. ':epoch', es)
-local old = redis.call('HMGET', nk, 'epoch', 'alive', 'draining')
 local draining = old[3] or ARGV[10]
 redis.call('HSET', nk, 'data_uri', ARGV[4], 'transport', ARGV[5], 'nixl', ARGV[6],
            'tiers', ARGV[7], 'version', ARGV[8], 'host', ARGV[9], 'epoch', es, 'alive', '1',
-           'draining', draining, 'seq', '0')
+           'draining', draining, 'seq', '0', 'session', ARGV[11])
 redis.call('ZADD', P .. ':leases', now, node)
 redis.call('ZREM', P .. ':dead', node)
 if old[1] and old[2] == '1' then emit('node_dead', '', '', node, old[1], '', 're-registered') end
@@ -408,6 +411,7 @@ def _record(node_id: str, flat: list[bytes]) -> NodeRecord:
     kw["host"], kw["nixl_metadata"] = f.get("host", b"").decode(), f.get("nixl", b"")
     kw["tiers"] = tuple(Tier(str(n), int(c), int(u)) for n, c, u in json.loads(f["tiers"]))
     kw["alive"], kw["draining"] = f.get("alive") == b"1", f.get("draining") == b"1"
+    kw["session"] = f.get("session", b"")
     return NodeRecord(node_id, epoch=int(f["epoch"]), **kw)
 
 
@@ -575,9 +579,12 @@ class RedisIndexStore(IndexStore):
         returning."""
         args: list[str | bytes] = [self.prefix, record.node_id, self._maxlen, record.data_uri]
         args += [record.transport, record.nixl_metadata, _tiers_json(record.tiers)]
-        args += [record.version, record.host, "1" if record.draining else "0"]
-        epoch, draining = await self._script("register", args)
-        epoch = int(epoch)
+        args += [record.version, record.host, "1" if record.draining else "0", record.session]
+        reply = await self._script("register", args)
+        if len(reply) == 3:  # ('taken', epoch, data_uri): a live record of another key
+            held = NodeRecord(record.node_id, reply[2].decode(), epoch=int(reply[1]))
+            raise id_taken(held)
+        epoch, draining = int(reply[0]), reply[1]
         await self._purge(record.node_id, epoch)
         return replace(record, epoch=epoch, alive=True, draining=draining == b"1")
 

@@ -12,6 +12,8 @@ DEADLINE_EXCEEDED, Closed -> UNAVAILABLE; anything else is INTERNAL.
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -32,6 +34,7 @@ from kvstore.errors import (
     KVStoreError,
     KVTimeout,
     Miss,
+    NodeIdTaken,
     PermissionDenied,
     StaleEpoch,
     Unauthorized,
@@ -57,9 +60,16 @@ _STATUS: tuple[tuple[type[KVStoreError], grpc.StatusCode], ...] = (
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (KVTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (Closed, grpc.StatusCode.UNAVAILABLE),
+    (NodeIdTaken, grpc.StatusCode.ALREADY_EXISTS),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (Unauthorized, grpc.StatusCode.UNAUTHENTICATED),
 )
+
+
+def _digest(session: bytes) -> bytes:
+    """What the master keeps of a node's registration key (empty: none)."""
+    return hashlib.sha256(session).digest() if session else b""
+
 
 _SNAPSHOT_BATCH = 1024
 """Watch events per stream message while sending a snapshot."""
@@ -260,7 +270,8 @@ class MasterService(pb_grpc.MasterServicer):
     ) -> pb.RegisterResponse:
         """A node (re-)registers: new epoch, the old epoch's entries are dead."""
         old = self._records.get(request.node_id)
-        rec = await self.store.register_node(wire.record_from_register(request))
+        record = replace(wire.record_from_register(request), session=_digest(request.session))
+        rec = await self.store.register_node(record)  # (NodeIdTaken: another key holds it)
         if old is not None and old.alive and old.epoch < rec.epoch:
             self.events.node_dead(old.node_id, old.epoch, "re-registered")
         self.membership.register(rec.node_id, rec.epoch, self._clock())
@@ -277,8 +288,9 @@ class MasterService(pb_grpc.MasterServicer):
         tiers = wire.tiers_from_pb(request.tiers)
         counters = wire.check_counters(request.counters)
         now = self._clock()
+        self._check_session(self._records.get(node_id), request.epoch, request.session)
         known = self.membership.heartbeat(node_id, request.epoch, now)
-        if not known and not await self._adopt(node_id, request.epoch, now):
+        if not known and not await self._adopt(node_id, request.epoch, now, request.session):
             return pb.HeartbeatResponse(ok=False, reregister=True)
         draining = await self.store.update_node(node_id, request.epoch, tiers=tiers)
         if draining is None:
@@ -333,23 +345,39 @@ class MasterService(pb_grpc.MasterServicer):
     ) -> pb.DeregisterResponse:
         """A node leaving: its epoch is dead and dropped from the index at once."""
         node_id = wire.check_node_id(request.node_id)
+        self._check_session(self._records.get(node_id), request.epoch, request.session)
         if not self.membership.leave(node_id, request.epoch):
             return pb.DeregisterResponse(dropped=False)
         log.info("node %s (epoch %d) left", node_id, request.epoch)
         await self._drop(node_id, request.epoch, "node left")
         return pb.DeregisterResponse(dropped=True)
 
-    async def _adopt(self, node_id: str, epoch: int, now: float) -> bool:
+    async def _adopt(self, node_id: str, epoch: int, now: float, session: bytes | None) -> bool:
         """A node this master does not know under ``epoch`` heartbeats or commits: masters
         sharing one store accept it if the store says that epoch is alive (the node moved
-        from another master: no new epoch, nothing re-reported)."""
+        from another master: no new epoch, nothing re-reported) and ``session`` is that
+        registration's key (None: the master's own process, trusted)."""
         rec = next((r for r in await self.store.nodes() if r.node_id == node_id), None)
         if rec is None or not rec.alive or rec.epoch != epoch:
             return False
+        self._check_session(rec, epoch, session)
         self.membership.register(node_id, epoch, now)
         self._records[node_id] = rec
         log.info("node %s (epoch %d) moved to this master", node_id, epoch)
         return True
+
+    @staticmethod
+    def _check_session(rec: NodeRecord | None, epoch: int, session: bytes | None) -> None:
+        """Refuse a call for ``epoch`` of a registration whose key is not ``session``
+        (PermissionDenied): a process holding the cluster secret cannot heartbeat, commit
+        for or deregister another's registration. None: this master's own process."""
+        if session is None or rec is None or rec.epoch != epoch or not rec.session:
+            return
+        if not hmac.compare_digest(rec.session, _digest(session)):
+            raise PermissionDenied(
+                f"node {rec.node_id!r} epoch {epoch}: the registration key does not match "
+                "(another process registered this id)"
+            )
 
     async def _drop(self, node_id: str, epoch: int, reason: str) -> None:
         """Drop a dead epoch's entries from the index and mark its record not alive."""
@@ -372,7 +400,7 @@ class MasterService(pb_grpc.MasterServicer):
         self, request: pb.CommitRequest, context: grpc.aio.ServicerContext
     ) -> pb.CommitResponse:
         """Apply a node's batch; stale epoch -> FAILED_PRECONDITION."""
-        applied = await self._apply_commit(wire.commit_from_pb(request))
+        applied = await self._apply_commit(wire.commit_from_pb(request), request.session)
         return pb.CommitResponse(applied_seq=applied)
 
     async def commit_in_process(self, batch: CommitBatch) -> int:
@@ -383,13 +411,14 @@ class MasterService(pb_grpc.MasterServicer):
         :class:`InvalidArgument` like the RPC."""
         start = time.perf_counter()
         try:
-            return await self._apply_commit(wire.check_commit(batch))
+            return await self._apply_commit(wire.check_commit(batch), None)
         finally:
             self._observe("Commit", time.perf_counter() - start)
 
-    async def _apply_commit(self, batch: CommitBatch) -> int:
+    async def _apply_commit(self, batch: CommitBatch, session: bytes | None) -> int:
+        self._check_session(self._records.get(batch.node_id), batch.epoch, session)
         live = self.membership.is_live(batch.node_id, batch.epoch)
-        if not live and not await self._adopt(batch.node_id, batch.epoch, self._clock()):
+        if not live and not await self._adopt(batch.node_id, batch.epoch, self._clock(), session):
             raise StaleEpoch(f"node {batch.node_id!r} epoch {batch.epoch} is not live; re-register")
         applied = await self.store.apply(batch)
         self.events.commit(batch.node_id, batch.epoch, batch.adds, batch.evicts)

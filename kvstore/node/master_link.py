@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -78,6 +79,10 @@ class MasterLink:
         metrics: Metrics,
     ) -> None:
         self.master = master
+        if not master.session:
+            # This process's registration key: only it may heartbeat, commit for or
+            # re-register its id while that registration lives.
+            master.session = os.urandom(32)
         self.address = address
         """The master's gRPC ``host:port`` (the heartbeat thread dials it)."""
         self.tiers = tiers
@@ -226,6 +231,7 @@ class MasterLink:
                         epoch=self.epoch,
                         tiers=wire.tiers_to_pb(self.usage),
                         counters=self.counters,
+                        session=self.master.session,
                     )
                     try:
                         reply = pb_grpc.MasterStub(channels[current]).Heartbeat(

@@ -79,6 +79,7 @@ from kvstore.errors import (
     InvalidArgument,
     KVStoreError,
     KVTimeout,
+    NodeIdTaken,
     ProtocolError,
     TransportError,
     Unauthorized,
@@ -142,6 +143,9 @@ class NodeConfig:
     """The cluster secret (``--auth-file``): sent with every master call, and the root of
     the data port's tickets (:mod:`kvstore.dataplane.handshake`: every connection then
     authenticates at its start); empty: none, the data port serves every connection."""
+    register_wait_s: float = 30.0
+    """How long a starting node waits for an older live registration of its id (its own,
+    before a restart) to end before it gives up with NodeIdTaken."""
     max_header_bytes: int = 512 * 2**10
     """Longest frame header read. The largest request, a put naming 4096 chunks, measured
     337 KiB (a 126-layer, TP-8 namespace) and 364 KiB with every field at its widest."""
@@ -243,12 +247,30 @@ class StorageNode:
         self.data_uri = self.migration.own_uri = self._listener.address
         if cfg.transport == "ucx":
             await self._start_nixl()
-        await self.link.register(self._identity())
+        await self._first_registration()
         self._refresh_usage()
         self.link.start_heartbeats(self.node_id, asyncio.get_running_loop())
         self._tasks.append(asyncio.create_task(self._sweeper(), name="kvstore-node-sweeper"))
         self._tasks.append(asyncio.create_task(self.scrub.run(), name="kvstore-node-scrub"))
         self._tasks.append(asyncio.create_task(self.migration.run(), name="kvstore-node-drain"))
+
+    async def _first_registration(self) -> None:
+        """Register; while another process's live registration holds this node id (this
+        node restarted within its old lease), retry until that lease ends, at most
+        ``register_wait_s``, then raise :class:`NodeIdTaken`."""
+        deadline = time.monotonic() + self.config.register_wait_s
+        warned = False
+        while True:
+            try:
+                await self.link.register(self._identity())
+                return
+            except NodeIdTaken as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                if not warned:
+                    logger.warning("%s; waiting up to %.0f s", exc, self.config.register_wait_s)
+                    warned = True
+                await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
     def _identity(self) -> NodeIdentity:
         cfg = self.config

@@ -18,7 +18,7 @@ class Tier(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "data_uri", "transport", "nixl_metadata", "tiers", "version", "host")
+    __slots__ = ("node_id", "data_uri", "transport", "nixl_metadata", "tiers", "version", "host", "session")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_URI_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class RegisterRequest(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     data_uri: str
     transport: str
@@ -33,7 +34,8 @@ class RegisterRequest(_message.Message):
     tiers: _containers.RepeatedCompositeFieldContainer[Tier]
     version: str
     host: str
-    def __init__(self, node_id: _Optional[str] = ..., data_uri: _Optional[str] = ..., transport: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., version: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
+    session: bytes
+    def __init__(self, node_id: _Optional[str] = ..., data_uri: _Optional[str] = ..., transport: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., version: _Optional[str] = ..., host: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("epoch", "lease_s")
@@ -44,7 +46,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "epoch", "tiers", "counters")
+    __slots__ = ("node_id", "epoch", "tiers", "counters", "session")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -56,11 +58,13 @@ class HeartbeatRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     tiers: _containers.RepeatedCompositeFieldContainer[Tier]
     counters: _containers.ScalarMap[str, int]
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    session: bytes
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("ok", "reregister", "draining")
@@ -101,7 +105,7 @@ class ObjectAdd(_message.Message):
     def __init__(self, key: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("node_id", "epoch", "seq", "adds", "evicts", "object_adds", "object_removes", "tiers")
+    __slots__ = ("node_id", "epoch", "seq", "adds", "evicts", "object_adds", "object_removes", "tiers", "session")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +114,7 @@ class CommitRequest(_message.Message):
     OBJECT_ADDS_FIELD_NUMBER: _ClassVar[int]
     OBJECT_REMOVES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     seq: int
@@ -118,7 +123,8 @@ class CommitRequest(_message.Message):
     object_adds: _containers.RepeatedCompositeFieldContainer[ObjectAdd]
     object_removes: _containers.RepeatedScalarFieldContainer[str]
     tiers: _containers.RepeatedCompositeFieldContainer[Tier]
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., adds: _Optional[_Iterable[_Union[BlockAdd, _Mapping]]] = ..., evicts: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., object_adds: _Optional[_Iterable[_Union[ObjectAdd, _Mapping]]] = ..., object_removes: _Optional[_Iterable[str]] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ...) -> None: ...
+    session: bytes
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., adds: _Optional[_Iterable[_Union[BlockAdd, _Mapping]]] = ..., evicts: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., object_adds: _Optional[_Iterable[_Union[ObjectAdd, _Mapping]]] = ..., object_removes: _Optional[_Iterable[str]] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("applied_seq",)
@@ -482,12 +488,14 @@ class ReportNodeResponse(_message.Message):
     def __init__(self, suspect: _Optional[bool] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
-    __slots__ = ("node_id", "epoch")
+    __slots__ = ("node_id", "epoch", "session")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    session: bytes
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class DeregisterResponse(_message.Message):
     __slots__ = ("dropped",)
