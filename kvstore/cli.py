@@ -259,7 +259,6 @@ async def _run(cfg: Resolved, auth: AuthConfig | None) -> int:
     from kvstore.master.redis_store import RedisIndexStore
     from kvstore.master.server import MasterConfig, MasterServer, grpc_address
     from kvstore.metrics import Metrics, MetricsServer
-    from kvstore.node.server import NodeConfig, StorageNode
 
     command = cfg.command
     secret = auth.cluster_secret if auth is not None else ""
@@ -294,6 +293,9 @@ async def _run(cfg: Resolved, auth: AuthConfig | None) -> int:
             if not private:
                 parts.append(f"grpc={master.address}")
         if command in ("serve", "node"):
+            # (here, not above: a master alone never loads the node, nor torch: ~2 s)
+            from kvstore.node.server import NodeConfig, StorageNode
+
             node = StorageNode(
                 NodeConfig(
                     master=master.address if command == "serve" else cfg["master"],

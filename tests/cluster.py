@@ -21,7 +21,15 @@ import pytest
 from kvclient.ucx import nixl_available
 from kvstore.dataplane import NodeClient
 
-__all__ = ["TRANSPORTS", "Server", "node_stats", "rpc_count", "serving", "start_server"]
+__all__ = [
+    "TRANSPORTS",
+    "Server",
+    "node_stats",
+    "rpc_count",
+    "serving",
+    "start_server",
+    "start_servers",
+]
 
 TRANSPORTS = [
     "tcp",
@@ -70,8 +78,30 @@ class Server:
 
 def start_server(*args: str, timeout: float = 60.0) -> Server:
     """Start ``python -m kvstore.cli ARGS`` and wait for its ready line (or fail)."""
+    return _ready(_spawn(args), args, timeout)
+
+
+def start_servers(*argvs: tuple[str, ...] | list[str], timeout: float = 60.0) -> list[Server]:
+    """Start several servers at once (their imports overlap), then wait for each ready
+    line in turn; on a failure the ones started are stopped."""
+    procs = [_spawn(tuple(argv)) for argv in argvs]
+    servers: list[Server] = []
+    try:
+        for proc, argv in zip(procs, argvs, strict=True):
+            servers.append(_ready(proc, tuple(argv), timeout))
+    except BaseException:
+        for proc in procs[len(servers) :]:
+            if proc.poll() is None:
+                proc.kill()
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def _spawn(args: tuple[str, ...]) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "kvstore.cli", *args],
         stdout=subprocess.PIPE,
         stderr=None,
@@ -79,6 +109,10 @@ def start_server(*args: str, timeout: float = 60.0) -> Server:
         text=True,
         env=env,
     )
+
+
+def _ready(proc: subprocess.Popen[str], args: tuple[str, ...], timeout: float) -> Server:
+    """Wait for ``proc``'s ready line (killing it on a failure)."""
     assert proc.stdout is not None
     lines: list[str] = []
     sel = selectors.DefaultSelector()

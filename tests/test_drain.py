@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import kvclient
-from tests.cluster import Server, start_server
+from tests.cluster import Server, start_server, start_servers
 from tests.kvproc import layer_kv, namespace, prompt
 
 pytestmark = pytest.mark.slow
@@ -80,7 +80,7 @@ async def _holders(kv: kvclient.KVClient, tokens: list[int]) -> list[dict[str, i
 async def test_drain_wait_then_stop_loses_no_block(master: Server) -> None:
     # (tcp:// writers only: the copy is node to node over tcp:// whatever the writers used;
     # a draining node's refusal to grant ucx:// slots is tests/test_migrate.py's)
-    nodes = [start_server(*_node_args(master, "tcp")) for _ in range(3)]
+    nodes = start_servers(*[_node_args(master, "tcp") for _ in range(3)])
     try:
         async with (
             await _connect(master, 3, replicas=1) as one,
@@ -133,8 +133,7 @@ async def test_drain_wait_then_stop_loses_no_block(master: Server) -> None:
 
 
 async def test_drain_on_exit_copies_before_leaving(master: Server) -> None:
-    nodes = [start_server(*_node_args(master, "tcp", "--drain-on-exit", "60"))
-             for _ in range(2)]  # fmt: skip
+    nodes = start_servers(*[_node_args(master, "tcp", "--drain-on-exit", "60") for _ in range(2)])
     try:
         async with await _connect(master, 2, replicas=1) as kv:
             tokens, ref = await _write(kv, seed=103)

@@ -19,7 +19,7 @@ import torch
 
 import kvclient
 from kvstore.control.records import NodeInfo
-from tests.cluster import TRANSPORTS, Server, start_server
+from tests.cluster import TRANSPORTS, Server, start_server, start_servers
 from tests.kvproc import layer_kv, namespace, prompt
 
 pytestmark = pytest.mark.slow
@@ -40,8 +40,7 @@ def cluster(transport: str) -> Iterator[tuple[Server, list[Server]]]:
     try:
         args = ["--master", master.grpc, "--data-port", "0", "--metrics-port", "0",
                 "--host-mem", "128MiB", "--transport", transport]  # fmt: skip
-        for _ in range(2):
-            nodes.append(start_server("node", *args))
+        nodes += start_servers(("node", *args), ("node", *args))
         yield master, nodes
     finally:
         for node in nodes:
