@@ -28,7 +28,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvstore import __version__
 from kvstore.config import (
@@ -44,6 +44,7 @@ from kvstore.errors import InvalidArgument, KVStoreError
 
 if TYPE_CHECKING:
     from kvstore.control.auth import AuthConfig
+    from kvstore.control.tls import TlsFiles
     from kvstore.master.server import MasterServer
     from kvstore.master.service import PoolState
     from kvstore.metrics import Metrics
@@ -175,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         auth = _check_exposure(cfg)
+        tls = _load_tls(cfg)
     except InvalidArgument as exc:
         print(f"kvstore {command}: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
@@ -192,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        return asyncio.run(_run(cfg, auth))
+        return asyncio.run(_run(cfg, auth, tls))
     except (KVStoreError, OSError) as exc:
         print(f"kvstore {command}: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_RUNTIME
@@ -226,6 +228,26 @@ def _check_exposure(cfg: Resolved) -> AuthConfig | None:
     return None
 
 
+def _load_tls(cfg: Resolved) -> tuple[Any, TlsFiles | None]:
+    """The master's gRPC server credentials (None: plaintext) and the node's TLS files
+    toward its master (None: not a node), read here so that a bad file fails in one line."""
+    from dataclasses import replace
+
+    from kvstore.control.tls import TlsFiles, channel_credentials, server_credentials
+
+    def path(name: str) -> str:
+        return str(cfg.values.get(name) or "")
+
+    mine = TlsFiles(path("tls_cert"), path("tls_key"))
+    server_tls = None
+    if cfg.command in ("serve", "master") and mine.on:
+        server_tls = server_credentials(replace(mine, ca=path("tls_client_ca")))
+    node_tls = replace(mine, ca=path("tls_ca")) if cfg.command == "node" else None
+    if node_tls is not None and node_tls.on:
+        channel_credentials(node_tls)  # (reads and checks the files)
+    return server_tls, node_tls
+
+
 def _probe_ports(cfg: Resolved) -> None:
     """Bind and release each fixed port this command will open (as the servers do, with
     SO_REUSEADDR), so that a taken port is reported in one line of ours before any server
@@ -249,7 +271,7 @@ def _probe_ports(cfg: Resolved) -> None:
             raise OSError(f"cannot bind the {what} port {address} ({flag}): {reason}") from exc
 
 
-async def _run(cfg: Resolved, auth: AuthConfig | None) -> int:
+async def _run(cfg: Resolved, auth: AuthConfig | None, tls: tuple[Any, TlsFiles | None]) -> int:
     import asyncio
     import contextlib
     import logging
@@ -262,6 +284,8 @@ async def _run(cfg: Resolved, auth: AuthConfig | None) -> int:
 
     command = cfg.command
     secret = auth.cluster_secret if auth is not None else ""
+
+    server_tls, node_tls = tls
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -283,7 +307,9 @@ async def _run(cfg: Resolved, auth: AuthConfig | None) -> int:
                 store = RedisIndexStore(cfg["redis"])
                 await store.start()
                 exits.push_async_callback(store.close)
-            master = MasterServer(mcfg, store, auth=auth)
+            # serve: its private loopback port stays plaintext (its own node), the public
+            # one (listen below) speaks TLS
+            master = MasterServer(mcfg, store, auth=auth, tls=None if private else server_tls)
             master.service.add_rpc_observer(
                 lambda method, seconds: metrics.rpc_seconds.labels(method=method).observe(seconds)
             )
@@ -310,6 +336,7 @@ async def _run(cfg: Resolved, auth: AuthConfig | None) -> int:
                     idle_timeout_s=cfg["idle_timeout_s"],
                     header_timeout_s=cfg["header_timeout_s"],
                     token=secret,
+                    tls=node_tls,
                 ),
                 metrics,
                 # serve: the node commits straight to its in-process master, not over gRPC.
@@ -322,7 +349,7 @@ async def _run(cfg: Resolved, auth: AuthConfig | None) -> int:
             await node.start()
             exits.push_async_callback(node.stop, 5.0)
         if command == "serve":
-            port = await master.listen(cfg["host"], cfg["grpc_port"])
+            port = await master.listen(cfg["host"], cfg["grpc_port"], server_tls)
             parts.append(f"grpc={grpc_address(cfg['host'], port)}")
         if node is not None:
             parts.append(f"data={node.data_uri}")
@@ -330,6 +357,8 @@ async def _run(cfg: Resolved, auth: AuthConfig | None) -> int:
                 parts.append(f"ucx={await _ucx_uri(node)}")
             parts.append(f"node={node.node_id}")
         parts.append("auth=" + ("on" if auth is not None else "off"))
+        if server_tls is not None or (node_tls is not None and node_tls.on):
+            parts.append("tls=on")
         msrv = MetricsServer(metrics, cfg["host"], cfg["metrics_port"])
         exits.callback(msrv.close)
         parts.append(f"metrics={msrv.address}")

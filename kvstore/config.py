@@ -307,6 +307,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("auth-file", _path, None, "TOML file of the cluster secret and the tokens "
             "(chmod 600): every master call then needs a token whose role may make it",
             _BOTH, "PATH"),
+    Setting("tls-cert", _path, None, "PEM certificate: a master serves gRPC over TLS "
+            "only; a node presents it to its master (client certificate)", _BOTH, "PATH"),
+    Setting("tls-key", _path, None, "the private key of --tls-cert (chmod 600)", _BOTH,
+            "PATH"),
+    Setting("tls-client-ca", _path, None, "a master with TLS requires every caller to "
+            "present a certificate this CA signed (mutual TLS)", _MASTERS, "PATH"),
+    Setting("tls-ca", _path, None, "a node speaks TLS to its master and verifies the "
+            "master's certificate against this CA", ("node",), "PATH"),
     Setting("insecure", _switch, False, "serve a non-loopback address without an "
             "auth file (anyone who reaches the port may read, write and evict KV)", _BOTH,
             "", render=lambda v: "true" if v else "false", switch=True),

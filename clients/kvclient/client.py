@@ -28,6 +28,7 @@ import torch
 from kvstore.control.auth import token_from_env
 from kvstore.control.client import MasterClient
 from kvstore.control.records import Holder
+from kvstore.control.tls import TlsFiles, tls_from_env
 from kvstore.core.codec import (
     KV,
     ChunkKey,
@@ -199,13 +200,19 @@ class ClientCore:
         replicas: int = 1,
         timeout_s: float = 10.0,
         token: str | None = None,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
         **options: Any,
     ) -> Self:
         """Connect to the master at ``host:port`` and check that it answers. Several masters
         sharing one Redis (a list, or ``"a:p,b:p"``): calls fail over to the next one when
         theirs is down or silent, within their deadline. ``token``: this client's token for
         a master with an auth file (default ``$KVSTORE_TOKEN``, else the file
-        ``$KVSTORE_TOKEN_FILE`` names; none if neither is set).
+        ``$KVSTORE_TOKEN_FILE`` names; none if neither is set). ``ca_file``: a master with
+        TLS, the CA (PEM) its certificate chains to (default ``$KVSTORE_TLS_CA``);
+        ``cert_file``/``key_file``: this client's certificate for a master that requires
+        one (default ``$KVSTORE_TLS_CERT``/``$KVSTORE_TLS_KEY``); none set: plaintext.
 
         Blocks up to ``timeout_s``. Raises :class:`~kvstore.errors.Unreachable` or
         :class:`~kvstore.errors.KVTimeout` when no master answers,
@@ -215,7 +222,13 @@ class ClientCore:
         if token is None:
             token = token_from_env()
         # (MasterClient refuses a token gRPC metadata cannot carry: check_token)
-        mc = MasterClient(target, timeout_s=timeout_s, token=args.text(token, "token"))
+        env = tls_from_env()
+        tls = TlsFiles(
+            cert=env.cert if cert_file is None else args.text(cert_file, "cert_file", 4096),
+            key=env.key if key_file is None else args.text(key_file, "key_file", 4096),
+            ca=env.ca if ca_file is None else args.text(ca_file, "ca_file", 4096),
+        )
+        mc = MasterClient(target, timeout_s=timeout_s, token=args.text(token, "token"), tls=tls)
         try:
             await mc.stats()
         except BaseException:

@@ -19,10 +19,13 @@
 ``kvctl --version`` prints the package version. ``--master`` defaults to
 ``$KVSTORE_MASTER`` or ``127.0.0.1:50051``; ``--master``, ``--timeout`` and
 ``--token-file`` (a master with an auth file: the operator's token; default
-``$KVSTORE_TOKEN``, else the file ``$KVSTORE_TOKEN_FILE`` names) may also follow the
-command. ``--json`` prints one JSON document instead of
-a table. Exit codes: 0 ok, 1 the master could not be reached or answered with an error
-(one line on stderr), 2 usage errors (bad flags, tokens, namespace).
+``$KVSTORE_TOKEN``, else the file ``$KVSTORE_TOKEN_FILE`` names), ``--ca-file`` (a master
+with TLS: the CA its certificate chains to; default ``$KVSTORE_TLS_CA``), ``--cert-file``
+and ``--key-file`` (a master that requires client certificates; default
+``$KVSTORE_TLS_CERT``, ``$KVSTORE_TLS_KEY``) may also follow the command. ``--json``
+prints one JSON document instead of a table. Exit codes: 0 ok, 1 the master could not be
+reached or answered with an error (one line on stderr), 2 usage errors (bad flags, tokens,
+namespace).
 
         evict ...           evict a prompt's blocks, or a whole namespace without tokens,
                             on every live node (Nodes, then each node's data port: nodes
@@ -49,6 +52,7 @@ if TYPE_CHECKING:
     from _typeshed import SupportsWrite
 
     from kvstore.control.client import MasterClient
+    from kvstore.control.tls import TlsFiles
 
 __all__ = ["DEFAULT_MASTER", "DEFAULT_TIMEOUT_S", "EXIT_MASTER", "EXIT_USAGE", "main"]
 
@@ -97,12 +101,12 @@ def main(
         return _top(args, out, err)
     try:
         job = args.prepare(args, sys.stdin if stdin is None else stdin)
-        token = _token(args)
+        token, tls = _token(args), _tls(args)
     except InvalidArgument as exc:
         err.write(f"kvctl: {exc}\n")
         return EXIT_USAGE
     try:
-        result = _ask_master(args.master, args.timeout, job.fetch, token)
+        result = _ask_master(args.master, args.timeout, job.fetch, token, tls)
     except KVStoreError as exc:
         err.write(_describe(exc, args.master, args.timeout) + "\n")
         return EXIT_MASTER
@@ -126,12 +130,13 @@ def _top(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         err.write("kvctl top: --json needs --once\n")
         return EXIT_USAGE
     try:
-        token = _token(args)
+        token, tls = _token(args), _tls(args)
     except InvalidArgument as exc:
         err.write(f"kvctl: {exc}\n")
         return EXIT_USAGE
     opts = top.TopOptions(
         token=token,
+        tls=tls,
         master=args.master,
         timeout_s=args.timeout,
         interval_s=args.interval,
@@ -159,23 +164,44 @@ def _token(args: argparse.Namespace) -> str:
     return read_token_file(path) if path else token_from_env()
 
 
+def _tls(args: argparse.Namespace) -> TlsFiles:
+    """``--ca-file``, ``--cert-file``, ``--key-file``, each defaulting to its
+    ``$KVSTORE_TLS_*`` variable; nothing set: plaintext."""
+    from kvstore.control.tls import TlsFiles, channel_credentials, tls_from_env
+
+    env = tls_from_env()
+    files = TlsFiles(
+        cert=getattr(args, "cert_file", None) or env.cert,
+        key=getattr(args, "key_file", None) or env.key,
+        ca=getattr(args, "ca_file", None) or env.ca,
+    )
+    if files.on:
+        channel_credentials(files)  # (reads and checks them: a bad file is a usage error)
+    return files
+
+
 def _ask_master(
     target: str,
     timeout_s: float,
     fetch: Callable[[MasterClient], Awaitable[T]],
     token: str = "",
+    tls: TlsFiles | None = None,
 ) -> T:
     import asyncio
 
-    return asyncio.run(_with_client(target, timeout_s, fetch, token))
+    return asyncio.run(_with_client(target, timeout_s, fetch, token, tls))
 
 
 async def _with_client(
-    target: str, timeout_s: float, fetch: Callable[[MasterClient], Awaitable[T]], token: str
+    target: str,
+    timeout_s: float,
+    fetch: Callable[[MasterClient], Awaitable[T]],
+    token: str,
+    tls: TlsFiles | None,
 ) -> T:
     from kvstore.control.client import MasterClient
 
-    async with MasterClient(target, timeout_s=timeout_s, token=token) as client:
+    async with MasterClient(target, timeout_s=timeout_s, token=token, tls=tls) as client:
         return await fetch(client)
 
 
@@ -386,6 +412,17 @@ def _connection_options(parser: argparse.ArgumentParser, master: str | None) -> 
         help="a file holding this operator's token, for a master with an auth file "
         "(default: $KVSTORE_TOKEN, else the file $KVSTORE_TOKEN_FILE names)",
     )
+    for flag, what, env in (
+        ("--ca-file", "the CA a TLS master's certificate chains to", "KVSTORE_TLS_CA"),
+        ("--cert-file", "this operator's client certificate (mutual TLS)", "KVSTORE_TLS_CERT"),
+        ("--key-file", "the private key of --cert-file", "KVSTORE_TLS_KEY"),
+    ):
+        parser.add_argument(
+            flag,
+            default=suppress if master is None else None,
+            metavar="PATH",
+            help=f"{what} (default: ${env})",
+        )
 
 
 def _lookup_options(parser: argparse.ArgumentParser, tokens_required: bool = True) -> None:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     from kvstore.control.client import MasterClient
     from kvstore.control.records import MasterStats, NodeInfo
+    from kvstore.control.tls import TlsFiles
 
 __all__ = [
     "Frame",
@@ -401,6 +402,7 @@ class TopOptions:
     metrics: tuple[str, ...]
     node_metrics_port: int | None
     token: str = ""
+    tls: TlsFiles | None = None
 
 
 def run(opts: TopOptions, out: TextIO) -> None:
@@ -412,7 +414,9 @@ def run(opts: TopOptions, out: TextIO) -> None:
 async def _run(opts: TopOptions, out: TextIO) -> None:
     from kvstore.control.client import MasterClient
 
-    async with MasterClient(opts.master, timeout_s=opts.timeout_s, token=opts.token) as client:
+    async with MasterClient(
+        opts.master, timeout_s=opts.timeout_s, token=opts.token, tls=opts.tls
+    ) as client:
 
         async def snap() -> Snapshot:
             return await take_snapshot(client, opts.metrics, opts.node_metrics_port, opts.timeout_s)

@@ -41,6 +41,7 @@ from kvstore.control.records import (
     Tier,
     WatchEvent,
 )
+from kvstore.control.tls import TlsFiles, channel_credentials
 from kvstore.core.routing import Instance, RouteChoice
 from kvstore.dataplane.handshake import Ticket, TicketSource
 from kvstore.errors import (
@@ -137,10 +138,12 @@ class MasterClient:
         max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
         service: pb_grpc.MasterServicer | None = None,
         token: str = "",
+        tls: TlsFiles | None = None,
     ) -> None:
         """``service``: see :meth:`in_process` (``target`` then only names it). ``token``:
         sent with every call (``kvstore.control.auth``: a node's cluster secret, a client's
-        or an admin's token); empty: none, for a master without an auth file."""
+        or an admin's token); empty: none, for a master without an auth file. ``tls``:
+        TLS to the master (:mod:`kvstore.control.tls`); None or nothing set: plaintext."""
         targets = [t.strip() for t in str(target).split(",") if t.strip()]
         if not targets:
             raise InvalidArgument("master address must not be empty")
@@ -154,6 +157,7 @@ class MasterClient:
         """A node's registration key, sent on its Register, Heartbeat, Commit and
         Deregister (a node's :class:`~kvstore.node.master_link.MasterLink` sets it)."""
         self._service = service
+        self.tls: TlsFiles | None = None
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[pb_grpc.MasterStub] = []
         self._current = 0
@@ -167,7 +171,12 @@ class MasterClient:
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 2000),
         ]
-        self._channels = [grpc.aio.insecure_channel(t, options=options) for t in targets]
+        self.tls = tls if tls is not None and tls.on else None
+        if self.tls is not None:
+            creds = channel_credentials(self.tls)
+            self._channels = [grpc.aio.secure_channel(t, creds, options=options) for t in targets]
+        else:
+            self._channels = [grpc.aio.insecure_channel(t, options=options) for t in targets]
         self._stubs = [pb_grpc.MasterStub(ch) for ch in self._channels]
 
     @property

@@ -84,9 +84,13 @@ class MasterServer:
         *,
         clock: Callable[[], float] = time.monotonic,
         auth: AuthConfig | None = None,
+        tls: grpc.ServerCredentials | None = None,
     ) -> None:
         self.config = config
         self.auth = auth
+        self.tls = tls
+        """With credentials (:func:`kvstore.control.tls.server_credentials`): the port
+        :meth:`start` opens speaks TLS only."""
         """With an auth file: every call needs a token of a role that may make it."""
         self._owns_store = store is None
         self.store: IndexStore = store if store is not None else MemoryIndexStore()
@@ -122,23 +126,26 @@ class MasterServer:
         restored = await self.service.restore()
         if restored:
             log.info("restored %d nodes with one lease of grace", restored)
-        server, port = await self._serve_on(self.config.host, self.config.grpc_port)
+        server, port = await self._serve_on(self.config.host, self.config.grpc_port, self.tls)
         self._server = server
         self.port = port
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="kvstore-master-sweeper")
         log.info("master serving on %s (lease %.3g s)", self.address, self.config.node_lease_s)
 
-    async def listen(self, host: str, port: int) -> int:
+    async def listen(self, host: str, port: int, tls: grpc.ServerCredentials | None = None) -> int:
         """Serve the same master on one more ``host:port`` (``kvstore serve`` opens its
-        public port this way once its node registered); returns the bound port. Stopped by
-        :meth:`stop`. Raises :class:`TransportError` if the port cannot be bound."""
+        public port this way once its node registered), with TLS given ``tls``; returns the
+        bound port. Stopped by :meth:`stop`. Raises :class:`TransportError` if the port
+        cannot be bound."""
         if self._server is None or self._stopped:
             raise Closed("MasterServer.listen() needs a started server")
-        server, bound = await self._serve_on(host, port)
+        server, bound = await self._serve_on(host, port, tls)
         self._extra.append(server)
         return bound
 
-    async def _serve_on(self, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    async def _serve_on(
+        self, host: str, port: int, tls: grpc.ServerCredentials | None
+    ) -> tuple[grpc.aio.Server, int]:
         """A started grpc.aio server carrying this master's service on ``host:port``."""
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
@@ -154,7 +161,10 @@ class MasterServer:
         pb_grpc.add_MasterServicer_to_server(self.service, server)
         target = grpc_address(host, port)
         try:
-            bound = server.add_insecure_port(target)
+            if tls is not None:
+                bound = server.add_secure_port(target, tls)
+            else:
+                bound = server.add_insecure_port(target)
         except RuntimeError as exc:
             raise TransportError(f"cannot bind the master's gRPC port {target}: {exc}") from exc
         if bound == 0:

@@ -27,6 +27,7 @@ from kvstore.control import wire
 from kvstore.control.auth import bearer
 from kvstore.control.client import MasterClient
 from kvstore.control.records import BlockAdd, BlockRef, CommitBatch, ObjectAdd, Tier
+from kvstore.control.tls import channel_credentials
 from kvstore.core.slots import ObjectStore
 from kvstore.errors import KVStoreError, StaleEpoch, TransportError
 from kvstore.metrics import Metrics
@@ -221,7 +222,12 @@ class MasterLink:
         is down or silent) moves on to the next of several masters (``a:p,b:p``), which
         knows this node's epoch from the Redis they share."""
         targets = [t.strip() for t in self.address.split(",") if t.strip()]
-        channels = [grpc.insecure_channel(t) for t in targets]
+        tls = self.master.tls
+        creds = channel_credentials(tls) if tls is not None else None
+        channels = [
+            grpc.secure_channel(t, creds) if creds is not None else grpc.insecure_channel(t)
+            for t in targets
+        ]
         current = 0
         try:
             while not self._hb_stop.wait(self.lease_s / 3):

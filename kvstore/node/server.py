@@ -35,6 +35,7 @@ import torch
 
 from kvstore.control.client import MasterClient
 from kvstore.control.records import BlockAdd, ObjectAdd
+from kvstore.control.tls import TlsFiles
 from kvstore.core.codec import chunk_nbytes
 from kvstore.core.hashing import Namespace
 from kvstore.core.slots import Lease, ObjectStore, Slot, SlotKey, TierStats
@@ -143,6 +144,9 @@ class NodeConfig:
     """The cluster secret (``--auth-file``): sent with every master call, and the root of
     the data port's tickets (:mod:`kvstore.dataplane.handshake`: every connection then
     authenticates at its start); empty: none, the data port serves every connection."""
+    tls: TlsFiles | None = None
+    """TLS to the master (``--tls-ca``, and ``--tls-cert``/``--tls-key`` as the node's
+    client certificate); None: plaintext."""
     register_wait_s: float = 30.0
     """How long a starting node waits for an older live registration of its id (its own,
     before a restart) to end before it gives up with NodeIdTaken."""
@@ -190,7 +194,9 @@ class StorageNode:
             self.checks, self.tiers, self._drop, config.scrub_bytes, busy=lambda: self._serving > 0
         )
         self.link = MasterLink(
-            master if master is not None else MasterClient(config.master, token=config.token),
+            master
+            if master is not None
+            else MasterClient(config.master, token=config.token, tls=config.tls),
             config.master,
             self.tiers,
             self.objects,
