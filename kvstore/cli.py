@@ -228,9 +228,10 @@ def _check_exposure(cfg: Resolved) -> AuthConfig | None:
     return None
 
 
-def _load_tls(cfg: Resolved) -> tuple[Any, TlsFiles | None]:
-    """The master's gRPC server credentials (None: plaintext) and the node's TLS files
-    toward its master (None: not a node), read here so that a bad file fails in one line."""
+def _load_tls(cfg: Resolved) -> tuple[Any, TlsFiles | None, Any]:
+    """The master's gRPC server credentials (None: plaintext), the node's TLS files toward
+    its master (None: not a node) and the data port's server context (None: ``tcp://``),
+    read here so that a bad file fails in one line."""
     from dataclasses import replace
 
     from kvstore.control.tls import TlsFiles, channel_credentials, server_credentials
@@ -245,7 +246,15 @@ def _load_tls(cfg: Resolved) -> tuple[Any, TlsFiles | None]:
     node_tls = replace(mine, ca=path("tls_ca")) if cfg.command == "node" else None
     if node_tls is not None and node_tls.on:
         channel_credentials(node_tls)  # (reads and checks the files)
-    return server_tls, node_tls
+    data_tls = None
+    if cfg.command in ("serve", "node") and cfg.values.get("data_tls"):
+        from kvstore.transport.tls import server_context
+
+        if not mine.cert:
+            raise InvalidArgument("--data-tls needs --tls-cert and --tls-key")
+        server_credentials(mine)  # (the same checks of the files: key mode, PEM)
+        data_tls = server_context(mine.cert, mine.key)
+    return server_tls, node_tls, data_tls
 
 
 def _probe_ports(cfg: Resolved) -> None:
@@ -271,7 +280,9 @@ def _probe_ports(cfg: Resolved) -> None:
             raise OSError(f"cannot bind the {what} port {address} ({flag}): {reason}") from exc
 
 
-async def _run(cfg: Resolved, auth: AuthConfig | None, tls: tuple[Any, TlsFiles | None]) -> int:
+async def _run(
+    cfg: Resolved, auth: AuthConfig | None, tls: tuple[Any, TlsFiles | None, Any]
+) -> int:
     import asyncio
     import contextlib
     import logging
@@ -285,7 +296,7 @@ async def _run(cfg: Resolved, auth: AuthConfig | None, tls: tuple[Any, TlsFiles 
     command = cfg.command
     secret = auth.cluster_secret if auth is not None else ""
 
-    server_tls, node_tls = tls
+    server_tls, node_tls, data_tls = tls
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -337,6 +348,7 @@ async def _run(cfg: Resolved, auth: AuthConfig | None, tls: tuple[Any, TlsFiles 
                     header_timeout_s=cfg["header_timeout_s"],
                     token=secret,
                     tls=node_tls,
+                    data_tls=data_tls,
                 ),
                 metrics,
                 # serve: the node commits straight to its in-process master, not over gRPC.

@@ -315,6 +315,9 @@ SETTINGS: tuple[Setting, ...] = (
             "present a certificate this CA signed (mutual TLS)", _MASTERS, "PATH"),
     Setting("tls-ca", _path, None, "a node speaks TLS to its master and verifies the "
             "master's certificate against this CA", ("node",), "PATH"),
+    Setting("data-tls", _switch, False, "serve the data port as tls:// (TLS 1.3) with "
+            "--tls-cert and --tls-key; clients verify it with their CA file", _NODES, "",
+            render=lambda v: "true" if v else "false", switch=True),
     Setting("insecure", _switch, False, "serve a non-loopback address without an "
             "auth file (anyone who reaches the port may read, write and evict KV)", _BOTH,
             "", render=lambda v: "true" if v else "false", switch=True),

@@ -127,8 +127,8 @@ async def test_the_cluster_secret_alone_cannot_take_over_a_live_node(
 ) -> None:
     """A process holding the cluster secret (a node role) but not the live node's
     registration key: it cannot register the node's id elsewhere (ALREADY_EXISTS), nor
-    heartbeat, commit for or deregister its epoch (PERMISSION_DENIED), though Nodes shows
-    that epoch; the node serves on."""
+    heartbeat, commit for, deregister or drain it (PERMISSION_DENIED), though Nodes shows
+    its epoch; the node serves on, not draining."""
     master, node, _ = pool
     node_id = node.addresses["node"]
     tokens = prompt(1024, seed=63)
@@ -146,8 +146,11 @@ async def test_the_cluster_secret_alone_cannot_take_over_a_live_node(
                     BlockAdd(kv.ns.id, b"\x01" * 16, (0,)),)))  # fmt: skip
             with pytest.raises(kvclient.errors.PermissionDenied):
                 await rogue.deregister(node_id, info.epoch)
+            with pytest.raises(kvclient.errors.PermissionDenied):  # a node drains only itself
+                await rogue.drain(node_id)
             [after] = [n for n in await rogue.nodes() if n.node_id == node_id]
             assert (after.epoch, after.data_uri, after.alive) == (info.epoch, info.data_uri, True)
+            assert not after.draining
         assert await kv.match_prefix(tokens) == 1024
         assert (await kv.get_layer(tokens, 0)).shape[1] == 1024
 

@@ -37,7 +37,7 @@ from kvstore.dataplane.handshake import (
     ticket_root,
 )
 from kvstore.dataplane.messages import PutChunk
-from kvstore.errors import PermissionDenied, Unauthorized
+from kvstore.errors import KVTimeout, PermissionDenied, ProtocolError, Unauthorized, Unreachable
 from kvstore.transport import connect, listen
 from kvstore.transport.base import Connection
 from tests.cluster import Server, start_server
@@ -96,7 +96,7 @@ class _Fixed(TicketSource):
         super().__init__(root=b"unused")
         self._fixed = ticket
 
-    async def ticket(self) -> Ticket:
+    async def ticket(self, timeout: float | None = None) -> Ticket:
         return self._fixed
 
 
@@ -254,3 +254,78 @@ def test_a_drain_copies_between_nodes_that_authenticate(
                 assert torch.equal(await kv.get_layer(tokens, layer), ref[layer])
 
     asyncio.run(read())
+
+
+async def test_ticket_source_refreshes_in_the_background_and_remembers_no_ticket() -> None:
+    """A client's tickets: fetched once and reused; past half life the old one is handed
+    out while one fetch of the next runs; a master that fails meanwhile costs nothing until
+    the ticket expires, then the failure is raised; "no ticket" (no auth file, or a master
+    too old for DataTicket) is remembered instead of asked for on every dial."""
+    root = ticket_root(SECRET)
+    answers: list[Any] = []
+    calls = 0
+
+    async def fetch() -> Ticket | None:
+        nonlocal calls
+        calls += 1
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer  # type: ignore[no-any-return]
+
+    fresh = Ticket.issue(root, "client", "team-a")
+    source = TicketSource(fetch)
+    answers.append(fresh)
+    assert await source.ticket(5) is fresh and await source.ticket(5) is fresh and calls == 1
+    # Half life gone (a ticket of 60 s is past half of the hour at once), not expired:
+    short = Ticket.issue(root, "client", "team-a", ttl_s=60)
+    source = TicketSource(fetch)
+    answers[:] = [short, Unreachable("master away"), fresh]
+    assert await source.ticket(5) is short and calls == 2
+    assert await source.ticket(5) is short  # served at once; the next fetch fails behind
+    await asyncio.sleep(0.05)
+    assert calls == 3
+    assert await source.ticket(5) is short  # (and the next fetch again, in the background)
+    await asyncio.sleep(0.05)
+    assert await source.ticket(5) is fresh and calls == 4
+    # Expired and the master away: the failure is raised, within the dial's timeout.
+    gone = Ticket.issue(root, "client", "team-a", ttl_s=-3600)
+    source = TicketSource(fetch)
+    answers[:] = [gone, Unreachable("master away")]
+    assert await source.ticket(5) is gone  # (a master's clock behind: the node allows skew)
+    with pytest.raises(Unreachable):
+        await source.ticket(5)  # the expired one is not handed out again
+    # No ticket: asked once, then remembered; an old master (ProtocolError) likewise.
+    for answer in (None, ProtocolError("UNIMPLEMENTED")):
+        source, calls = TicketSource(fetch), 0
+        answers[:] = [answer]
+        assert await source.ticket(5) is None and await source.ticket(5) is None
+        assert calls == 1
+    # A fetch that hangs: the dial's timeout bounds the wait.
+    never = asyncio.Event()
+
+    async def hang() -> Ticket | None:
+        await never.wait()
+        return None
+
+    with pytest.raises(KVTimeout):
+        await TicketSource(hang).ticket(0.2)
+
+
+def test_claims_past_the_bounds_are_refused_typed() -> None:
+    """An anonymous hello's claims are parsed before any key is checked: a huge ``exp`` (an
+    integer JSON allows, that float arithmetic does not), a non-string jti, a wrong version
+    all are Unauthorized, never another exception."""
+    root = ticket_root(SECRET)
+    for claims in (
+        b'{"v":1,"role":"admin","tenant":"","exp":1' + b"0" * 400 + b"}",
+        b'{"v":1,"role":"admin","tenant":"","exp":-5}',
+        b'{"v":1,"role":"admin","tenant":"","exp":5,"jti":7}',
+        b'{"v":2,"role":"admin","tenant":"","exp":5}',
+        b"[1, 2]",
+        b"\xff\xfe",
+    ):
+        with pytest.raises(Unauthorized):
+            Ticket.verify(root, claims, now=0)
+    a, b = (Ticket.issue(root, "client", "team-a", now=0) for _ in range(2))
+    assert a.claims != b.claims and a.key != b.key  # (jti: no two tickets share a key)

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis
 
+from kvstore.control.client import MasterClient
 from kvstore.control.records import (
     BlockAdd,
     BlockRef,
@@ -34,12 +35,15 @@ from kvstore.errors import (
     CapacityError,
     InvalidArgument,
     KVTimeout,
+    PermissionDenied,
     StaleEpoch,
     TransportError,
     Unreachable,
 )
 from kvstore.master.index import MemoryIndexStore
+from kvstore.master.membership import Membership
 from kvstore.master.redis_store import RedisIndexStore
+from kvstore.master.service import MasterService
 
 pytestmark = pytest.mark.redis
 
@@ -413,3 +417,35 @@ async def test_leases_are_shared_by_every_master_on_the_store(
     assert await a.drop_node("n1", epoch, "lease expired")
     assert await b.leases() == {} and await a.leases() == {}
     assert await MemoryIndexStore().leases() == {}
+
+
+@needs_redis
+async def test_a_node_registered_through_one_master_is_bound_at_the_other(
+    masters: tuple[RedisIndexStore, RedisIndexStore],
+) -> None:
+    """Masters A and B share Redis; node n1 registers through B. Master A learns n1's live
+    epoch from the shared leases (its sweep), not from a Register: a caller with another
+    registration key still cannot heartbeat, commit for or deregister n1 through A, while
+    n1's own key can heartbeat and commit through A."""
+    sa, sb = masters
+    a, b = MasterService(sa, Membership(10.0)), MasterService(sb, Membership(10.0))
+    owner = MasterClient.in_process(b)
+    owner.session = b"\x01" * 32
+    epoch = (await owner.register("n1", "tcp://127.0.0.1:7001")).epoch
+    await a.sweep()  # A now counts n1 alive, from the store's lease
+    assert a.membership.is_live("n1", epoch)
+    intruder = MasterClient.in_process(a)
+    intruder.session = b"\x02" * 32
+    with pytest.raises(PermissionDenied):
+        await intruder.heartbeat("n1", epoch)
+    with pytest.raises(PermissionDenied):
+        await intruder.commit(CommitBatch("n1", epoch, 1, (BlockAdd(NS, bh(1), (0,)),)))
+    with pytest.raises(PermissionDenied):
+        await intruder.deregister("n1", epoch)
+    [rec] = await sa.nodes()
+    assert rec.alive and rec.epoch == epoch
+    assert await sa.locate(NS, [bh(1)]) == [{}]
+    mover = MasterClient.in_process(a)  # the node itself, moved to master A
+    mover.session = owner.session
+    assert (await mover.heartbeat("n1", epoch)).ok
+    assert await mover.commit(CommitBatch("n1", epoch, 1, (BlockAdd(NS, bh(1), (0,)),))) == 1

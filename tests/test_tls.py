@@ -6,6 +6,7 @@ others can read, or a file that is not PEM, stops a server at start in one line.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -15,8 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import kvclient
+from kvstore.transport import connect
+from tests.certs import make_ca, make_signed
 from tests.cluster import Server, start_server, start_servers
 from tests.kvproc import layer_kv, namespace, prompt
 
@@ -28,36 +32,13 @@ pytestmark = [
 KVCTL = str(Path(sys.executable).with_name("kvctl"))
 
 
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
-
-
-def _ca(d: Path, name: str) -> tuple[Path, Path]:
-    key, pem = d / f"{name}.key", d / f"{name}.pem"
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", str(key), "-out", str(pem), "-days", "2",
-             "-subj", f"/CN=kvstore test {name}")  # fmt: skip
-    return key, pem
-
-
-def _signed(d: Path, name: str, ca: tuple[Path, Path], san: str) -> tuple[Path, Path]:
-    key, csr, pem, ext = (d / f"{name}{s}" for s in (".key", ".csr", ".pem", ".ext"))
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")  # fmt: skip
-    ext.write_text(f"subjectAltName={san}\n")
-    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[1]), "-CAkey", str(ca[0]),
-             "-CAcreateserial", "-out", str(pem), "-days", "2", "-extfile", str(ext))  # fmt: skip
-    key.chmod(0o600)
-    return pem, key
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("tls")
-    ca = _ca(d, "ca")
-    other = _ca(d, "other-ca")
-    server = _signed(d, "server", ca, "IP:127.0.0.1,DNS:localhost")
-    client = _signed(d, "client", ca, "DNS:engine-1")
+    ca = make_ca(d, "ca")
+    other = make_ca(d, "other-ca")
+    server = make_signed(d, "server", ca, "IP:127.0.0.1,DNS:localhost")
+    client = make_signed(d, "client", ca, "DNS:engine-1")
     return {"ca": ca[1], "other_ca": other[1], "server_cert": server[0],
             "server_key": server[1], "client_cert": client[0], "client_key": client[1]}  # fmt: skip
 
@@ -159,3 +140,42 @@ def test_a_readable_key_or_a_file_that_is_not_pem_stops_the_server(
         )  # fmt: skip
         assert run.returncode == 2 and expected in run.stderr, (expected, run.stderr)
         assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+async def test_a_tls_data_port_serves_verified_clients_and_drains_over_tls(
+    certs: dict[str, Path],
+) -> None:
+    """Nodes with ``--data-tls``: their data URIs are ``tls://``; a client with the CA file
+    puts and reads through them, kvctl drains one onto the other (the copies go node to
+    node over TLS, verified with the node's ``--tls-ca``), every byte reads back; a
+    plaintext connection to the port gets no frame."""
+    master = _master(certs)
+    tls = ("--tls-ca", str(certs["ca"]), "--tls-cert", str(certs["server_cert"]),
+           "--tls-key", str(certs["server_key"]), "--data-tls")  # fmt: skip
+    nodes = start_servers(_node_args(master, *tls), _node_args(master, *tls))
+    try:
+        assert all(n.data.startswith("tls://127.0.0.1:") for n in nodes)
+        tokens = prompt(1024, seed=83)
+        ca = str(certs["ca"])
+        async with await kvclient.KVClient.connect(master.grpc, namespace(1), ca_file=ca) as kv:
+            assert await kv.put_layer(tokens, 0, layer_kv(1024, 0, 83)) == 1024
+            ref = (await kv.get_layer(tokens, 0)).clone()
+            victim = nodes[0].addresses["node"]
+            run = _kvctl(master, "drain", victim, "--wait", "--wait-s", "60", "--json",
+                         "--ca-file", ca)  # fmt: skip
+            assert run.returncode == 0, run.stdout + run.stderr
+            nodes.pop(0).stop()
+            deadline = asyncio.get_running_loop().time() + 15
+            while await kv.match_prefix(tokens) < 1024:  # (the drained node's lease ends)
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.2)
+            assert torch.equal(await kv.get_layer(tokens, 0), ref)
+        plain = await connect(nodes[0].data.replace("tls://", "tcp://"), timeout=5)
+        await plain.send({"op": "stats"}, timeout=5)
+        with pytest.raises(kvclient.errors.TransportError):
+            await plain.recv_header(timeout=5)
+        await plain.close()
+    finally:
+        for node in nodes:
+            node.stop()
+        master.stop()

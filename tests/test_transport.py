@@ -3,19 +3,25 @@
 Each case runs over every entry of ``CASES``; a new backend (``ucx``) is one more entry.
 Cases that need to put raw, partial or garbage bytes on the wire run where the backend can
 (``raw_bytes``): the in-process twin moves whole frames only, so it cannot be handed half a
-frame.
+frame, and ``tls://`` bytes on the wire are ciphertext (a garbage peer there fails the
+handshake). ``tls://`` runs with a CA and certificate made here by ``openssl``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
+import shutil
 import socket
+import ssl
 import struct
+import tempfile
 import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,6 +57,7 @@ from kvstore.transport.framing import (
     parse_fixed,
     parse_prefix,
 )
+from tests.certs import make_ca, make_signed
 
 MiB = 1024 * 1024
 
@@ -67,15 +74,37 @@ class Case:
 
     def nowhere(self) -> str:
         """An address where nothing listens."""
-        if self.name == "tcp":
+        if self.name in ("tcp", "tls"):
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
-                return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+                return f"{self.name}://127.0.0.1:{sock.getsockname()[1]}"
         return f"{self.name}://nobody-listens-here"
+
+    def listen_options(self) -> dict[str, Any]:
+        return {"ssl_context": _tls_contexts()[0]} if self.name == "tls" else {}
+
+    async def connect(self, uri: str, *args: Any, **kw: Any) -> Connection:
+        """``connect`` with this backend's options (tls://: the test CA)."""
+        extra = {"ssl_context": _tls_contexts()[1]} if self.name == "tls" else {}
+        return await connect(uri, *args, **extra, **kw)
+
+
+@functools.cache
+def _tls_contexts() -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A server and a client context from a CA and a 127.0.0.1 certificate made here."""
+    from kvstore.transport.tls import client_context, server_context
+
+    d = Path(tempfile.mkdtemp(prefix="kvstore-tls-"))
+    ca = make_ca(d, "ca")
+    cert, key = make_signed(d, "node", ca, "IP:127.0.0.1")
+    contexts = server_context(str(cert), str(key)), client_context(str(ca[1]))
+    shutil.rmtree(d)
+    return contexts
 
 
 CASES = {
     "tcp": Case("tcp", "tcp://127.0.0.1:0", raw_bytes=True),
+    "tls": Case("tls", "tls://127.0.0.1:0", raw_bytes=False),
     "inproc": Case("inproc", "inproc://", raw_bytes=False),
 }
 
@@ -88,7 +117,8 @@ def case(request: pytest.FixtureRequest) -> Case:
 @pytest.fixture
 def raw_case(case: Case) -> Case:
     if not case.raw_bytes:
-        pytest.skip(f"{case.name}:// moves whole frames only; no raw bytes to inject")
+        why = "its bytes are ciphertext" if case.name == "tls" else "it moves whole frames only"
+        pytest.skip(f"{case.name}://: no raw bytes to inject ({why})")
     return case
 
 
@@ -113,7 +143,7 @@ async def echo(conn: Connection) -> None:
 
 @contextlib.asynccontextmanager
 async def serving(case: Case, handler: Any = echo, **kw: Any) -> AsyncIterator[Listener]:
-    listener = listen(case.any_address, handler, **kw)
+    listener = listen(case.any_address, handler, **case.listen_options(), **kw)
     await listener.start()
     try:
         yield listener
@@ -143,7 +173,7 @@ async def pair(case: Case, **kw: Any) -> AsyncIterator[tuple[Connection, Connect
     """(client, server) connections of one link."""
     client_limits = kw.pop("client_limits", FrameLimits())
     async with accepted(case, **kw) as (listener, conns):
-        client = await connect(listener.address, timeout=5, limits=client_limits)
+        client = await case.connect(listener.address, timeout=5, limits=client_limits)
         try:
             yield client, await asyncio.wait_for(conns.get(), 5)
         finally:
@@ -349,7 +379,7 @@ async def test_large_payload_integrity(case: Case) -> None:
 
 async def test_many_concurrent_connections(case: Case) -> None:
     async def one_client(address: str, i: int) -> bytes:
-        async with await connect(address, timeout=5) as conn:
+        async with await case.connect(address, timeout=5) as conn:
             payload = [os.urandom(1000 + i), bytes([i]) * (i * 997)]
             for round_ in range(3):
                 await conn.send({"client": i, "round": round_}, payload)
@@ -511,7 +541,7 @@ async def test_garbage_closes_only_that_connection(raw_case: Case) -> None:
             raise
 
     async with serving(raw_case, recording_echo) as listener:
-        async with await connect(listener.address, timeout=5) as good:
+        async with await raw_case.connect(listener.address, timeout=5) as good:
             async with raw_socket(listener.address) as (r, w):
                 w.write(os.urandom(64 * 1024))
                 with contextlib.suppress(ConnectionError):
@@ -519,7 +549,7 @@ async def test_garbage_closes_only_that_connection(raw_case: Case) -> None:
                 assert await read_until_eof(r) == b""
             await good.send({"op": "still"}, [b"alive"])
             assert await good.recv(timeout=5) == ({"op": "still"}, [b"alive"])
-        async with await connect(listener.address, timeout=5) as fresh:
+        async with await raw_case.connect(listener.address, timeout=5) as fresh:
             await fresh.send({"op": "new"})
             assert await fresh.recv(timeout=5) == ({"op": "new"}, [])
     assert ProtocolError in seen
@@ -588,7 +618,7 @@ async def test_unknown_scheme_lists_known_schemes() -> None:
 
 async def test_connect_where_nothing_listens_is_unreachable(case: Case) -> None:
     with pytest.raises(Unreachable):
-        await connect(case.nowhere(), timeout=5)
+        await case.connect(case.nowhere(), timeout=5)
 
 
 async def test_connect_timeout(raw_case: Case) -> None:
@@ -596,10 +626,10 @@ async def test_connect_timeout(raw_case: Case) -> None:
         full.bind(("127.0.0.1", 0))
         full.listen(0)
         address = f"tcp://127.0.0.1:{full.getsockname()[1]}"
-        first = await connect(address, timeout=5)
+        first = await raw_case.connect(address, timeout=5)
         try:
             with pytest.raises(KVTimeout, match="connect"):
-                await connect(address, timeout=0.2)
+                await raw_case.connect(address, timeout=0.2)
         finally:
             await first.close()
 
@@ -621,14 +651,14 @@ async def test_port_zero_gives_a_real_address(case: Case) -> None:
         assert listener.address.startswith(f"{case.name}://")
         if case.name == "tcp":
             assert int(listener.address.rsplit(":", 1)[1]) > 0
-        async with await connect(listener.address, timeout=5) as conn:
+        async with await case.connect(listener.address, timeout=5) as conn:
             await conn.send({"op": "hello"})
             assert (await conn.recv(timeout=5))[0] == {"op": "hello"}
 
 
 async def test_address_in_use_is_a_transport_error(case: Case) -> None:
     async with serving(case) as first:
-        second = listen(first.address, echo)
+        second = listen(first.address, echo, **case.listen_options())
         with pytest.raises(TransportError):
             await second.start()
 
@@ -643,9 +673,9 @@ async def test_listener_stop_closes_idle_connections(case: Case) -> None:
             ended.append(type(exc))
             raise
 
-    listener = listen(case.any_address, handler)
+    listener = listen(case.any_address, handler, **case.listen_options())
     await listener.start()
-    clients = [await connect(listener.address, timeout=5) for _ in range(3)]
+    clients = [await case.connect(listener.address, timeout=5) for _ in range(3)]
     for conn in clients:
         await conn.send({"op": "warm"})
         await conn.recv(timeout=5)
@@ -656,7 +686,7 @@ async def test_listener_stop_closes_idle_connections(case: Case) -> None:
             await conn.recv_header(timeout=5)
         await conn.close()
     with pytest.raises(Unreachable):
-        await connect(listener.address, timeout=5)
+        await case.connect(listener.address, timeout=5)
 
 
 async def test_listener_stop_lets_a_busy_exchange_finish(case: Case) -> None:
@@ -669,9 +699,9 @@ async def test_listener_stop_lets_a_busy_exchange_finish(case: Case) -> None:
             await asyncio.sleep(0.2)  # e.g. the master commit of a put
             await conn.send(header, payload)
 
-    listener = listen(case.any_address, slow_echo)
+    listener = listen(case.any_address, slow_echo, **case.listen_options())
     await listener.start()
-    async with await connect(listener.address, timeout=5) as client:
+    async with await case.connect(listener.address, timeout=5) as client:
         await client.send({"op": "put"}, [b"chunk"])
         await busy.wait()
         stopping = asyncio.create_task(listener.stop(grace=10))
@@ -685,9 +715,9 @@ async def test_listener_stop_cancels_handlers_after_grace(case: Case) -> None:
     async def stuck(conn: Connection) -> None:
         await asyncio.sleep(3600)
 
-    listener = listen(case.any_address, stuck)
+    listener = listen(case.any_address, stuck, **case.listen_options())
     await listener.start()
-    async with await connect(listener.address, timeout=5) as client:
+    async with await case.connect(listener.address, timeout=5) as client:
         await asyncio.sleep(0.01)
         assert listener.connections == 1
         await listener.stop(grace=0.05)
@@ -698,14 +728,19 @@ async def test_listener_stop_cancels_handlers_after_grace(case: Case) -> None:
 
 async def test_connection_bound_rejects_extra_connections(case: Case) -> None:
     async with serving(case, max_connections=2) as listener:
-        first = await connect(listener.address, timeout=5)
-        second = await connect(listener.address, timeout=5)
+        first = await case.connect(listener.address, timeout=5)
+        second = await case.connect(listener.address, timeout=5)
         for conn in (first, second):
             await conn.send({"op": "ping"})
             await conn.recv(timeout=5)
-        third = await connect(listener.address, timeout=5)
-        with pytest.raises(PeerDisconnected):
-            await third.recv_header(timeout=5)
+        if case.name == "tls":  # (closed before the handshake: the dial itself fails)
+            with pytest.raises(PeerDisconnected):
+                await case.connect(listener.address, timeout=5)
+            third = first
+        else:
+            third = await case.connect(listener.address, timeout=5)
+            with pytest.raises(PeerDisconnected):
+                await third.recv_header(timeout=5)
         assert listener.rejected == 1 and listener.connections == 2
         for conn in (first, second, third):
             await conn.close()
@@ -720,8 +755,8 @@ async def test_handler_exception_closes_only_its_connection(case: Case) -> None:
             await conn.send(header, payload)
 
     async with serving(case, picky) as listener:
-        victim = await connect(listener.address, timeout=5)
-        bystander = await connect(listener.address, timeout=5)
+        victim = await case.connect(listener.address, timeout=5)
+        bystander = await case.connect(listener.address, timeout=5)
         async with victim, bystander:
             await victim.send({"boom": True})
             with pytest.raises(PeerDisconnected):
@@ -773,7 +808,7 @@ async def test_idle_timeout_closes_a_silent_connection(case: Case) -> None:
             raise
 
     async with serving(case, recording_echo, idle_timeout=0.2) as listener:
-        async with await connect(listener.address, timeout=5) as client:
+        async with await case.connect(listener.address, timeout=5) as client:
             await ping(client)
             with pytest.raises(PeerDisconnected):
                 await client.recv_header(timeout=5)
@@ -784,7 +819,7 @@ async def test_idle_timeout_spares_a_connection_in_use(case: Case) -> None:
     """Twenty exchanges 50 ms apart: far more silence in all than the 0.6 s idle timeout,
     but never that much at once."""
     async with serving(case, idle_timeout=0.6) as listener:
-        client = await connect(listener.address, timeout=5)
+        client = await case.connect(listener.address, timeout=5)
         async with client:
             for n in range(20):
                 await ping(client, n)
@@ -876,11 +911,11 @@ async def test_prefix_memory_follows_the_bytes_received(raw_case: Case) -> None:
 
 async def test_refusal_frame_at_the_connection_bound(case: Case) -> None:
     async with serving(case, max_connections=2, refusal=capacity_refusal) as listener:
-        first = await connect(listener.address, timeout=5)
-        second = await connect(listener.address, timeout=5)
+        first = await case.connect(listener.address, timeout=5)
+        second = await case.connect(listener.address, timeout=5)
         for conn in (first, second):
             await ping(conn)
-        third = await connect(listener.address, timeout=5)
+        third = await case.connect(listener.address, timeout=5)
         refusal = (await third.recv_header(timeout=5)).header
         assert refusal["code"] == "capacity"
         assert "limit of 2 connections" in refusal["message"]
@@ -899,10 +934,10 @@ async def test_a_refused_client_reads_its_refusal_after_sending_a_big_request(
     """The refused side reads and drops what the client sends while the refusal waits to
     be read, so a client still writing its request never meets a reset instead."""
     async with serving(case, max_connections=1, refusal=capacity_refusal) as listener:
-        first = await connect(listener.address, timeout=5)
+        first = await case.connect(listener.address, timeout=5)
         async with first:
             await ping(first)
-            second = await connect(listener.address, timeout=5)
+            second = await case.connect(listener.address, timeout=5)
             async with second:
                 await second.send({"op": "put", "pad": "x" * 600_000}, [bytes(MiB)], timeout=5)
                 assert (await second.recv_header(timeout=5)).header["code"] == "capacity"
@@ -914,11 +949,11 @@ async def test_a_connection_that_never_sent_a_byte_is_displaced_at_the_bound(
     async with serving(
         case, max_connections=2, header_timeout=0.2, refusal=capacity_refusal
     ) as listener:
-        used = await connect(listener.address, timeout=5)
+        used = await case.connect(listener.address, timeout=5)
         await ping(used)
-        silent = await connect(listener.address, timeout=5)
+        silent = await case.connect(listener.address, timeout=5)
         await asyncio.sleep(0.3)  # older than the header timeout, and still silent
-        newcomer = await connect(listener.address, timeout=5)
+        newcomer = await case.connect(listener.address, timeout=5)
         await ping(newcomer)
         with pytest.raises(PeerDisconnected):
             await silent.recv_header(timeout=5)
@@ -934,9 +969,9 @@ async def test_a_burst_at_the_bound_displaces_each_silent_connection_once(case: 
     async with serving(
         case, max_connections=2, header_timeout=0.2, refusal=capacity_refusal
     ) as listener:
-        silent = [await connect(listener.address, timeout=5) for _ in range(2)]
+        silent = [await case.connect(listener.address, timeout=5) for _ in range(2)]
         await asyncio.sleep(0.3)
-        newcomers = [await connect(listener.address, timeout=5) for _ in range(3)]
+        newcomers = [await case.connect(listener.address, timeout=5) for _ in range(3)]
         assert await eventually(lambda: listener.displaced + listener.rejected == 3)
         assert (listener.displaced, listener.rejected) == (2, 1)
         assert await eventually(lambda: listener.connections == 2)
@@ -967,7 +1002,7 @@ async def test_reusable_tells_a_kept_connection_from_a_spent_one(case: Case) -> 
 async def test_listener_guards_validate(case: Case) -> None:
     for bad in ({"idle_timeout": 0}, {"header_timeout": -1.0}, {"idle_timeout": "5"}):
         with pytest.raises(InvalidArgument):
-            listen(case.any_address, echo, **bad)
+            listen(case.any_address, echo, **case.listen_options(), **bad)
 
 
 # -- framing (pure) ----------------------------------------------------------------------------

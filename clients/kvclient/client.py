@@ -28,7 +28,7 @@ import torch
 from kvstore.control.auth import token_from_env
 from kvstore.control.client import MasterClient
 from kvstore.control.records import Holder
-from kvstore.control.tls import TlsFiles, tls_from_env
+from kvstore.control.tls import data_context, tls_from_env
 from kvstore.core.codec import (
     KV,
     ChunkKey,
@@ -144,7 +144,9 @@ class ClientCore:
             raise InvalidArgument(f"min_replicas must be in [1, replicas={replicas}]")
         self.max_object_bytes = max_object_bytes
         self._master = master
-        self._pool = ConnectionPool(connections_per_node, tickets=master.tickets())
+        self._pool = ConnectionPool(
+            connections_per_node, tickets=master.tickets(), ssl_context=data_context(master.tls)
+        )
         self._dtype = _torch_dtype(dtype_name(ns.dtype))
         self._chunks_per_block = ns.num_layers * ns.tp_size
         self._chunk_bytes = chunk_nbytes(
@@ -222,11 +224,10 @@ class ClientCore:
         if token is None:
             token = token_from_env()
         # (MasterClient refuses a token gRPC metadata cannot carry: check_token)
-        env = tls_from_env()
-        tls = TlsFiles(
-            cert=env.cert if cert_file is None else args.text(cert_file, "cert_file", 4096),
-            key=env.key if key_file is None else args.text(key_file, "key_file", 4096),
-            ca=env.ca if ca_file is None else args.text(ca_file, "ca_file", 4096),
+        tls = tls_from_env(
+            cert=None if cert_file is None else args.text(cert_file, "cert_file", 4096),
+            key=None if key_file is None else args.text(key_file, "key_file", 4096),
+            ca=None if ca_file is None else args.text(ca_file, "ca_file", 4096),
         )
         mc = MasterClient(target, timeout_s=timeout_s, token=args.text(token, "token"), tls=tls)
         try:

@@ -13,11 +13,14 @@ timeout, or one that restarted); either way the caller's exchange runs on a fres
 
 With ``tickets`` (a secured pool) each new connection first authenticates
 (:mod:`kvstore.dataplane.handshake`): one round trip, once per connection, not per exchange.
+A node serving ``tls://`` is verified with ``ssl_context`` (the CA of the client's TLS
+files).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -47,6 +50,7 @@ class ConnectionPool:
         *,
         max_idle_s: float = DEFAULT_MAX_IDLE_S,
         tickets: TicketSource | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if per_node < 1:
             raise InvalidArgument(f"per_node must be >= 1, got {per_node}")
@@ -55,6 +59,7 @@ class ConnectionPool:
         self._per_node = per_node
         self._max_idle_s = max_idle_s
         self._tickets = tickets
+        self._ssl_context = ssl_context
         self._idle: dict[str, deque[tuple[Connection, float]]] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._closed = False
@@ -77,7 +82,7 @@ class ConnectionPool:
             idle = self._idle.setdefault(uri, deque())
             conn = await self._kept(idle)
             if conn is None:
-                conn = await dial(uri, timeout, self._tickets)
+                conn = await dial(uri, timeout, self._tickets, self._ssl_context)
             try:
                 yield conn
             except BaseException:

@@ -204,11 +204,12 @@ async def drain(
     import asyncio
     import time
 
+    from kvstore.control.tls import data_context
     from kvstore.dataplane import NodeClient
     from kvstore.dataplane.client import Dial
     from kvstore.errors import ChunkError, Miss
 
-    tickets = Dial(client.tickets())  # (one ticket for every dial of the wait)
+    tickets = Dial(client.tickets(), data_context(client.tls))  # (one ticket for every dial)
     draining = await client.drain(node_id, undrain=undrain)
     if undrain or wait_s <= 0:
         return DrainResult(node_id, draining)
@@ -287,10 +288,11 @@ async def evict(
     data port; the node commits its evictions to the master before it answers. A node that
     cannot be reached is reported, not fatal.
     """
+    from kvstore.control.tls import data_context
     from kvstore.dataplane import NodeClient
     from kvstore.dataplane.client import Dial
 
-    tickets = Dial(client.tickets())
+    tickets = Dial(client.tickets(), data_context(client.tls))
     done = []
     for node in await client.nodes():
         if not node.alive:

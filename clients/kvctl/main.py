@@ -167,13 +167,12 @@ def _token(args: argparse.Namespace) -> str:
 def _tls(args: argparse.Namespace) -> TlsFiles:
     """``--ca-file``, ``--cert-file``, ``--key-file``, each defaulting to its
     ``$KVSTORE_TLS_*`` variable; nothing set: plaintext."""
-    from kvstore.control.tls import TlsFiles, channel_credentials, tls_from_env
+    from kvstore.control.tls import channel_credentials, tls_from_env
 
-    env = tls_from_env()
-    files = TlsFiles(
-        cert=getattr(args, "cert_file", None) or env.cert,
-        key=getattr(args, "key_file", None) or env.key,
-        ca=getattr(args, "ca_file", None) or env.ca,
+    files = tls_from_env(
+        cert=getattr(args, "cert_file", None),
+        key=getattr(args, "key_file", None),
+        ca=getattr(args, "ca_file", None),
     )
     if files.on:
         channel_credentials(files)  # (reads and checks them: a bad file is a usage error)

@@ -316,7 +316,9 @@ class MasterClient:
         not live (re-register and re-report), InvalidArgument on bad input."""
         if self._service is not None and hasattr(self._service, "commit_in_process"):
             return int(
-                await self._in_process(self._service.commit_in_process(batch), "Commit", timeout)
+                await self._in_process(
+                    self._service.commit_in_process(batch, self.session), "Commit", timeout
+                )
             )
         req = wire.commit_to_pb(batch)
         req.session = self.session
@@ -333,7 +335,8 @@ class MasterClient:
     ) -> bool:
         """Mark (or with ``undrain`` unmark) a node draining; returns the new mark. Raises
         Miss for an unknown node."""
-        resp = await self._call("Drain", pb.DrainRequest(node_id=node_id, undrain=undrain), timeout)
+        req = pb.DrainRequest(node_id=node_id, undrain=undrain, session=self.session)
+        resp = await self._call("Drain", req, timeout)
         return bool(resp.draining)
 
     async def deregister(self, node_id: str, epoch: int, *, timeout: float | None = None) -> bool:

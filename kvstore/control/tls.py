@@ -13,12 +13,14 @@ Nodes take ``--tls-ca`` (and ``--tls-cert``/``--tls-key`` as their client certif
 A private key file must be readable by its owner only (a server or client refuses one
 others can read, as with the auth file). A plaintext caller of a TLS port is refused by
 the TLS handshake: its calls fail ``UNAVAILABLE`` (:class:`~kvstore.errors.Unreachable`).
-The data ports are not encrypted by this (``docs/security.md``).
+A node started with ``--data-tls`` serves ``tls://`` with the same certificate; clients
+verify it with the same files (:func:`data_context`).
 """
 
 from __future__ import annotations
 
 import os
+import ssl
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,7 +30,13 @@ import grpc
 
 from kvstore.errors import InvalidArgument
 
-__all__ = ["TlsFiles", "channel_credentials", "server_credentials", "tls_from_env"]
+__all__ = [
+    "TlsFiles",
+    "channel_credentials",
+    "data_context",
+    "server_credentials",
+    "tls_from_env",
+]
 
 
 @dataclass(frozen=True)
@@ -93,11 +101,30 @@ def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials:
     )
 
 
-def tls_from_env(environ: Mapping[str, str] | None = None) -> TlsFiles:
-    """``$KVSTORE_TLS_CA``, ``$KVSTORE_TLS_CERT``, ``$KVSTORE_TLS_KEY`` (empty: unset)."""
+def tls_from_env(
+    cert: str | None = None,
+    key: str | None = None,
+    ca: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> TlsFiles:
+    """The files given, each one not given (None) from ``$KVSTORE_TLS_CERT``,
+    ``$KVSTORE_TLS_KEY``, ``$KVSTORE_TLS_CA`` (empty: unset); given ones win, so a
+    half-set environment does not stand in the way of explicit files."""
     env = os.environ if environ is None else environ
     return TlsFiles(
-        cert=env.get("KVSTORE_TLS_CERT", ""),
-        key=env.get("KVSTORE_TLS_KEY", ""),
-        ca=env.get("KVSTORE_TLS_CA", ""),
+        cert=env.get("KVSTORE_TLS_CERT", "") if cert is None else cert,
+        key=env.get("KVSTORE_TLS_KEY", "") if key is None else key,
+        ca=env.get("KVSTORE_TLS_CA", "") if ca is None else ca,
     )
+
+
+def data_context(files: TlsFiles | None) -> ssl.SSLContext | None:
+    """The context that verifies ``tls://`` data ports with the same files (the CA, and the
+    client certificate if any); None when nothing is set (the system's roots then)."""
+    if files is None or not files.on:
+        return None
+    from kvstore.transport.tls import client_context
+
+    if files.key:
+        _read(files.key, "key", private=True)
+    return client_context(files.ca, files.cert, files.key)

@@ -12,6 +12,7 @@ transport's errors (:class:`~kvstore.errors.TransportError` subclasses,
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
@@ -64,15 +65,19 @@ class Connections(Protocol):
 
 class Dial:
     """:class:`Connections` that dials a new connection per exchange and closes it after
-    (for ``kvctl`` and one-off exchanges); with ``tickets``, each authenticates first."""
+    (for ``kvctl`` and one-off exchanges); with ``tickets``, each authenticates first;
+    ``ssl_context`` verifies ``tls://`` nodes."""
 
-    def __init__(self, tickets: TicketSource | None = None) -> None:
+    def __init__(
+        self, tickets: TicketSource | None = None, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self.tickets = tickets
+        self.ssl_context = ssl_context
 
     @asynccontextmanager
     async def use(self, uri: str, timeout: float) -> AsyncIterator[Connection]:
         """A fresh connection to ``uri``, closed when the exchange ends."""
-        conn = await dial(uri, timeout, self.tickets)
+        conn = await dial(uri, timeout, self.tickets, self.ssl_context)
         try:
             yield conn
         finally:

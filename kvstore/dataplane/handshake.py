@@ -6,7 +6,8 @@ before (the loopback quick start). No secret ever crosses the data port.
 
 **Tickets.** Nodes hold the cluster secret, not the tenants' tokens. A client asks a
 master for a ticket (``DataTicket``, itself authenticated by the client's token): the claims
-``{v, role, tenant, exp}`` as compact JSON, and its key, ``HMAC-SHA256(root, claims)``
+``{v, role, tenant, exp, jti}`` as compact JSON (``jti``: 8 random bytes, so every ticket
+has a key of its own), and its key, ``HMAC-SHA256(root, claims)``
 where ``root = HMAC-SHA256(cluster_secret, "kvstore data ticket v1")``. Any holder of the
 cluster secret — every node, every master — recomputes the key from the claims, so a node
 checks a ticket without a call to anyone, and a ticket whose claims were changed has
@@ -22,8 +23,11 @@ life. Nodes issue tickets to themselves (role ``node``, e.g. for the copies of a
     C: Proof{op: proof, mac: HMAC(key, "peer" | node nonce | client nonce)}
        then, without waiting, its first request.
 
-The client checks the node's proof before it sends anything else: a node that does not hold
-the cluster secret learns nothing, not even a put's header. The node checks the client's
+The client checks the node's proof before it sends anything else: a listener that holds
+neither the cluster secret nor this very ticket (each has its own key: ``jti``) learns
+nothing, not even a put's header. What follows the handshake is not bound to it: an active
+relay between client and node is stopped only by ``tls://`` (:mod:`kvstore.transport.tls`).
+The node checks the client's
 mac; on any failure it answers ``Error{code: unauthorized}`` and closes, so the client's
 first request raises :class:`~kvstore.errors.Unauthorized`. Fresh nonces on both sides: a
 recorded exchange cannot be replayed, against either side. The connection then carries the
@@ -34,9 +38,11 @@ serves on. Imports neither torch nor NIXL.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import os
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -50,8 +56,8 @@ from kvstore.errors import (
     ProtocolError,
     Unauthorized,
 )
-from kvstore.transport import connect
-from kvstore.transport.base import Connection
+from kvstore.transport import connect, scheme_of
+from kvstore.transport.base import Connection, with_timeout
 
 __all__ = [
     "CLOCK_SKEW_S",
@@ -79,6 +85,9 @@ CLOCK_SKEW_S = 60.0
 MAX_TICKET_BYTES = 512
 """Bound on a ticket's claims (a tenant name is at most 128 characters)."""
 NONCE_BYTES = 16
+MAX_EXP = 2**40
+"""Largest ``exp`` a ticket may claim (a far-future Unix time; keeps the arithmetic on it
+exact and bounded)."""
 ROLES = ("node", "client", "admin")
 DATA_ROLES: dict[str, frozenset[str]] = {"evict": frozenset({"node", "admin"})}
 """Requests only some roles may make on a data port; every other request is open to all
@@ -114,7 +123,8 @@ class Ticket:
         if role not in ROLES:
             raise InvalidArgument(f"unknown role {role!r}")
         exp = int((time.time() if now is None else now) + ttl_s)
-        body = {"v": 1, "role": role, "tenant": tenant, "exp": exp}
+        # jti: each ticket its own key, so that no two tokens (or two fetches) share one
+        body = {"v": 1, "role": role, "tenant": tenant, "exp": exp, "jti": os.urandom(8).hex()}
         claims = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
         if len(claims) > MAX_TICKET_BYTES:
             raise InvalidArgument(f"tenant name too long for a ticket: {tenant[:40]!r}…")
@@ -136,6 +146,8 @@ class Ticket:
             or body.get("role") not in ROLES
             or not isinstance(body.get("tenant"), str)
             or type(body.get("exp")) is not int
+            or not 0 < body["exp"] < MAX_EXP
+            or not isinstance(body.get("jti", ""), str)
         ):
             raise Unauthorized("malformed ticket claims")
         if body["exp"] + CLOCK_SKEW_S < (time.time() if now is None else now):
@@ -229,7 +241,7 @@ class Proof(Message):
 async def prove(conn: Connection, ticket: Ticket, timeout: float) -> None:
     """The client's side, on a fresh connection: hello, check the node's proof, send ours.
 
-    Raises :class:`Unauthorized` when the node cannot prove the cluster secret (or does not
+    Raises :class:`Unauthorized` when the node cannot prove the ticket's key (or does not
     authenticate at all), and the transport's errors; the caller closes ``conn``.
     """
     mine = os.urandom(NONCE_BYTES)
@@ -241,7 +253,9 @@ async def prove(conn: Connection, ticket: Ticket, timeout: float) -> None:
         raise Unauthorized(f"node {conn.peer} does not authenticate connections: {exc}") from None
     expected = _mac(ticket.key, b"node", mine, challenge.nonce)
     if not hmac.compare_digest(expected, challenge.proof):
-        raise Unauthorized(f"node {conn.peer} could not prove the cluster secret")
+        raise Unauthorized(
+            f"node {conn.peer} could not prove the cluster secret (a wrong proof of the key)"
+        )
     await conn.send(Proof(_mac(ticket.key, b"peer", challenge.nonce, mine)).header(),
                     timeout=timeout)  # fmt: skip
 
@@ -288,8 +302,14 @@ async def accept(
 
 
 class TicketSource:
-    """Hands out a valid ticket, fetching the next one at half life: from ``fetch`` (a
-    client's: a master's ``DataTicket``), or issued under ``root`` (a node's own)."""
+    """Hands out a valid ticket: issued under ``root`` (a node's own), or from ``fetch`` (a
+    client's: a master's ``DataTicket``). A fetched ticket past half life is still handed
+    out while one fetch of the next runs in the background, so a master that is slow or
+    away delays no dial while the ticket lasts; only a client without a valid ticket waits
+    for the fetch, at most the dial's timeout. "No ticket" (a master without an auth file,
+    or one too old to issue tickets) is remembered for :data:`NO_TICKET_S`."""
+
+    NO_TICKET_S = 30.0
 
     def __init__(
         self,
@@ -304,39 +324,73 @@ class TicketSource:
         self._root = root
         self._role = role
         self._ticket: Ticket | None = None
+        self._none_until = 0.0
+        self._fetching: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
 
     @classmethod
     def of_secret(cls, cluster_secret: str, role: str = "node") -> TicketSource:
         """A node's own tickets (it holds the cluster secret)."""
         return cls(root=ticket_root(cluster_secret), role=role)
 
-    async def ticket(self) -> Ticket | None:
-        """The current ticket (None: the pool does not authenticate)."""
-        if self._ticket is None or self._ticket.stale():
-            if self._root is not None:
-                self._ticket = Ticket.issue(self._root, self._role)
-            else:
-                assert self._fetch is not None
-                try:
-                    self._ticket = await self._fetch()
-                except KVStoreError:
-                    if self._ticket is None or self._ticket.expires < time.time():
-                        raise
-                    # (a master away briefly: the old ticket is still valid, use it)
-        return self._ticket
+    async def ticket(self, timeout: float | None = None) -> Ticket | None:
+        """The current ticket (None: the pool does not authenticate). Raises what the
+        fetch raised, or KVTimeout past ``timeout``, when no valid ticket is at hand."""
+        now = time.time()
+        if self._root is not None:
+            if self._ticket is None or self._ticket.stale(now=now):
+                self._ticket = Ticket.issue(self._root, self._role, now=now)
+            return self._ticket
+        held = self._ticket
+        if held is not None and not held.stale(now=now):
+            return held
+        if held is None and time.monotonic() < self._none_until:
+            return None
+        if self._fetching is None or self._fetching.done():
+            self._fetching = asyncio.get_running_loop().create_task(self._fetch_next())
+        if held is not None and held.expires > now:  # valid still: the next comes meanwhile
+            return held
+        await with_timeout(asyncio.shield(self._fetching), timeout, "fetch a data ticket")
+        got = self._ticket
+        if self._error is not None and (got is None or got is held):
+            raise self._error  # (nothing fetched; what is held has expired)
+        return got
+
+    async def _fetch_next(self) -> None:
+        assert self._fetch is not None
+        try:
+            got = await self._fetch()
+        except ProtocolError:  # a master too old to answer DataTicket: no tickets there
+            got = None
+        except KVStoreError as exc:
+            self._error = exc
+            return
+        self._error = None
+        self._ticket = got
+        if got is None:
+            self._none_until = time.monotonic() + self.NO_TICKET_S
 
 
 async def authenticate(conn: Connection, source: TicketSource | None, timeout: float) -> None:
     """Run the client's side on ``conn`` when ``source`` has a ticket (else nothing)."""
-    ticket = await source.ticket() if source is not None else None
+    ticket = await source.ticket(timeout) if source is not None else None
     if ticket is not None:
         await prove(conn, ticket, timeout)
 
 
-async def dial(uri: str, timeout: float, tickets: TicketSource | None) -> Connection:
-    """A new connection to ``uri``, authenticated when ``tickets`` has a ticket. Raises what
+async def dial(
+    uri: str,
+    timeout: float,
+    tickets: TicketSource | None,
+    ssl_context: ssl.SSLContext | None = None,
+) -> Connection:
+    """A new connection to ``uri``, authenticated when ``tickets`` has a ticket; a
+    ``tls://`` node is verified with ``ssl_context`` (None: the system's roots). Raises what
     ``connect`` raises, and :class:`~kvstore.errors.Unauthorized` (the connection closed)."""
-    conn = await connect(uri, timeout=timeout)
+    if ssl_context is not None and scheme_of(uri) == "tls":
+        conn = await connect(uri, timeout=timeout, ssl_context=ssl_context)
+    else:
+        conn = await connect(uri, timeout=timeout)
     try:
         await authenticate(conn, tickets, timeout)
     except BaseException:

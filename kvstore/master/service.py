@@ -288,7 +288,8 @@ class MasterService(pb_grpc.MasterServicer):
         tiers = wire.tiers_from_pb(request.tiers)
         counters = wire.check_counters(request.counters)
         now = self._clock()
-        self._check_session(self._records.get(node_id), request.epoch, request.session)
+        reg = await self._registration(node_id, request.epoch)
+        self._check_session(reg, request.epoch, request.session)
         known = self.membership.heartbeat(node_id, request.epoch, now)
         if not known and not await self._adopt(node_id, request.epoch, now, request.session):
             return pb.HeartbeatResponse(ok=False, reregister=True)
@@ -320,6 +321,11 @@ class MasterService(pb_grpc.MasterServicer):
         rec = await self._record(node_id)
         if rec is None:
             raise Miss(f"unknown node {node_id!r}")
+        who = self.auth.caller(context.invocation_metadata()) if self.auth is not None else None
+        if who is not None and who.role == "node":  # a node drains itself, no other one
+            if not rec.session:
+                raise PermissionDenied(f"Drain of {node_id!r}: a node may drain only itself")
+            self._check_session(rec, rec.epoch, request.session)
         draining = not request.undrain
         if await self.store.update_node(node_id, rec.epoch, draining=draining) is None:
             raise Miss(f"node {node_id!r} re-registered meanwhile; try again")
@@ -345,7 +351,8 @@ class MasterService(pb_grpc.MasterServicer):
     ) -> pb.DeregisterResponse:
         """A node leaving: its epoch is dead and dropped from the index at once."""
         node_id = wire.check_node_id(request.node_id)
-        self._check_session(self._records.get(node_id), request.epoch, request.session)
+        reg = await self._registration(node_id, request.epoch)
+        self._check_session(reg, request.epoch, request.session)
         if not self.membership.leave(node_id, request.epoch):
             return pb.DeregisterResponse(dropped=False)
         log.info("node %s (epoch %d) left", node_id, request.epoch)
@@ -365,6 +372,19 @@ class MasterService(pb_grpc.MasterServicer):
         self._records[node_id] = rec
         log.info("node %s (epoch %d) moved to this master", node_id, epoch)
         return True
+
+    async def _registration(self, node_id: str, epoch: int) -> NodeRecord | None:
+        """The record of ``epoch`` of ``node_id`` (its key is what a call for that epoch
+        must carry): this master's copy, else the store's, where a node that registered
+        through another master sharing it is recorded (then kept here). None if that epoch
+        is not the node's current one. A (node, epoch)'s key never changes."""
+        rec = self._records.get(node_id)
+        if rec is not None and rec.epoch == epoch:
+            return rec
+        stored = next((r for r in await self.store.nodes() if r.node_id == node_id), None)
+        if stored is not None and (rec is None or stored.epoch > rec.epoch):
+            self._records[node_id] = stored
+        return stored if stored is not None and stored.epoch == epoch else None
 
     @staticmethod
     def _check_session(rec: NodeRecord | None, epoch: int, session: bytes | None) -> None:
@@ -403,20 +423,23 @@ class MasterService(pb_grpc.MasterServicer):
         applied = await self._apply_commit(wire.commit_from_pb(request), request.session)
         return pb.CommitResponse(applied_seq=applied)
 
-    async def commit_in_process(self, batch: CommitBatch) -> int:
+    async def commit_in_process(self, batch: CommitBatch, session: bytes | None = None) -> int:
         """What ``Commit`` does, for the node of this same process (``kvstore serve``): the
         batch is handed over as records, without the protobuf round trip (measured: 135 µs
         of a 335 µs commit of 8 adds and 8 evictions here), checked and timed like the RPC.
-        Returns the applied seq; raises :class:`StaleEpoch` and
-        :class:`InvalidArgument` like the RPC."""
+        Returns the applied seq; raises :class:`StaleEpoch`, :class:`InvalidArgument` and
+        (``session`` not the registration's key) :class:`PermissionDenied` like the RPC;
+        ``session`` None: not checked."""
         start = time.perf_counter()
         try:
-            return await self._apply_commit(wire.check_commit(batch), None)
+            return await self._apply_commit(wire.check_commit(batch), session)
         finally:
             self._observe("Commit", time.perf_counter() - start)
 
     async def _apply_commit(self, batch: CommitBatch, session: bytes | None) -> int:
-        self._check_session(self._records.get(batch.node_id), batch.epoch, session)
+        if session is not None:
+            reg = await self._registration(batch.node_id, batch.epoch)
+            self._check_session(reg, batch.epoch, session)
         live = self.membership.is_live(batch.node_id, batch.epoch)
         if not live and not await self._adopt(batch.node_id, batch.epoch, self._clock(), session):
             raise StaleEpoch(f"node {batch.node_id!r} epoch {batch.epoch} is not live; re-register")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -100,6 +101,8 @@ class Migration:
         self.checks = checks
         self.drop = drop
         self.io_timeout_s = io_timeout_s
+        self.ssl_context: ssl.SSLContext | None = None
+        """Verifies receivers that serve ``tls://`` (the node's TLS files)."""
         self.tickets: TicketSource | None = None
         """The node's own data-port tickets (with a cluster secret): the receivers
         authenticate each copy's connection."""
@@ -326,7 +329,9 @@ class Migration:
             if not chunks:
                 return
             node = NodeClient(
-                batch.target.data_uri, Dial(self.tickets), timeout_s=self.io_timeout_s
+                batch.target.data_uri,
+                Dial(self.tickets, self.ssl_context),
+                timeout_s=self.io_timeout_s,
             )
             ack = await node.put(
                 batch.ns.canonical_bytes(), chunks, bufs, wait_s=self.io_timeout_s / 4

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import ssl
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,11 +36,18 @@ import torch
 
 from kvstore.control.client import MasterClient
 from kvstore.control.records import BlockAdd, ObjectAdd
-from kvstore.control.tls import TlsFiles
+from kvstore.control.tls import TlsFiles, data_context
 from kvstore.core.codec import chunk_nbytes
 from kvstore.core.hashing import Namespace
 from kvstore.core.slots import Lease, ObjectStore, Slot, SlotKey, TierStats
-from kvstore.dataplane.handshake import OPEN, TicketSource, accept, check_allowed, ticket_root
+from kvstore.dataplane.handshake import (
+    OPEN,
+    Peer,
+    TicketSource,
+    accept,
+    check_allowed,
+    ticket_root,
+)
 from kvstore.dataplane.messages import (
     REQUESTS,
     SEND,
@@ -81,9 +89,9 @@ from kvstore.errors import (
     KVStoreError,
     KVTimeout,
     NodeIdTaken,
+    PermissionDenied,
     ProtocolError,
     TransportError,
-    Unauthorized,
 )
 from kvstore.metrics import Metrics
 from kvstore.node.checks import ChunkChecks, LandedChunk
@@ -144,10 +152,13 @@ class NodeConfig:
     """The cluster secret (``--auth-file``): sent with every master call, and the root of
     the data port's tickets (:mod:`kvstore.dataplane.handshake`: every connection then
     authenticates at its start); empty: none, the data port serves every connection."""
+    data_tls: ssl.SSLContext | None = None
+    """With a server context (``--data-tls``: the node's ``--tls-cert``/``--tls-key``), the
+    data port speaks ``tls://`` only (:mod:`kvstore.transport.tls`)."""
     tls: TlsFiles | None = None
     """TLS to the master (``--tls-ca``, and ``--tls-cert``/``--tls-key`` as the node's
     client certificate); None: plaintext."""
-    register_wait_s: float = 30.0
+    register_wait_s: float = 60.0
     """How long a starting node waits for an older live registration of its id (its own,
     before a restart) to end before it gives up with NodeIdTaken."""
     max_header_bytes: int = 512 * 2**10
@@ -230,6 +241,7 @@ class StorageNode:
         self._ticket_root = ticket_root(config.token) if config.token else None
         if config.token:
             self.migration.tickets = TicketSource.of_secret(config.token)
+        self.migration.ssl_context = data_context(config.tls)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -240,14 +252,16 @@ class StorageNode:
         client raises when the master does not answer.
         """
         cfg = self.config
+        scheme, tls_opts = ("tls", {"ssl_context": cfg.data_tls}) if cfg.data_tls else ("tcp", {})
         self._listener = listen(
-            f"tcp://{cfg.host}:{cfg.data_port}",
+            f"{scheme}://{cfg.host}:{cfg.data_port}",
             self._serve,
             limits=FrameLimits(max_header_bytes=cfg.max_header_bytes),
             max_connections=cfg.max_connections,
             idle_timeout=cfg.idle_timeout_s,
             header_timeout=cfg.header_timeout_s,
             refusal=lambda exc: Error.of(exc).header(),
+            **tls_opts,
         )
         await self._listener.start()
         self.data_uri = self.migration.own_uri = self._listener.address
@@ -405,7 +419,9 @@ class StorageNode:
                 return
             try:
                 request = parse_request(frame.header)
-                check_allowed(peer, frame.header["op"])
+                refusal = _refused(peer, frame.header["op"])
+                if refusal is not None:
+                    raise refusal
                 if frame.sizes and not (isinstance(request, Put) and not request.ucx):
                     raise ProtocolError(f"op {frame.header.get('op')!r} carries no payload")
                 self._serving += 1
@@ -413,7 +429,7 @@ class StorageNode:
                     await self._handle(conn, request, frame.sizes)
                 finally:
                     self._serving -= 1
-            except (InvalidArgument, CapacityError, ProtocolError, ChunkError, Unauthorized) as exc:
+            except (InvalidArgument, CapacityError, ProtocolError, ChunkError, _Refused) as exc:
                 # The request was refused before any payload moved: the stream is intact.
                 self._count_error(frame.header, Error.of(exc).code)
                 if conn.closed:
@@ -685,6 +701,19 @@ class StorageNode:
                 **self.migration.counters(),
             }
         )
+
+
+class _Refused(PermissionDenied):
+    """This connection's role may not make the request (only this, not a PermissionDenied
+    the node's own master call raised, is answered ``forbidden``)."""
+
+
+def _refused(peer: Peer, op: str) -> _Refused | None:
+    try:
+        check_allowed(peer, op)
+    except PermissionDenied as exc:
+        return _Refused(str(exc))
+    return None
 
 
 def _tier_stats(name: str, st: TierStats) -> dict[str, Any]:

@@ -54,6 +54,7 @@ __all__ = [
 
 BACKENDS: dict[str, str] = {
     "tcp": "kvstore.transport.tcp",
+    "tls": "kvstore.transport.tls",
     "inproc": "kvstore.transport.inproc",
 }
 """Address scheme → module exposing ``BACKEND``; imported lazily, on first use."""

@@ -359,6 +359,7 @@ class TcpListener(Listener):
         header_timeout: float | None = None,
         refusal: Refusal | None = None,
         socket_buffer_bytes: int | None = DEFAULT_SOCKET_BUFFER_BYTES,
+        scheme: str = "tcp",
     ) -> None:
         super().__init__(
             handler,
@@ -368,7 +369,8 @@ class TcpListener(Listener):
             header_timeout=header_timeout,
             refusal=refusal,
         )
-        self._host, self._port = parse_tcp_uri(uri, listening=True)
+        self._scheme = scheme
+        self._host, self._port = parse_tcp_uri(uri, listening=True, scheme=scheme)
         self._uri = uri
         self._buffer_bytes = socket_buffer_bytes
         self._sock: socket.socket | None = None
@@ -413,7 +415,7 @@ class TcpListener(Listener):
             sock.close()
             raise TransportError(f"cannot listen on {self._uri}: {exc}") from exc
         self._sock = sock
-        self._address = _format_address(sock.getsockname())
+        self._address = _format_address(sock.getsockname(), self._scheme)
         self._accept_task = loop.create_task(self._accept_loop(sock), name=f"accept {self._uri}")
 
     async def _unbind(self) -> None:
@@ -435,16 +437,21 @@ class TcpListener(Listener):
                 continue
             try:
                 _tune(conn_sock, self._buffer_bytes)
-                conn = TcpConnection(conn_sock, peer=_format_address(addr), limits=self.limits)
+                conn = self._wrap(conn_sock, _format_address(addr, self._scheme))
             except OSError as exc:
                 logger.warning("dropping connection from %s: %s", addr, exc)
                 conn_sock.close()
                 continue
             self._accepted(conn)
 
+    def _wrap(self, sock: socket.socket, peer: str) -> TcpConnection:
+        """The connection an accepted socket becomes (``tls://`` wraps it in TLS)."""
+        return TcpConnection(sock, peer=peer, limits=self.limits)
 
-def parse_tcp_uri(uri: str, *, listening: bool = False) -> tuple[str, int]:
-    """Split ``tcp://host:port`` (``[v6]`` hosts allowed); port 0 only when ``listening``.
+
+def parse_tcp_uri(uri: str, *, listening: bool = False, scheme: str = "tcp") -> tuple[str, int]:
+    """Split ``tcp://host:port`` (``[v6]`` hosts allowed; ``scheme``: ``tls`` for
+    ``tls://``); port 0 only when ``listening``.
 
     Raises :class:`~kvstore.errors.InvalidArgument` for anything else.
     """
@@ -453,18 +460,18 @@ def parse_tcp_uri(uri: str, *, listening: bool = False) -> tuple[str, int]:
         port = parts.port
     except ValueError as exc:
         raise InvalidArgument(f"bad tcp address {uri!r}: {exc}") from exc
-    if parts.scheme != "tcp" or not parts.hostname or port is None:
-        raise InvalidArgument(f"bad tcp address {uri!r}: expected tcp://host:port")
+    if parts.scheme != scheme or not parts.hostname or port is None:
+        raise InvalidArgument(f"bad {scheme} address {uri!r}: expected {scheme}://host:port")
     if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
-        raise InvalidArgument(f"bad tcp address {uri!r}: expected tcp://host:port")
+        raise InvalidArgument(f"bad {scheme} address {uri!r}: expected {scheme}://host:port")
     if port == 0 and not listening:
         raise InvalidArgument(f"cannot connect to port 0 ({uri!r})")
     return parts.hostname, port
 
 
-def _format_address(addr: Any) -> str:
+def _format_address(addr: Any, scheme: str = "tcp") -> str:
     host, port = addr[0], addr[1]
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def fit_fd_limit(connections: int) -> int:
@@ -546,7 +553,13 @@ class TcpBackend(Backend):
         )
 
     async def _connect(
-        self, host: str, port: int, uri: str, limits: FrameLimits, buffer_bytes: int | None
+        self,
+        host: str,
+        port: int,
+        uri: str,
+        limits: FrameLimits,
+        buffer_bytes: int | None,
+        make: Callable[[socket.socket, Any], TcpConnection] | None = None,
     ) -> TcpConnection:
         loop = asyncio.get_running_loop()
         try:
@@ -560,6 +573,8 @@ class TcpBackend(Backend):
                 sock.setblocking(False)
                 _tune(sock, buffer_bytes)
                 await loop.sock_connect(sock, addr)
+                if make is not None:  # (another backend's connection on this socket)
+                    return make(sock, addr)
                 return TcpConnection(sock, peer=_format_address(addr), limits=limits)
             except OSError as exc:
                 sock.close()

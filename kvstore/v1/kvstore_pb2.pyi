@@ -458,12 +458,14 @@ class StatsResponse(_message.Message):
     def __init__(self, nodes: _Optional[int] = ..., live_nodes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ("node_id", "undrain")
+    __slots__ = ("node_id", "undrain", "session")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UNDRAIN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     undrain: bool
-    def __init__(self, node_id: _Optional[str] = ..., undrain: _Optional[bool] = ...) -> None: ...
+    session: bytes
+    def __init__(self, node_id: _Optional[str] = ..., undrain: _Optional[bool] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
     __slots__ = ("draining",)

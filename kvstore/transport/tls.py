@@ -1,0 +1,324 @@
+"""The ``tls://host:port`` backend: the ``tcp://`` frames inside TLS.
+
+The same framing and the same :class:`~kvstore.transport.tcp.TcpConnection` logic (staging,
+deadlines, bounds) run over a shim that looks like the few socket calls they make
+(``recv_into``, ``recvmsg_into``, ``sendmsg``, a peek) and drives an :class:`ssl.SSLObject`
+over two memory BIOs on the non-blocking socket. The cost is the cipher and one copy each
+way: plaintext is encrypted into the outgoing BIO and sent from there, and received
+ciphertext is decrypted straight into the caller's view (a slot, a staging buffer) by
+``SSLObject.read(n, view)``. ``bench/tls_cost.py`` measures it beside ``tcp://``.
+
+- **Handshake.** Once per connection, before its first frame: the client's in
+  :meth:`TlsBackend.connect` (within its ``timeout``), the server's in the connection's
+  task before its handler runs (within ``header_timeout``, else 10 s), so a slow or silent
+  peer holds no accept loop. A failed handshake raises :class:`~kvstore.errors.Unreachable`
+  on the client (naming the certificate problem) and closes the server's connection.
+- **Contexts.** The client's :class:`ssl.SSLContext` comes in the ``ssl_context`` option
+  (:func:`client_context`: a CA file, optionally a client certificate); without it the
+  system's roots verify the node. The listener's comes in the same option
+  (:func:`server_context`). TLS 1.3 only, no session tickets (a pooled idle connection
+  must look idle: a late ticket would look like an unexpected frame).
+- **Bounds.** A ``sendmsg`` encrypts at most :data:`_CHUNK` plaintext bytes per call, so
+  at most about that much ciphertext waits for the socket; reads pull at most
+  :data:`_CHUNK` ciphertext bytes per call.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvstore.errors import InvalidArgument, KVStoreError, PeerDisconnected, Unreachable
+from kvstore.transport.base import (
+    REFUSAL_LINGER_S,
+    Connection,
+    Handler,
+    Refusal,
+    logger,
+    with_timeout,
+)
+from kvstore.transport.framing import FrameLimits
+from kvstore.transport.tcp import (
+    TcpBackend,
+    TcpConnection,
+    TcpListener,
+    _format_address,
+    _options,
+    parse_tcp_uri,
+)
+
+__all__ = ["BACKEND", "TlsBackend", "TlsConnection", "client_context", "server_context"]
+
+_CHUNK = 256 * 1024
+_EMPTY = memoryview(b"")
+DEFAULT_HANDSHAKE_S = 10.0
+
+
+def client_context(ca: str = "", cert: str = "", key: str = "") -> ssl.SSLContext:
+    """A client's context: verify the server against ``ca`` (empty: system roots) and its
+    name; present ``cert``/``key`` when given. Raises InvalidArgument for a bad file."""
+    try:
+        ctx = ssl.create_default_context(cafile=ca or None)
+        if cert:
+            ctx.load_cert_chain(cert, key or None)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise InvalidArgument(f"TLS files for the data port: {exc}") from None
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    return ctx
+
+
+def server_context(cert: str, key: str, client_ca: str = "") -> ssl.SSLContext:
+    """A listener's context (``client_ca``: require client certificates it signed)."""
+    try:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(cert, key)
+        if client_ca:
+            ctx.load_verify_locations(client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise InvalidArgument(f"TLS files for the data port: {exc}") from None
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.num_tickets = 0
+    return ctx
+
+
+class _TlsSocket:
+    """The socket calls :class:`TcpConnection` makes, over TLS. ``BlockingIOError`` means
+    what it means for a socket: wait for readability (receives) or writability (sends)."""
+
+    def __init__(
+        self, sock: socket.socket, ctx: ssl.SSLContext, *, server_side: bool, hostname: str
+    ) -> None:
+        self.sock = sock
+        self._in = ssl.MemoryBIO()
+        self._out = ssl.MemoryBIO()
+        self.obj = ctx.wrap_bio(
+            self._in, self._out, server_side=server_side,
+            server_hostname=None if server_side else hostname,
+        )  # fmt: skip
+        self.unsent = bytearray()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def flush(self) -> None:
+        """Send pending ciphertext; BlockingIOError if the socket takes not all of it."""
+        if self._out.pending:
+            self.unsent += self._out.read()
+        while self.unsent:
+            sent = self.sock.send(self.unsent)
+            del self.unsent[:sent]
+
+    def pull(self) -> bool:
+        """Move ciphertext from the socket into the TLS object; False at EOF."""
+        data = self.sock.recv(_CHUNK)
+        if not data:
+            self._in.write_eof()
+            return False
+        self._in.write(data)
+        return True
+
+    def recv_into(self, view: memoryview) -> int:
+        while True:
+            try:
+                return int(self.obj.read(len(view), view))
+            except ssl.SSLWantReadError:
+                if self._out.pending or self.unsent:
+                    self.flush()  # (a post-handshake message of ours first)
+                self.pull()
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return 0  # close_notify, or the socket ended: end of stream either way
+            except ssl.SSLError as exc:
+                raise OSError(f"TLS: {exc.reason or exc}") from exc
+
+    def recvmsg_into(self, buffers: list[memoryview]) -> tuple[int, list[Any], int, Any]:
+        # (nothing spills: the caller reads the rest of the stream by later calls)
+        return self.recv_into(buffers[0]), [], 0, None
+
+    def sendmsg(self, iov: list[memoryview]) -> int:
+        self.flush()  # BlockingIOError here: nothing of iov taken
+        taken = 0
+        try:
+            for view in iov:
+                piece = view[: _CHUNK - taken]
+                self.obj.write(piece)
+                taken += piece.nbytes
+                if taken >= _CHUNK:
+                    break
+        except ssl.SSLError as exc:
+            raise OSError(f"TLS: {exc.reason or exc}") from exc
+        try:
+            self.flush()
+        except BlockingIOError:
+            pass  # kept in unsent; the connection flushes it before the frame counts
+        return taken
+
+    def recv(self, n: int, flags: int = 0) -> bytes:
+        """Only the peek :class:`TcpConnection` uses to tell an idle connection."""
+        if self.obj.pending():
+            return b"\x00"
+        return self.sock.recv(n, flags)
+
+
+class TlsConnection(TcpConnection):
+    """A :class:`TcpConnection` whose bytes travel inside TLS (see the module docstring)."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        ctx: ssl.SSLContext,
+        *,
+        peer: str,
+        server_side: bool,
+        hostname: str = "",
+        limits: FrameLimits,
+    ) -> None:
+        sock.setblocking(False)
+        self._tls = _TlsSocket(sock, ctx, server_side=server_side, hostname=hostname)
+        super().__init__(sock, peer=peer, limits=limits)
+        self._sock = self._tls  # type: ignore[assignment]
+
+    async def handshake(self, timeout: float | None) -> None:
+        """Complete the TLS handshake; raises Unreachable (why), KVTimeout."""
+
+        async def run() -> None:
+            while True:
+                try:
+                    self._tls.obj.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    await self._flush_all()
+                    try:
+                        if not self._tls.pull():
+                            raise PeerDisconnected(f"{self.peer} closed during the TLS handshake")
+                    except BlockingIOError:
+                        await self._wait_io(write=False)
+                except ssl.SSLError as exc:
+                    raise Unreachable(
+                        f"TLS handshake with {self.peer} failed: {exc.reason or exc}"
+                    ) from None
+            await self._flush_all()
+
+        try:
+            await with_timeout(run(), timeout, f"TLS handshake with {self.peer}")
+        except KVStoreError:
+            raise  # (some of ours are OSErrors too)
+        except OSError as exc:
+            raise self._translate(exc, "TLS handshake") from exc
+
+    async def _flush_all(self) -> None:
+        while True:
+            try:
+                self._tls.flush()
+                return
+            except BlockingIOError:
+                await self._wait_io(write=True)
+
+    def _write_now(self, iov: list[memoryview]) -> list[memoryview]:
+        rest = super()._write_now(iov)
+        return rest if rest or not self._tls.unsent else [_EMPTY]
+
+    async def _write_rest(self, iov: list[memoryview]) -> None:
+        await super()._write_rest(iov)
+        while self._tls.unsent:
+            await super()._write_rest([_EMPTY])
+
+
+class TlsListener(TcpListener):
+    """A :class:`TcpListener` whose connections speak TLS (``ssl_context``: the server's)."""
+
+    def __init__(
+        self, uri: str, handler: Handler, *, ssl_context: ssl.SSLContext, **kwargs: Any
+    ) -> None:
+        self._ctx = ssl_context
+        limit = kwargs.get("header_timeout") or DEFAULT_HANDSHAKE_S
+        super().__init__(uri, _handshaking(handler, limit), scheme="tls", **kwargs)
+
+    def _wrap(self, sock: socket.socket, peer: str) -> TcpConnection:
+        return TlsConnection(sock, self._ctx, peer=peer, server_side=True, limits=self.limits)
+
+    async def _send_refusal(self, conn: Connection, refusal: Refusal) -> None:
+        """The refusal frame, inside TLS: the handshake first (bounded), else a close."""
+        assert isinstance(conn, TlsConnection)
+        try:
+            await conn.handshake(REFUSAL_LINGER_S)
+        except KVStoreError:
+            await conn.close()
+            return
+        await super()._send_refusal(conn, refusal)
+
+
+def _handshaking(handler: Handler, timeout: float) -> Callable[[Connection], Awaitable[None]]:
+    async def serve(conn: Connection) -> None:
+        assert isinstance(conn, TlsConnection)
+        try:
+            await conn.handshake(timeout)
+        except KVStoreError as exc:
+            # (a client that does not trust this certificate, a port scanner: closed)
+            logger.info("TLS handshake with %s failed: %s", conn.peer, exc)
+            return
+        await handler(conn)
+
+    return serve
+
+
+class TlsBackend(TcpBackend):
+    """Connects and listens on ``tls://host:port``: option ``ssl_context`` (see the module
+    docstring), and ``socket_buffer_bytes`` as for ``tcp://``."""
+
+    async def connect(
+        self, uri: str, *, timeout: float | None, limits: FrameLimits, **options: Any
+    ) -> TcpConnection:
+        """Connect and complete the handshake within ``timeout``; see :class:`Backend`."""
+        ctx = options.pop("ssl_context", None) or client_context()
+        if not isinstance(ctx, ssl.SSLContext):
+            raise InvalidArgument("ssl_context must be an ssl.SSLContext")
+        buffer_bytes = _options(options)
+        host, port = parse_tcp_uri(uri, scheme="tls")
+
+        def make(sock: socket.socket, addr: Any) -> TcpConnection:
+            return TlsConnection(sock, ctx, peer=_format_address(addr, "tls"),
+                                 server_side=False, hostname=host, limits=limits)  # fmt: skip
+
+        async def dial() -> TcpConnection:
+            conn = await self._connect(host, port, uri, limits, buffer_bytes, make)
+            assert isinstance(conn, TlsConnection)
+            try:
+                await conn.handshake(None)  # (the whole dial has the deadline)
+            except BaseException:
+                await conn.close()
+                raise
+            return conn
+
+        return await with_timeout(dial(), timeout, f"connect to {uri}")
+
+    def listener(
+        self,
+        uri: str,
+        handler: Handler,
+        *,
+        limits: FrameLimits,
+        max_connections: int,
+        idle_timeout: float | None = None,
+        header_timeout: float | None = None,
+        refusal: Refusal | None = None,
+        **options: Any,
+    ) -> TcpListener:
+        """An unstarted :class:`TlsListener` (``ssl_context`` required)."""
+        ctx = options.pop("ssl_context", None)
+        if not isinstance(ctx, ssl.SSLContext):
+            raise InvalidArgument("a tls:// listener needs ssl_context (server_context())")
+        return TlsListener(
+            uri, handler, ssl_context=ctx, limits=limits, max_connections=max_connections,
+            idle_timeout=idle_timeout, header_timeout=header_timeout, refusal=refusal,
+            socket_buffer_bytes=_options(options),
+        )  # fmt: skip
+
+
+BACKEND = TlsBackend()
+"""The instance the registry in :mod:`kvstore.transport` hands out for ``tls://``."""
