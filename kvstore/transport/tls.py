@@ -98,7 +98,10 @@ class _TlsSocket:
             self._in, self._out, server_side=server_side,
             server_hostname=None if server_side else hostname,
         )  # fmt: skip
-        self.unsent = bytearray()
+        self._tail: memoryview | None = None
+        """Ciphertext taken from the outgoing BIO that the socket has not taken yet."""
+        self._cipher = bytearray(_CHUNK)
+        self._cipher_mv = memoryview(self._cipher)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -106,35 +109,54 @@ class _TlsSocket:
     def close(self) -> None:
         self.sock.close()
 
+    @property
+    def unsent(self) -> bool:
+        """Ciphertext waits for the socket."""
+        return bool(self._tail) or self._out.pending > 0
+
     def flush(self) -> None:
-        """Send pending ciphertext; BlockingIOError if the socket takes not all of it."""
-        if self._out.pending:
-            self.unsent += self._out.read()
-        while self.unsent:
-            sent = self.sock.send(self.unsent)
-            del self.unsent[:sent]
+        """Send pending ciphertext; BlockingIOError if the socket takes not all of it (the
+        rest is kept, in order)."""
+        while True:
+            if not self._tail:
+                if not self._out.pending:
+                    return
+                self._tail = memoryview(self._out.read())
+            sent = self.sock.send(self._tail)
+            self._tail = self._tail[sent:]
 
     def pull(self) -> bool:
         """Move ciphertext from the socket into the TLS object; False at EOF."""
-        data = self.sock.recv(_CHUNK)
-        if not data:
+        got = self.sock.recv_into(self._cipher)
+        if not got:
             self._in.write_eof()
             return False
-        self._in.write(data)
+        self._in.write(self._cipher_mv[:got])
         return True
 
     def recv_into(self, view: memoryview) -> int:
-        while True:
+        """Decrypt into ``view`` as much as is here (one read is one TLS record, at most
+        16 KiB: reading on until the ciphertext runs out saves the caller's loop a trip per
+        record); BlockingIOError only when nothing at all could be read."""
+        got = 0
+        while got < len(view):
             try:
-                return int(self.obj.read(len(view), view))
+                n = int(self.obj.read(len(view) - got, view[got:]))
             except ssl.SSLWantReadError:
-                if self._out.pending or self.unsent:
+                if got:
+                    return got
+                if self.unsent:
                     self.flush()  # (a post-handshake message of ours first)
                 self.pull()
+                continue
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                return 0  # close_notify, or the socket ended: end of stream either way
+                return got  # close_notify, or the socket ended: end of stream either way
             except ssl.SSLError as exc:
                 raise OSError(f"TLS: {exc.reason or exc}") from exc
+            if not n:
+                return got
+            got += n
+        return got
 
     def recvmsg_into(self, buffers: list[memoryview]) -> tuple[int, list[Any], int, Any]:
         # (nothing spills: the caller reads the rest of the stream by later calls)
