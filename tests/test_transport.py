@@ -1077,3 +1077,52 @@ def test_byte_views() -> None:
         as_byte_view(12345)
     view = as_byte_view(torch.zeros(4, dtype=torch.uint8), writable=True)
     view[0] = 7
+
+
+async def test_a_big_send_and_a_big_receive_at_once_both_finish(case: Case) -> None:
+    """One task sends a big frame while another receives one on the same connection, and
+    the peer answers with its own big frame before it reads: with small socket buffers
+    both directions must progress (a tls:// receive once waited for readability while its
+    flush of the sender's ciphertext was what blocked, spinning forever)."""
+    big = bytearray(16 * MiB)
+
+    async def answer_first(conn: Connection) -> None:
+        await conn.send({"op": "big"}, [big], timeout=30)
+        await conn.recv(timeout=30)
+
+    small = {"socket_buffer_bytes": 65536} if case.name != "inproc" else {}
+    async with (
+        serving(case, answer_first, **small) as listener,
+        await case.connect(listener.address, timeout=5, **small) as conn,
+    ):
+        tx = asyncio.create_task(conn.send({"op": "big"}, [big], timeout=30))
+        await asyncio.sleep(0.05)
+        header, payload = await asyncio.wait_for(conn.recv(timeout=30), 30)
+        await asyncio.wait_for(tx, 30)
+    assert header["op"] == "big" and sum(len(p) for p in payload) == len(big)
+
+
+async def test_a_frame_that_arrived_is_served_after_stop(case: Case) -> None:
+    """The client pipelines a put and a ping; the listener stops while the handler is busy
+    with the put: the ping had arrived, so it is served (a tls:// record already pulled
+    off the socket once counted as nothing buffered, and the ping was dropped)."""
+    served: list[str] = []
+
+    async def busy(conn: Connection) -> None:
+        await conn.recv(timeout=5)
+        await asyncio.sleep(0.3)
+        header, _ = await conn.recv(timeout=5)
+        served.append(header["op"])
+        await conn.send({"op": "pong"}, timeout=5)
+
+    listener = listen(case.any_address, busy, **case.listen_options())
+    await listener.start()
+    conn = await case.connect(listener.address, timeout=5)
+    try:
+        await conn.send({"op": "put"}, [bytearray(100_000)], timeout=5)
+        await conn.send({"op": "ping"}, timeout=5)
+        await asyncio.sleep(0.1)
+        await listener.stop(grace=2)
+        assert served == ["ping"]
+    finally:
+        await conn.close()

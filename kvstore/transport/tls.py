@@ -25,8 +25,13 @@ ciphertext is decrypted straight into the caller's view (a slot, a staging buffe
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
+import ipaddress
 import socket
 import ssl
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -69,6 +74,24 @@ def client_context(ca: str = "", cert: str = "", key: str = "") -> ssl.SSLContex
     return ctx
 
 
+@functools.cache
+def _default_client_context() -> ssl.SSLContext:
+    """The system roots' context, built once (loading them takes ~60 ms)."""
+    return client_context()
+
+
+_local = threading.local()
+
+
+def _cipher_buffer() -> memoryview:
+    """This thread's buffer for ciphertext pulled off a socket (each event loop runs on one
+    thread; a pull copies it into its connection's BIO before it returns)."""
+    buf: memoryview | None = getattr(_local, "cipher", None)
+    if buf is None:
+        buf = _local.cipher = memoryview(bytearray(_CHUNK))
+    return buf
+
+
 def server_context(cert: str, key: str, client_ca: str = "") -> ssl.SSLContext:
     """A listener's context (``client_ca``: require client certificates it signed)."""
     try:
@@ -100,8 +123,6 @@ class _TlsSocket:
         )  # fmt: skip
         self._tail: memoryview | None = None
         """Ciphertext taken from the outgoing BIO that the socket has not taken yet."""
-        self._cipher = bytearray(_CHUNK)
-        self._cipher_mv = memoryview(self._cipher)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -127,11 +148,12 @@ class _TlsSocket:
 
     def pull(self) -> bool:
         """Move ciphertext from the socket into the TLS object; False at EOF."""
-        got = self.sock.recv_into(self._cipher)
+        buf = _cipher_buffer()
+        got = self.sock.recv_into(buf)
         if not got:
             self._in.write_eof()
             return False
-        self._in.write(self._cipher_mv[:got])
+        self._in.write(buf[:got])  # (copied into the BIO at once: one buffer per thread)
         return True
 
     def recv_into(self, view: memoryview) -> int:
@@ -145,8 +167,9 @@ class _TlsSocket:
             except ssl.SSLWantReadError:
                 if got:
                     return got
-                if self.unsent:
-                    self.flush()  # (a post-handshake message of ours first)
+                if self.unsent:  # (a post-handshake message of ours, or a send's rest:
+                    with contextlib.suppress(BlockingIOError):  # its sender waits on it)
+                        self.flush()
                 self.pull()
                 continue
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
@@ -182,7 +205,7 @@ class _TlsSocket:
 
     def recv(self, n: int, flags: int = 0) -> bytes:
         """Only the peek :class:`TcpConnection` uses to tell an idle connection."""
-        if self.obj.pending():
+        if self.obj.pending() or self._in.pending:  # (records pulled, not yet read)
             return b"\x00"
         return self.sock.recv(n, flags)
 
@@ -221,9 +244,10 @@ class TlsConnection(TcpConnection):
                     except BlockingIOError:
                         await self._wait_io(write=False)
                 except ssl.SSLError as exc:
-                    raise Unreachable(
-                        f"TLS handshake with {self.peer} failed: {exc.reason or exc}"
-                    ) from None
+                    with contextlib.suppress(OSError):  # (best effort: the peer learns why)
+                        self._tls.flush()
+                    why = getattr(exc, "verify_message", None) or exc.reason or exc
+                    raise Unreachable(f"TLS handshake with {self.peer} failed: {why}") from None
             await self._flush_all()
 
         try:
@@ -269,10 +293,22 @@ class TlsListener(TcpListener):
         assert isinstance(conn, TlsConnection)
         try:
             await conn.handshake(REFUSAL_LINGER_S)
-        except KVStoreError:
+        except BaseException as exc:  # (a failed handshake, or stop() cancelling it)
             await conn.close()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             return
         await super()._send_refusal(conn, refusal)
+
+    async def _bind(self) -> None:
+        """Bind; a host given by name is kept in :attr:`address` (clients check the node's
+        certificate against that name, not the address it resolved to)."""
+        await super()._bind()
+        try:
+            ipaddress.ip_address(self._host.strip("[]"))
+        except ValueError:
+            port = self._address.rsplit(":", 1)[1]
+            self._address = f"tls://{self._host}:{port}"
 
 
 def _handshaking(handler: Handler, timeout: float) -> Callable[[Connection], Awaitable[None]]:
@@ -297,7 +333,7 @@ class TlsBackend(TcpBackend):
         self, uri: str, *, timeout: float | None, limits: FrameLimits, **options: Any
     ) -> TcpConnection:
         """Connect and complete the handshake within ``timeout``; see :class:`Backend`."""
-        ctx = options.pop("ssl_context", None) or client_context()
+        ctx = options.pop("ssl_context", None) or _default_client_context()
         if not isinstance(ctx, ssl.SSLContext):
             raise InvalidArgument("ssl_context must be an ssl.SSLContext")
         buffer_bytes = _options(options)
@@ -311,7 +347,8 @@ class TlsBackend(TcpBackend):
             conn = await self._connect(host, port, uri, limits, buffer_bytes, make)
             assert isinstance(conn, TlsConnection)
             try:
-                await conn.handshake(None)  # (the whole dial has the deadline)
+                # (the whole dial has the deadline; without one the handshake still has)
+                await conn.handshake(None if timeout is not None else DEFAULT_HANDSHAKE_S)
             except BaseException:
                 await conn.close()
                 raise
