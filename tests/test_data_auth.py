@@ -329,3 +329,20 @@ def test_claims_past_the_bounds_are_refused_typed() -> None:
             Ticket.verify(root, claims, now=0)
     a, b = (Ticket.issue(root, "client", "team-a", now=0) for _ in range(2))
     assert a.claims != b.claims and a.key != b.key  # (jti: no two tickets share a key)
+
+
+def test_a_node_with_secrets_refuses_a_master_without_them(tmp_path: Path) -> None:
+    """A node started with the cluster secret next to a master without an auth file would
+    refuse every client (they get no tickets there): it says so at start and exits."""
+    master = start_server("master", "--grpc-port", "0", "--metrics-port", "0")
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "kvstore.cli", "node", "--master", master.grpc,
+             "--data-port", "0", "--metrics-port", "0", "--host-mem", "32MiB",
+             "--auth-file", str(_auth_file(tmp_path))],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    finally:
+        master.stop()
+    assert run.returncode != 0 and "its master has no auth file" in run.stderr, run.stderr
+    assert "kvstore ready" not in run.stdout

@@ -267,12 +267,30 @@ class StorageNode:
         self.data_uri = self.migration.own_uri = self._listener.address
         if cfg.transport == "ucx":
             await self._start_nixl()
+        await self._check_master_authenticates()
         await self._first_registration()
         self._refresh_usage()
         self.link.start_heartbeats(self.node_id, asyncio.get_running_loop())
         self._tasks.append(asyncio.create_task(self._sweeper(), name="kvstore-node-sweeper"))
         self._tasks.append(asyncio.create_task(self.scrub.run(), name="kvstore-node-scrub"))
         self._tasks.append(asyncio.create_task(self.migration.run(), name="kvstore-node-drain"))
+
+    async def _check_master_authenticates(self) -> None:
+        """A node with the cluster secret authenticates its data port, so its clients need
+        tickets: refuse (InvalidArgument) a master that issues none, which has no auth file
+        (the node role may not ask an auth-file master for one: PermissionDenied, fine)."""
+        if self._ticket_root is None:
+            return
+        try:
+            ticket = await self.link.master.data_ticket()
+        except (PermissionDenied, ProtocolError):  # (secured; or too old to say)
+            return
+        if ticket is None:
+            raise InvalidArgument(
+                "this node has a cluster secret (--auth-file) but its master has no auth "
+                "file: clients would get no tickets and this node would refuse every data "
+                "connection; give the master the same --auth-file"
+            )
 
     async def _first_registration(self) -> None:
         """Register; while another process's live registration holds this node id (this
