@@ -68,6 +68,7 @@ __all__ = [
     "Hello",
     "Peer",
     "Proof",
+    "RoleForbidden",
     "Ticket",
     "TicketSource",
     "accept",
@@ -171,11 +172,17 @@ OPEN = Peer("admin")
 """A connection to a node without secrets: everything is allowed (the loopback quick start)."""
 
 
+class RoleForbidden(PermissionDenied):
+    """A data-port request the connection's role may not make (:func:`check_allowed`); a
+    node answers only this ``forbidden`` and serves on, not a PermissionDenied its own
+    master call raised."""
+
+
 def check_allowed(peer: Peer, op: str) -> None:
-    """Raise :class:`PermissionDenied` if ``peer``'s role may not make request ``op``."""
+    """Raise :class:`RoleForbidden` if ``peer``'s role may not make request ``op``."""
     roles = DATA_ROLES.get(op)
     if roles is not None and peer.role not in roles:
-        raise PermissionDenied(f"{op}: not allowed for role {peer.role}")
+        raise RoleForbidden(f"{op}: not allowed for role {peer.role}")
 
 
 # ----------------------------------------------------------------------------- messages

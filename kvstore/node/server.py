@@ -42,7 +42,7 @@ from kvstore.core.hashing import Namespace
 from kvstore.core.slots import Lease, ObjectStore, Slot, SlotKey, TierStats
 from kvstore.dataplane.handshake import (
     OPEN,
-    Peer,
+    RoleForbidden,
     TicketSource,
     accept,
     check_allowed,
@@ -437,9 +437,7 @@ class StorageNode:
                 return
             try:
                 request = parse_request(frame.header)
-                refusal = _refused(peer, frame.header["op"])
-                if refusal is not None:
-                    raise refusal
+                check_allowed(peer, frame.header["op"])
                 if frame.sizes and not (isinstance(request, Put) and not request.ucx):
                     raise ProtocolError(f"op {frame.header.get('op')!r} carries no payload")
                 self._serving += 1
@@ -447,7 +445,13 @@ class StorageNode:
                     await self._handle(conn, request, frame.sizes)
                 finally:
                     self._serving -= 1
-            except (InvalidArgument, CapacityError, ProtocolError, ChunkError, _Refused) as exc:
+            except (
+                InvalidArgument,
+                CapacityError,
+                ProtocolError,
+                ChunkError,
+                RoleForbidden,
+            ) as exc:
                 # The request was refused before any payload moved: the stream is intact.
                 self._count_error(frame.header, Error.of(exc).code)
                 if conn.closed:
@@ -719,19 +723,6 @@ class StorageNode:
                 **self.migration.counters(),
             }
         )
-
-
-class _Refused(PermissionDenied):
-    """This connection's role may not make the request (only this, not a PermissionDenied
-    the node's own master call raised, is answered ``forbidden``)."""
-
-
-def _refused(peer: Peer, op: str) -> _Refused | None:
-    try:
-        check_allowed(peer, op)
-    except PermissionDenied as exc:
-        return _Refused(str(exc))
-    return None
 
 
 def _tier_stats(name: str, st: TierStats) -> dict[str, Any]:
