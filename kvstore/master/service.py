@@ -291,7 +291,7 @@ class MasterService(pb_grpc.MasterServicer):
         reg = await self._registration(node_id, request.epoch)
         self._check_session(reg, request.epoch, request.session)
         known = self.membership.heartbeat(node_id, request.epoch, now)
-        if not known and not await self._adopt(node_id, request.epoch, now, request.session):
+        if not known and not await self._adopt(node_id, request.epoch, now):
             return pb.HeartbeatResponse(ok=False, reregister=True)
         draining = await self.store.update_node(node_id, request.epoch, tiers=tiers)
         if draining is None:
@@ -359,15 +359,14 @@ class MasterService(pb_grpc.MasterServicer):
         await self._drop(node_id, request.epoch, "node left")
         return pb.DeregisterResponse(dropped=True)
 
-    async def _adopt(self, node_id: str, epoch: int, now: float, session: bytes | None) -> bool:
+    async def _adopt(self, node_id: str, epoch: int, now: float) -> bool:
         """A node this master does not know under ``epoch`` heartbeats or commits: masters
         sharing one store accept it if the store says that epoch is alive (the node moved
-        from another master: no new epoch, nothing re-reported) and ``session`` is that
-        registration's key (None: the master's own process, trusted)."""
+        from another master: no new epoch, nothing re-reported). The caller has checked its
+        key against that epoch's record already (:meth:`_registration`)."""
         rec = next((r for r in await self.store.nodes() if r.node_id == node_id), None)
         if rec is None or not rec.alive or rec.epoch != epoch:
             return False
-        self._check_session(rec, epoch, session)
         self.membership.register(node_id, epoch, now)
         self._records[node_id] = rec
         log.info("node %s (epoch %d) moved to this master", node_id, epoch)
@@ -441,7 +440,7 @@ class MasterService(pb_grpc.MasterServicer):
             reg = await self._registration(batch.node_id, batch.epoch)
             self._check_session(reg, batch.epoch, session)
         live = self.membership.is_live(batch.node_id, batch.epoch)
-        if not live and not await self._adopt(batch.node_id, batch.epoch, self._clock(), session):
+        if not live and not await self._adopt(batch.node_id, batch.epoch, self._clock()):
             raise StaleEpoch(f"node {batch.node_id!r} epoch {batch.epoch} is not live; re-register")
         applied = await self.store.apply(batch)
         self.events.commit(batch.node_id, batch.epoch, batch.adds, batch.evicts)
