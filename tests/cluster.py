@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ __all__ = [
     "Server",
     "node_stats",
     "rpc_count",
+    "run_kvctl",
     "serving",
     "start_server",
     "start_servers",
@@ -74,6 +76,25 @@ class Server:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.communicate(timeout=10)
+
+
+KVCTL = str(Path(sys.executable).with_name("kvctl"))
+
+
+def run_kvctl(
+    master: Server, *argv: str, env: dict[str, str] | None = None, timeout: float = 60.0
+) -> subprocess.CompletedProcess[str]:
+    """``kvctl --master MASTER ARGV`` with no ``KVSTORE_*`` variable of this process
+    (only those in ``env``), its output captured."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    return subprocess.run(
+        [KVCTL, "--master", master.grpc, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean | (env or {}),
+        check=False,
+    )
 
 
 def start_server(*args: str, timeout: float = 60.0) -> Server:

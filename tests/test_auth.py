@@ -8,7 +8,6 @@ line says ``auth=off``) unless ``--insecure``; an auth file others can read is r
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
@@ -23,31 +22,16 @@ from kvstore.control.client import MasterClient
 from kvstore.control.records import BlockAdd, CommitBatch
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from tests.cluster import Server, start_server
+from tests.authfile import ADMIN, CLIENT, SECRET, write_auth_file
+from tests.cluster import Server, run_kvctl, start_server
 from tests.kvproc import layer_kv, namespace, prompt
 
 pytestmark = pytest.mark.slow
 
-SECRET = "cluster-secret-0123456789"
-CLIENT = "client-token-team-a-0123456789"
-ADMIN = "admin-token-0123456789abcdef"
-KVCTL = str(Path(sys.executable).with_name("kvctl"))
-
-
-def _auth_file(tmp: Path, mode: int = 0o600) -> Path:
-    path = tmp / "auth.toml"
-    path.write_text(
-        f'cluster_secret = "{SECRET}"\n'
-        f'[[token]]\ntoken = "{CLIENT}"\nrole = "client"\ntenant = "team-a"\n'
-        f'[[token]]\ntoken = "{ADMIN}"\nrole = "admin"\nname = "ops"\n'
-    )
-    path.chmod(mode)
-    return path
-
 
 @pytest.fixture
 def pool(tmp_path: Path) -> Iterator[tuple[Server, Server, Path]]:
-    auth = _auth_file(tmp_path)
+    auth = write_auth_file(tmp_path)
     master = start_server("master", "--grpc-port", "0", "--metrics-port", "0",
                           "--node-lease-s", "3", "--auth-file", str(auth))  # fmt: skip
     node = start_server("node", "--master", master.grpc, "--data-port", "0", "--metrics-port",
@@ -155,31 +139,23 @@ async def test_the_cluster_secret_alone_cannot_take_over_a_live_node(
         assert (await kv.get_layer(tokens, 0)).shape[1] == 1024
 
 
-def _kvctl(
-    master: Server, *argv: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    return subprocess.run([KVCTL, "--master", master.grpc, *argv], capture_output=True,
-                          text=True, timeout=60, env=clean | (env or {}), check=False)  # fmt: skip
-
-
 def test_kvctl_takes_its_token_from_a_file_or_the_environment(
     pool: tuple[Server, Server, Path],
 ) -> None:
     master, node, tmp = pool
     node_id = node.addresses["node"]
-    refused = _kvctl(master, "status")
+    refused = run_kvctl(master, "status")
     assert refused.returncode == 1 and "no valid token" in refused.stderr, refused.stderr
     token_file = tmp / "admin.token"
     token_file.write_text(ADMIN + "\n")
-    assert _kvctl(master, "--token-file", str(token_file), "status").returncode == 0
-    client = _kvctl(master, "drain", node_id, env={"KVSTORE_TOKEN": CLIENT})
+    assert run_kvctl(master, "--token-file", str(token_file), "status").returncode == 0
+    client = run_kvctl(master, "drain", node_id, env={"KVSTORE_TOKEN": CLIENT})
     assert client.returncode == 1 and "not allowed for role client" in client.stderr
-    admin = _kvctl(master, "drain", node_id, env={"KVSTORE_TOKEN_FILE": str(token_file)})
+    admin = run_kvctl(master, "drain", node_id, env={"KVSTORE_TOKEN_FILE": str(token_file)})
     assert admin.returncode == 0, admin.stderr
-    undrain = _kvctl(master, "drain", node_id, "--undrain", env={"KVSTORE_TOKEN": ADMIN})
+    undrain = run_kvctl(master, "drain", node_id, "--undrain", env={"KVSTORE_TOKEN": ADMIN})
     assert undrain.returncode == 0, undrain.stderr
-    missing = _kvctl(master, "--token-file", str(tmp / "nope"), "status")
+    missing = run_kvctl(master, "--token-file", str(tmp / "nope"), "status")
     assert missing.returncode == 2 and "token file" in missing.stderr
 
 
@@ -193,7 +169,7 @@ def test_a_server_without_secrets_binds_loopback_only(tmp_path: Path) -> None:
                        "--metrics-port", "0")  # fmt: skip
     assert exposed.returncode == 2
     assert "not a loopback address and no --auth-file" in exposed.stderr, exposed.stderr
-    loose = _auth_file(tmp_path, mode=0o644)
+    loose = write_auth_file(tmp_path, mode=0o644)
     refused = _kvstore("master", "--grpc-port", "0", "--auth-file", str(loose))
     assert refused.returncode == 2 and "chmod 600" in refused.stderr, refused.stderr
     srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
@@ -207,7 +183,7 @@ def test_a_server_without_secrets_binds_loopback_only(tmp_path: Path) -> None:
 async def test_serve_with_an_auth_file_keeps_its_own_node(tmp_path: Path) -> None:
     """``kvstore serve``'s node commits in process but heartbeats over gRPC: with the
     cluster secret, so it stays alive past its lease."""
-    auth = _auth_file(tmp_path)
+    auth = write_auth_file(tmp_path)
     srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
                        "--host-mem", "64MiB", "--node-lease-s", "1.5",
                        "--auth-file", str(auth))  # fmt: skip

@@ -40,26 +40,11 @@ from kvstore.dataplane.messages import PutChunk
 from kvstore.errors import KVTimeout, PermissionDenied, ProtocolError, Unauthorized, Unreachable
 from kvstore.transport import connect, listen
 from kvstore.transport.base import Connection
-from tests.cluster import Server, start_server
+from tests.authfile import ADMIN, CLIENT, SECRET, write_auth_file
+from tests.cluster import Server, run_kvctl, start_server
 from tests.kvproc import layer_kv, namespace, prompt
 
 pytestmark = pytest.mark.slow
-
-SECRET = "cluster-secret-0123456789"
-CLIENT = "client-token-team-a-0123456789"
-ADMIN = "admin-token-0123456789abcdef"
-KVCTL = str(Path(sys.executable).with_name("kvctl"))
-
-
-def _auth_file(tmp: Path) -> Path:
-    path = tmp / "auth.toml"
-    path.write_text(
-        f'cluster_secret = "{SECRET}"\n'
-        f'[[token]]\ntoken = "{CLIENT}"\nrole = "client"\ntenant = "team-a"\n'
-        f'[[token]]\ntoken = "{ADMIN}"\nrole = "admin"\nname = "ops"\n'
-    )
-    path.chmod(0o600)
-    return path
 
 
 def _node(master: Server, auth: Path, *extra: str) -> Server:
@@ -69,7 +54,7 @@ def _node(master: Server, auth: Path, *extra: str) -> Server:
 
 @pytest.fixture
 def pool(tmp_path: Path) -> Iterator[tuple[Server, list[Server], Path]]:
-    auth = _auth_file(tmp_path)
+    auth = write_auth_file(tmp_path)
     master = start_server("master", "--grpc-port", "0", "--metrics-port", "0",
                           "--node-lease-s", "3", "--auth-file", str(auth))  # fmt: skip
     nodes: list[Server] = []
@@ -233,12 +218,9 @@ def test_a_drain_copies_between_nodes_that_authenticate(
             return [(await kv.get_layer(tokens, layer)).clone() for layer in range(2)]
 
     ref = asyncio.run(write())
-    env = {**os.environ, "KVSTORE_TOKEN": ADMIN}
     victim = nodes[0].addresses["node"]
-    run = subprocess.run(
-        [KVCTL, "--master", master.grpc, "drain", victim, "--wait", "--wait-s", "60", "--json"],
-        capture_output=True, text=True, timeout=90, env=env, check=False,
-    )  # fmt: skip
+    run = run_kvctl(master, "drain", victim, "--wait", "--wait-s", "60", "--json",
+                    env={"KVSTORE_TOKEN": ADMIN}, timeout=90)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     moved = json.loads(run.stdout)
     assert moved["drain_failed"] == 0, moved
@@ -339,7 +321,7 @@ def test_a_node_with_secrets_refuses_a_master_without_them(tmp_path: Path) -> No
         run = subprocess.run(
             [sys.executable, "-m", "kvstore.cli", "node", "--master", master.grpc,
              "--data-port", "0", "--metrics-port", "0", "--host-mem", "32MiB",
-             "--auth-file", str(_auth_file(tmp_path))],
+             "--auth-file", str(write_auth_file(tmp_path))],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
     finally:

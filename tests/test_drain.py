@@ -10,23 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
 import kvclient
-from tests.cluster import Server, start_server, start_servers
+from tests.cluster import Server, run_kvctl, start_server, start_servers
 from tests.kvproc import layer_kv, namespace, prompt
 
 pytestmark = pytest.mark.slow
 
 LAYERS = 2
-KVCTL = str(Path(sys.executable).with_name("kvctl"))
 
 
 def _node_args(master: Server, transport: str, *extra: str) -> list[str]:
@@ -41,16 +37,6 @@ def master() -> Iterator[Server]:
                        "--node-lease-s", "3")  # fmt: skip
     yield srv
     srv.stop()
-
-
-def _kvctl(master: Server, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [KVCTL, "--master", master.grpc, *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 async def _connect(master: Server, nodes: int, replicas: int) -> kvclient.KVClient:
@@ -100,7 +86,7 @@ async def test_drain_wait_then_stop_loses_no_block(master: Server) -> None:
             vid = victim.addresses["node"]
             assert count[vid] > 0
 
-            run = _kvctl(master, "drain", vid, "--wait", "--wait-s", "60", "--json")
+            run = run_kvctl(master, "drain", vid, "--wait", "--wait-s", "60", "--json", timeout=120)
             assert run.returncode == 0, run.stderr
             report = json.loads(run.stdout)
             assert report["node"] == vid and report["draining"] is True
@@ -159,7 +145,7 @@ async def test_draining_the_only_node_waits_and_says_why(master: Server) -> None
     try:
         async with await _connect(master, 1, replicas=1) as kv:
             tokens, ref = await _write(kv, seed=104)
-            run = _kvctl(master, "drain", node.addresses["node"], "--wait", "--wait-s", "3")
+            run = run_kvctl(master, "drain", node.addresses["node"], "--wait", "--wait-s", "3")
             assert run.returncode == 1
             assert "not done within 3 s" in run.stderr and "draining" in run.stderr, run.stderr
             # Nothing was lost meanwhile: the node still serves what it holds.
@@ -167,7 +153,7 @@ async def test_draining_the_only_node_waits_and_says_why(master: Server) -> None
                 assert torch.equal(await kv.get_layer(tokens, layer), ref[layer])
             with pytest.raises(kvclient.errors.Unreachable, match="draining"):
                 await kv.put_layer(prompt(512, seed=105), 0, layer_kv(512, 0, 105))
-            undrain = _kvctl(master, "drain", node.addresses["node"], "--undrain")
+            undrain = run_kvctl(master, "drain", node.addresses["node"], "--undrain")
             assert undrain.returncode == 0, undrain.stderr
     finally:
         node.stop()

@@ -7,13 +7,11 @@ others can read, or a file that is not PEM, stops a server at start in one line.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -21,15 +19,13 @@ import torch
 import kvclient
 from kvstore.transport import connect
 from tests.certs import make_ca, make_signed
-from tests.cluster import Server, start_server, start_servers
+from tests.cluster import Server, run_kvctl, start_server, start_servers
 from tests.kvproc import layer_kv, namespace, prompt
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command"),
 ]
-
-KVCTL = str(Path(sys.executable).with_name("kvctl"))
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +48,6 @@ def _master(certs: dict[str, Path], *extra: str) -> Server:
 def _node_args(master: Server, *extra: str) -> tuple[str, ...]:
     return ("node", "--master", master.grpc, "--data-port", "0", "--metrics-port", "0",
             "--host-mem", "64MiB", *extra)  # fmt: skip
-
-
-def _kvctl(master: Server, *argv: str, env: dict[str, str] | None = None) -> Any:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    return subprocess.run([KVCTL, "--master", master.grpc, *argv], capture_output=True,
-                          text=True, timeout=60, env=clean | (env or {}), check=False)  # fmt: skip
 
 
 async def _round_trip(master: Server, seed: int, **tls: str) -> None:
@@ -88,13 +78,13 @@ async def test_a_tls_master_serves_verified_clients_and_refuses_the_rest(
     for bad in ({}, {"ca_file": str(certs["other_ca"])}):  # plaintext; another CA
         with pytest.raises(kvclient.errors.Unreachable):
             await kvclient.KVClient.connect(master.grpc, namespace(1), timeout_s=3, **bad)
-    ok = _kvctl(master, "status", "--ca-file", str(certs["ca"]))
+    ok = run_kvctl(master, "status", "--ca-file", str(certs["ca"]))
     assert ok.returncode == 0 and "1 (1 live)" in ok.stdout, ok.stdout + ok.stderr
-    by_env = _kvctl(master, "nodes", "--json", env={"KVSTORE_TLS_CA": str(certs["ca"])})
+    by_env = run_kvctl(master, "nodes", "--json", env={"KVSTORE_TLS_CA": str(certs["ca"])})
     assert by_env.returncode == 0 and '"alive": true' in by_env.stdout, by_env.stderr
-    plain = _kvctl(master, "--timeout", "3", "status")
+    plain = run_kvctl(master, "--timeout", "3", "status")
     assert plain.returncode == 1, plain.stdout
-    missing = _kvctl(master, "status", "--ca-file", "/nonexistent/ca.pem")
+    missing = run_kvctl(master, "status", "--ca-file", "/nonexistent/ca.pem")
     assert missing.returncode == 2 and "/nonexistent/ca.pem" in missing.stderr
 
 
@@ -112,8 +102,8 @@ async def test_mutual_tls_requires_a_client_certificate(certs: dict[str, Path]) 
                           key_file=str(certs["client_key"]))  # fmt: skip
         both = ["--ca-file", str(certs["ca"]), "--cert-file", str(certs["client_cert"]),
                 "--key-file", str(certs["client_key"])]  # fmt: skip
-        assert _kvctl(master, "status", *both).returncode == 0
-        assert _kvctl(master, "--timeout", "3", "status", *both[:2]).returncode == 1
+        assert run_kvctl(master, "status", *both).returncode == 0
+        assert run_kvctl(master, "--timeout", "3", "status", *both[:2]).returncode == 1
     finally:
         node.stop()
         master.stop()
@@ -161,7 +151,7 @@ async def test_a_tls_data_port_serves_verified_clients_and_drains_over_tls(
             assert await kv.put_layer(tokens, 0, layer_kv(1024, 0, 83)) == 1024
             ref = (await kv.get_layer(tokens, 0)).clone()
             victim = nodes[0].addresses["node"]
-            run = _kvctl(master, "drain", victim, "--wait", "--wait-s", "60", "--json",
+            run = run_kvctl(master, "drain", victim, "--wait", "--wait-s", "60", "--json",
                          "--ca-file", ca)  # fmt: skip
             assert run.returncode == 0, run.stdout + run.stderr
             nodes.pop(0).stop()
