@@ -280,9 +280,14 @@ class EvictResult:
 
 
 async def evict(
-    client: MasterClient, ns_id: bytes, blocks: Sequence[bytes] | None, timeout_s: float
+    client: MasterClient,
+    ns_id: bytes,
+    blocks: Sequence[bytes] | None,
+    timeout_s: float,
+    tenant: str = "",
 ) -> EvictResult:
-    """Ask every live node to evict ``blocks`` of ``ns_id`` (all of it when None).
+    """Ask every live node to evict ``blocks`` of ``ns_id`` (all of it when None), of
+    ``tenant``'s namespace (an admin names it; a client's is its own).
 
     Nodes are the only writers of their index entries, so the request goes to each node's
     data port; the node commits its evictions to the master before it answers. A node that
@@ -299,7 +304,7 @@ async def evict(
             continue
         try:
             answer = await NodeClient(node.data_uri, tickets, timeout_s=timeout_s).evict(
-                ns_id, blocks
+                ns_id, blocks, tenant=tenant
             )
             done.append(NodeEviction(node.node_id, answer.evicted, answer.kept))
         except KVStoreError as exc:

@@ -306,7 +306,7 @@ def _evict_job(args: argparse.Namespace, stdin: TextIO) -> _Job[Any]:
     timeout_s = args.timeout
 
     def fetch(client: MasterClient) -> Awaitable[commands.EvictResult]:
-        return commands.evict(client, ns.id, blocks, timeout_s)
+        return commands.evict(client, ns.id, blocks, timeout_s, args.tenant)
 
     return _Job(fetch, commands.evict_json, tables.print_evict)
 
@@ -480,6 +480,12 @@ def build_parser(out: TextIO, err: TextIO, default_master: str = DEFAULT_MASTER)
             _lookup_options(sub)
         elif name == "evict":
             _lookup_options(sub, tokens_required=False)
+            sub.add_argument(
+                "--tenant",
+                default="",
+                help="the tenant whose namespace it is (auth files name tenants; "
+                "default: the untenanted namespace)",
+            )
         elif name == "drain":
             sub.add_argument("node", metavar="NODE", help="node id")
             sub.add_argument("--undrain", action="store_true", help="clear the draining mark")

@@ -25,8 +25,8 @@ Clients find their token in ``token=`` arguments, else ``$KVSTORE_TOKEN``, else 
 ``ps`` shows it.
 
 The data ports authenticate with tickets a master issues (``DataTicket``) under the cluster
-secret: :mod:`kvstore.dataplane.handshake`. Not yet covered here: tenants' namespaces,
-quotas and TLS.
+secret: :mod:`kvstore.dataplane.handshake`. A client's tenant scopes every namespace id
+and object key it names, on masters and nodes alike: :mod:`kvstore.core.tenancy`.
 """
 
 from __future__ import annotations

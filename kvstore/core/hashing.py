@@ -21,6 +21,7 @@ or the Python version, and nothing imports torch.
 from __future__ import annotations
 
 import array
+import copy
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -153,6 +154,15 @@ class Namespace:
         if ns.canonical_bytes() != raw:
             raise InvalidArgument("canonical namespace does not round-trip")
         return ns
+
+    def with_id(self, pool_id: bytes) -> Namespace:
+        """This namespace stored under ``pool_id`` (a tenant's, :mod:`kvstore.core.tenancy`):
+        equal fields, ``id`` replaced. Block hashes still chain from the client's id."""
+        if pool_id == self.id:
+            return self
+        other = copy.copy(self)
+        object.__setattr__(other, "id", pool_id)
+        return other
 
     @property
     def id_hex(self) -> str:

@@ -109,14 +109,22 @@ class NodeClient:
     # ---------------------------------------------------------------- chunks
 
     async def put(
-        self, ns: bytes, chunks: Sequence[PutChunk], buffers: Sequence[Buffer], wait_s: float = 0.0
+        self,
+        ns: bytes,
+        chunks: Sequence[PutChunk],
+        buffers: Sequence[Buffer],
+        wait_s: float = 0.0,
+        *,
+        tenant: str = "",
     ) -> Ack:
         """``tcp://`` put of ``chunks`` in one round trip: one frame carries every chunk
         (``buffers[i]`` holds chunk ``i``); the node checks and commits those it stores and
         acks. ``wait_s``: how long the node may wait for another writer's transfer of one of
-        these chunks before answering it BUSY (not stored)."""
+        these chunks before answering it BUSY (not stored). ``tenant``: whose chunks they
+        are (a node's or an admin's connection only; a client's are its own)."""
+        request = Put(ns, tuple(chunks), wait_s, tenant=tenant)
         async with self._use() as conn:
-            return expect(await self._ask(conn, Put(ns, tuple(chunks), wait_s), buffers), Ack)
+            return expect(await self._ask(conn, request, buffers), Ack)
 
     async def reserve(
         self,
@@ -201,9 +209,13 @@ class NodeClient:
         async with self._use() as conn:
             return expect(await self._ask(conn, Unhold(hold_id)), Unheld, "ok").released
 
-    async def evict(self, ns_id: bytes, blocks: Sequence[bytes] | None = None) -> Evicted:
-        """Evict ``blocks`` of a namespace (all of it when None); pinned slots are kept."""
-        request = Evict(ns_id, None if blocks is None else tuple(blocks))
+    async def evict(
+        self, ns_id: bytes, blocks: Sequence[bytes] | None = None, *, tenant: str = ""
+    ) -> Evicted:
+        """Evict ``blocks`` of a namespace (all of it when None); pinned slots are kept.
+        ``tenant``: whose namespace it is (an admin's connection; ``""``: the connection's
+        own tenant, or the untenanted ids)."""
+        request = Evict(ns_id, None if blocks is None else tuple(blocks), tenant)
         async with self._use() as conn:
             return expect(await self._ask(conn, request), Evicted)
 

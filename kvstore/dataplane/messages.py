@@ -126,6 +126,9 @@ larger batches."""
 MAX_KEY_LEN = 1024
 """Longest object key, in UTF-8 bytes."""
 
+MAX_TENANT_LEN = 128
+"""Longest tenant name a request may carry."""
+
 MAX_NS_HEX = 8192
 """Longest canonical namespace, in hex digits."""
 
@@ -231,6 +234,13 @@ def _key(header: dict[str, Any]) -> str:
     return key
 
 
+def _tenant(header: dict[str, Any]) -> str:
+    tenant = _field(header, "tenant", str, "")
+    if len(tenant) > MAX_TENANT_LEN:
+        raise ProtocolError(f"field 'tenant' is longer than {MAX_TENANT_LEN}")
+    return tenant
+
+
 # ----------------------------------------------------------------------------- messages
 
 
@@ -299,6 +309,9 @@ class Put(Message):
     granted: bool = False
     writer: str = ""
     grant: tuple[int, ...] = ()
+    tenant: str = ""
+    """The tenant the chunks are stored for: only a node (a drain's copies) or an admin
+    names one; a client's puts are its own tenant's (:mod:`kvstore.core.tenancy`)."""
 
     @property
     def op(self) -> str:
@@ -311,6 +324,8 @@ class Put(Message):
         out = {"op": self.op, "ns": self.ns.hex(), "chunks": spec, "wait_s": self.wait_s}
         if self.writer:
             out["writer"], out["grant"] = self.writer, list(self.grant)
+        if self.tenant:
+            out["tenant"] = self.tenant
         return out
 
     @classmethod
@@ -342,7 +357,7 @@ class Put(Message):
         if op == "write" and not writer:
             raise ProtocolError("a 'write' names its writer")
         return cls(raw, tuple(chunks), _number(header, "wait_s", 0.0), op != "put",
-                   op == "write", writer, grant)  # fmt: skip
+                   op == "write", writer, grant, _tenant(header))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -661,19 +676,24 @@ class Evict(Message):
     OP: ClassVar[str] = "evict"
     ns_id: bytes
     blocks: tuple[bytes, ...] | None = None
+    tenant: str = ""
+    """The tenant whose namespace it is (``""``: the pool's own, untenanted ids)."""
 
     def header(self) -> dict[str, Any]:
         header: dict[str, Any] = {"op": "evict", "ns_id": self.ns_id.hex()}
         if self.blocks is not None:
             header["blocks"] = [b.hex() for b in self.blocks]
+        if self.tenant:
+            header["tenant"] = self.tenant
         return header
 
     @classmethod
     def parse(cls, header: dict[str, Any]) -> Self:
         ns_id = _hex16(header.get("ns_id"), "ns_id")
-        if header.get("blocks") is None:
-            return cls(ns_id)
-        return cls(ns_id, tuple(_hex16(b) for b in _list(header, "blocks", empty=True)))
+        blocks = header.get("blocks")
+        if blocks is not None:
+            blocks = tuple(_hex16(b) for b in _list(header, "blocks", empty=True))
+        return cls(ns_id, blocks, _tenant(header))
 
 
 @dataclass(frozen=True, slots=True)

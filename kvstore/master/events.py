@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvstore.control.records import BlockAdd, BlockRef, ClusterEvent, ClusterEventKind
 from kvstore.dataplane.location import SlotLocation
@@ -98,11 +98,16 @@ class EventLog:
         return after_seq, False
 
     def since(
-        self, cursor: int, ns_id: bytes, max_events: int
+        self,
+        cursor: int,
+        ns_id: bytes,
+        max_events: int,
+        owns: Callable[[bytes], bool] | None = None,
     ) -> tuple[list[ClusterEvent], int, bool]:
         """Up to ``max_events`` events after ``cursor`` (those of namespace ``ns_id`` and
-        every NODE_DEAD, or all when ``ns_id`` is empty), the new cursor, and whether
-        events after ``cursor`` were already dropped (the reader fell behind)."""
+        every NODE_DEAD, or, when ``ns_id`` is empty, of every namespace ``owns`` says
+        yes to, default all), the new cursor, and whether events after ``cursor`` were
+        already dropped (the reader fell behind)."""
         if cursor >= self._seq:
             return [], cursor, False
         oldest = self._oldest
@@ -114,7 +119,9 @@ class EventLog:
             ev = self._ring[(seq - 1) % cap]
             assert ev is not None and ev.seq == seq
             new_cursor = seq
-            if not ns_id or ev.kind is ClusterEventKind.NODE_DEAD or ev.ns_id == ns_id:
+            if ev.kind is ClusterEventKind.NODE_DEAD or (
+                ev.ns_id == ns_id if ns_id else owns is None or owns(ev.ns_id)
+            ):
                 out.append(ev)
                 if len(out) >= max_events:
                     break

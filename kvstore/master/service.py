@@ -24,8 +24,16 @@ import grpc
 
 from kvstore.control import wire
 from kvstore.control.auth import AuthConfig
-from kvstore.control.records import CommitBatch, NodeInfo, NodeRecord, Tier, WatchEvent
+from kvstore.control.records import (
+    ClusterEvent,
+    CommitBatch,
+    NodeInfo,
+    NodeRecord,
+    Tier,
+    WatchEvent,
+)
 from kvstore.core import routing
+from kvstore.core.tenancy import TenantScope
 from kvstore.dataplane.handshake import Ticket, ticket_root
 from kvstore.errors import (
     CapacityError,
@@ -187,6 +195,10 @@ class MasterService(pb_grpc.MasterServicer):
         self.auth = auth
         """With an auth file: the identities ``DataTicket`` issues tickets for."""
         self._ticket_root = ticket_root(auth.cluster_secret) if auth is not None else b""
+        self.tenancy = TenantScope(auth.cluster_secret if auth is not None else None)
+        """Scopes every namespace id and object key a tenant's caller names."""
+        if auth is not None:
+            self.tenancy.learn(i.tenant for i in auth.identities.values())
         self.membership = membership
         self.counters = MasterCounters()
         self.node_counters: dict[str, dict[str, int]] = {}
@@ -455,7 +467,7 @@ class MasterService(pb_grpc.MasterServicer):
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupResponse:
         """Live holders of each block."""
-        ns_id = wire.check_ns_id(request.ns_id)
+        ns_id = self._pool_id(context, wire.check_ns_id(request.ns_id))
         hashes = wire.check_block_hashes(request.block_hashes)
         cpb = wire.check_chunks_per_block(request.chunks_per_block, required=False)
         located = await self.store.locate(ns_id, hashes)
@@ -472,7 +484,7 @@ class MasterService(pb_grpc.MasterServicer):
         self, request: pb.MatchPrefixRequest, context: grpc.aio.ServicerContext
     ) -> pb.MatchPrefixResponse:
         """Leading blocks whose every chunk is present in the union of live holders."""
-        ns_id = wire.check_ns_id(request.ns_id)
+        ns_id = self._pool_id(context, wire.check_ns_id(request.ns_id))
         hashes = wire.check_block_hashes(request.block_hashes)
         cpb = wire.check_chunks_per_block(request.chunks_per_block, required=True)
         matched, located, uris = await self._match(ns_id, hashes, cpb, request.block_tokens)
@@ -489,7 +501,7 @@ class MasterService(pb_grpc.MasterServicer):
         self, request: pb.LookupObjectRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupObjectResponse:
         """Live holders of an object; none is a miss (empty list), not an error."""
-        key = wire.check_key(request.key)
+        key = self.tenancy.object_key(self._tenant(context), wire.check_key(request.key))
         holders = await self.store.locate_object(key)
         uris = await self._uris(h.node_id for h in holders)
         found = [
@@ -569,7 +581,7 @@ class MasterService(pb_grpc.MasterServicer):
         self, request: pb.RouteRequest, context: grpc.aio.ServicerContext
     ) -> pb.RouteResponse:
         """The pool's prefix hit weighed against each instance's cache and load."""
-        ns_id = wire.check_ns_id(request.ns_id)
+        ns_id = self._pool_id(context, wire.check_ns_id(request.ns_id))
         hashes = wire.check_block_hashes(request.block_hashes)
         cpb = wire.check_chunks_per_block(request.chunks_per_block, required=True)
         instances = wire.route_instances_from_pb(request.instances)
@@ -589,8 +601,8 @@ class MasterService(pb_grpc.MasterServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        """Publish ABORT for the blocks to their watchers."""
-        ns_id = wire.check_ns_id(request.ns_id)
+        """Publish ABORT for the blocks to their watchers (the caller's tenant's only)."""
+        ns_id = self._pool_id(context, wire.check_ns_id(request.ns_id))
         hashes = wire.check_block_hashes(request.block_hashes, allow_empty=False)
         reason = wire.check_text(request.reason, "reason")
         await self.store.abort(ns_id, hashes, reason or "writer aborted")
@@ -602,16 +614,18 @@ class MasterService(pb_grpc.MasterServicer):
     ) -> AsyncIterator[pb.WatchResponse]:
         """Snapshot as COMMIT events, SNAPSHOT_DONE, then live events, in batches."""
         try:
-            async for batch in self._watch(request):
+            async for batch in self._watch(request, self._tenant(context)):
                 yield batch
         except KVStoreError as exc:
             if isinstance(exc, CapacityError):
                 self.counters.watch_overflows += 1
             await context.abort(status_for(exc), str(exc))
 
-    async def _watch(self, request: pb.WatchRequest) -> AsyncIterator[pb.WatchResponse]:
+    async def _watch(
+        self, request: pb.WatchRequest, tenant: str
+    ) -> AsyncIterator[pb.WatchResponse]:
         start = time.perf_counter()
-        ns_id = wire.check_ns_id(request.ns_id)
+        ns_id = self.tenancy.pool_id(tenant, wire.check_ns_id(request.ns_id))
         hashes = wire.check_block_hashes(request.block_hashes, allow_empty=False)
         cpb = wire.check_chunks_per_block(request.chunks_per_block, required=False)
         deadline = self._clock() + self._watch_max_s
@@ -642,13 +656,19 @@ class MasterService(pb_grpc.MasterServicer):
         """Every store and removal from now (or after ``after_seq`` of ``log_id``), in
         order; CLEARED first when the events asked for are no longer kept."""
         try:
-            async for batch in self._events(request):
+            async for batch in self._events(request, self._tenant(context)):
                 yield batch
         except KVStoreError as exc:
             await context.abort(status_for(exc), str(exc))
 
-    async def _events(self, request: pb.EventsRequest) -> AsyncIterator[pb.EventsResponse]:
-        ns_id = wire.check_ns_id(request.ns_id) if request.ns_id else b""
+    async def _events(
+        self, request: pb.EventsRequest, tenant: str
+    ) -> AsyncIterator[pb.EventsResponse]:
+        """A tenant's caller sees its own namespaces' events only: one namespace's under the
+        id it named; all of them under their pool ids (:mod:`kvstore.core.tenancy`)."""
+        asked = wire.check_ns_id(request.ns_id) if request.ns_id else b""
+        ns_id = self.tenancy.pool_id(tenant, asked) if asked else b""
+        owns = None if ns_id or not tenant else functools.partial(self.tenancy.owns, tenant)
         log = self.events
         cursor, clear = log.start(request.after_seq, wire.check_text(request.log_id, "log_id"))
         deadline = self._clock() + self._watch_max_s
@@ -662,15 +682,26 @@ class MasterService(pb_grpc.MasterServicer):
             if not await log.wait(cursor, min(remaining, _EVENTS_KEEPALIVE_S)):
                 yield pb.EventsResponse(log_id=log.log_id)  # keep-alive: nothing new
                 continue
-            events, cursor, lost = log.since(cursor, ns_id, _LIVE_BATCH)
+            events, cursor, lost = log.since(cursor, ns_id, _LIVE_BATCH, owns)
             out = [log.cleared(events[0].seq - 1 if events else cursor)] if lost else []
-            out += events
+            out += events if asked == ns_id else [_renamed(e, ns_id, asked) for e in events]
             if out:
                 yield pb.EventsResponse(
                     log_id=log.log_id, events=[wire.cluster_event_to_pb(e) for e in out]
                 )
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        """The tenant of the call's token (``""``: none, a node's, or no auth file)."""
+        if self.auth is None:
+            return ""
+        who = self.auth.caller(context.invocation_metadata())
+        return who.tenant if who is not None and who.role != "node" else ""
+
+    def _pool_id(self, context: grpc.aio.ServicerContext, ns_id: bytes) -> bytes:
+        """The id the caller's tenant's namespace ``ns_id`` is indexed under."""
+        return self.tenancy.pool_id(self._tenant(context), ns_id)
 
     def _observe(self, method: str, seconds: float) -> None:
         self.rpc_calls[method] = self.rpc_calls.get(method, 0) + 1
@@ -733,6 +764,12 @@ class MasterService(pb_grpc.MasterServicer):
                 )
             )
         return sorted(infos, key=lambda i: i.node_id)
+
+
+def _renamed(event: ClusterEvent, pool_id: bytes, ns_id: bytes) -> ClusterEvent:
+    """``event`` with the pool id the caller's namespace is indexed under shown as the id
+    the caller named."""
+    return replace(event, ns_id=ns_id) if event.ns_id == pool_id else event
 
 
 def _batch(events: list[WatchEvent]) -> pb.WatchResponse:

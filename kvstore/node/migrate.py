@@ -93,6 +93,7 @@ class Migration:
         checks: ChunkChecks,
         drop: Callable[[Slot, int], None],
         io_timeout_s: float,
+        tenant_of: Callable[[bytes], str] = lambda pool_id: "",
     ) -> None:
         self.node_id = node_id
         self.tiers = tiers
@@ -101,6 +102,8 @@ class Migration:
         self.checks = checks
         self.drop = drop
         self.io_timeout_s = io_timeout_s
+        self.tenant_of = tenant_of
+        """The tenant a pool id's slots belong to: its copies are stored for that tenant."""
         self.ssl_context: ssl.SSLContext | None = None
         """Verifies receivers that serve ``tls://`` (the node's TLS files)."""
         self.tickets: TicketSource | None = None
@@ -334,8 +337,9 @@ class Migration:
                 timeout_s=self.io_timeout_s,
             )
             ack = await node.put(
-                batch.ns.canonical_bytes(), chunks, bufs, wait_s=self.io_timeout_s / 4
-            )
+                batch.ns.canonical_bytes(), chunks, bufs, wait_s=self.io_timeout_s / 4,
+                tenant=self.tenant_of(batch.ns.id),
+            )  # fmt: skip
         except Miss:  # a slot went between the checks and the pin: the next pass sees
             return
         except (KVStoreError, OSError) as exc:

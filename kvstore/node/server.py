@@ -29,7 +29,7 @@ import logging
 import ssl
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -40,8 +40,10 @@ from kvstore.control.tls import TlsFiles, data_context
 from kvstore.core.codec import chunk_nbytes
 from kvstore.core.hashing import Namespace
 from kvstore.core.slots import Lease, ObjectStore, Slot, SlotKey, TierStats
+from kvstore.core.tenancy import TenantScope
 from kvstore.dataplane.handshake import (
     OPEN,
+    Peer,
     RoleForbidden,
     TicketSource,
     accept,
@@ -214,13 +216,18 @@ class StorageNode:
             self.metrics,
         )
         self._namespaces: dict[bytes, tuple[Namespace, int]] = {}
-        self._ns_by_raw: dict[bytes, tuple[Namespace, int]] = {}
+        """Pool id (:mod:`kvstore.core.tenancy`) -> the namespace, its id the pool id, and
+        its chunk size."""
+        self._ns_by_raw: dict[tuple[bytes, str], tuple[Namespace, int]] = {}
+        self.tenancy = TenantScope(config.token or None)
+        self._tenant_of: dict[bytes, str] = {}
+        """Pool id -> its tenant (what a drain's copies say they store for)."""
         self.puts = Puts(
             self.tiers, self.checks, self.scrub, self.link, self.metrics, config.io_timeout_s
         )
         self.migration = Migration(
             self.node_id, self.tiers, self.link.master, self._namespaces.get, self.checks,
-            self._drop, config.io_timeout_s,
+            self._drop, config.io_timeout_s, tenant_of=lambda ns_id: self._tenant_of.get(ns_id, ""),
         )  # fmt: skip
         self.link.on_draining = self._on_draining
         self._leaving = False
@@ -442,7 +449,7 @@ class StorageNode:
                     raise ProtocolError(f"op {frame.header.get('op')!r} carries no payload")
                 self._serving += 1
                 try:
-                    await self._handle(conn, request, frame.sizes)
+                    await self._handle(conn, self._scoped(peer, request), frame.sizes)
                 finally:
                     self._serving -= 1
             except (
@@ -473,10 +480,34 @@ class StorageNode:
         transport = "ucx" if op in _UCX_OPS else "tcp"
         self.metrics.transfer_errors.labels(op=op, transport=transport, reason=reason).inc()
 
+    def _scoped(self, peer: Peer, request: Message) -> Message:
+        """``request`` with the names it carries scoped by the connection's tenant (namespace
+        ids to pool ids, object keys to the tenant's; :mod:`kvstore.core.tenancy`). A node or
+        an admin may name the tenant (a drain's copies, ``kvctl evict --tenant``); a client
+        that names another than its own is refused (RoleForbidden)."""
+        tenancy = self.tenancy
+        if not tenancy.enabled:
+            return request
+        tenant = peer.tenant
+        named = getattr(request, "tenant", "")
+        if named and named != tenant:
+            if peer.role == "client":
+                raise RoleForbidden(f"{request.OP}: a client names no tenant but its own")
+            tenant = named
+        match request:
+            case Put():
+                return replace(request, tenant=tenant)
+            case Get() | LeaseRequest() | Hold() | Report() | Evict():
+                return replace(request, ns_id=tenancy.pool_id(tenant, request.ns_id))
+            case PutObject() | GetObject() | RemoveObject():
+                return replace(request, key=tenancy.object_key(tenant, request.key))
+        return request
+
     async def _handle(self, conn: Connection, request: Message, sizes: list[int]) -> None:
         match request:
             case Put():
-                await self.puts.serve(conn, request, sizes, *self._namespace(request.ns))
+                known = self._namespace(request.ns, request.tenant)
+                await self.puts.serve(conn, request, sizes, *known)
             case Get():
                 await self._on_get(conn, request)
             case LeaseRequest():
@@ -506,19 +537,23 @@ class StorageNode:
     async def _send(self, conn: Connection, message: Message, buffers: Any = ()) -> None:
         await conn.send(message.header(), buffers, timeout=self.config.io_timeout_s)
 
-    def _namespace(self, raw: bytes) -> tuple[Namespace, int]:
-        """The namespace a put names and its chunk size (parsed once per namespace)."""
-        seen = self._ns_by_raw.get(raw)
+    def _namespace(self, raw: bytes, tenant: str) -> tuple[Namespace, int]:
+        """The namespace a put of ``tenant`` names, under its pool id, and its chunk size
+        (parsed once per namespace and tenant)."""
+        seen = self._ns_by_raw.get((raw, tenant))
         if seen is not None:
             return seen
         ns = Namespace.from_canonical_bytes(raw)
-        known = self._namespaces.get(ns.id)
+        pool_id = self.tenancy.pool_id(tenant, ns.id)
+        known = self._namespaces.get(pool_id)
         if known is None:
             if len(self._namespaces) >= _MAX_NAMESPACES:
                 raise CapacityError(f"node serves at most {_MAX_NAMESPACES} namespaces")
             size = chunk_nbytes(ns.block_tokens, ns.num_kv_heads, ns.head_dim, ns.dtype, ns.quant)
-            known = self._namespaces[ns.id] = (ns, size)
-        self._ns_by_raw[raw] = known
+            known = self._namespaces[pool_id] = (ns.with_id(pool_id), size)
+            if tenant:
+                self._tenant_of[pool_id] = tenant
+        self._ns_by_raw[(raw, tenant)] = known
         return known
 
     # ------------------------------------------------------------------ put
