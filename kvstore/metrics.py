@@ -91,6 +91,22 @@ class Metrics:
             registry=r,
         )
         self.evictions = Counter("kvstore_evictions_total", "Slots evicted", ["tier"], registry=r)
+        self.tenant_bytes = Gauge(
+            "kvstore_tenant_bytes", "Pool memory held by each tenant's blocks", ["tenant"],
+            registry=r,
+        )  # fmt: skip
+        self.tenant_quota_bytes = Gauge(
+            "kvstore_tenant_quota_bytes",
+            "Each tenant's quota on this node (its share of the pool quota)",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_evictions = Counter(
+            "kvstore_tenant_evictions_total",
+            "Slots evicted to make room, by the tenant whose block it was",
+            ["tenant"],
+            registry=r,
+        )
         self.stale_misses = Counter(
             "kvstore_stale_misses_total",
             "Reads of chunks the index listed but the node no longer had",

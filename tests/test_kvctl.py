@@ -178,6 +178,7 @@ async def test_status_nodes_stats_and_drain(
             {"name": "gpu", "nodes": 1, "capacity_bytes": 500, "used_bytes": 50},
             {"name": "host", "nodes": 2, "capacity_bytes": 3000, "used_bytes": 100},
         ],
+        "tenants": [],  # (no auth file: no tenants)
     }
     assert "gpu" in (await kvctl("stats")).out
     assert "2 (2 live)" in (await kvctl("status")).out

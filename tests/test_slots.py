@@ -195,6 +195,43 @@ def test_tail_first_eviction_along_a_chain() -> None:
     table.validate()
 
 
+def test_an_owner_over_its_quota_loses_its_own_blocks_first() -> None:
+    table, _ = small_table()  # 16 slots of 4 KiB
+    table.set_quotas({"flood": 4 * 4096, "calm": 8 * 4096})
+    calm = [table.allocate(key(i), 4096, 1024, 4, owner="calm").slot.key for i in range(6)]
+    # The flood uses the free memory beyond its quota (a quota is no hard cap)...
+    flood = [table.allocate(key(100 + i), 4096, 1024, 4, owner="flood").slot.key
+             for i in range(10)]  # fmt: skip
+    assert table.owner_bytes() == {"calm": 6 * 4096, "flood": 10 * 4096}
+    # ...but once memory is short its own oldest blocks go, never calm's, though calm's
+    # are older: calm is within its quota.
+    gone = []
+    for i in range(20):
+        gone += table.allocate(key(200 + i), 4096, 1024, 4, owner="flood").evicted
+    assert gone[:10] == flood and set(gone).isdisjoint(calm)
+    assert table.owner_bytes()["calm"] == 6 * 4096 and table.owner_evictions == {"flood": 20}
+    # Calm's own puts, within its quota, also take the flood's blocks first.
+    more = table.allocate(key(300), 4096, 1024, 4, owner="calm")
+    assert more.evicted and not set(more.evicted) & set(calm)
+    table.validate()
+    # With no one over quota the order is plain LRU again.
+    table.set_quotas({})
+    assert table.allocate(key(400), 4096, 1024, 4, owner="flood").evicted == [calm[0]]
+    table.validate()
+
+
+def test_an_owner_reaching_its_quota_evicts_its_own_before_an_unlimited_one() -> None:
+    table, _ = small_table()
+    table.set_quotas({"a": 4 * 4096})
+    old = [table.allocate(key(i), 4096, 1024, 4).slot.key for i in range(12)]  # no owner
+    mine = [table.allocate(key(50 + i), 4096, 1024, 4, owner="a").slot.key for i in range(4)]
+    # "a" is at its quota: its next block would put it over, so its own oldest goes,
+    # though the unowned blocks are older.
+    assert table.allocate(key(99), 4096, 1024, 4, owner="a").evicted == [mine[0]]
+    assert table.allocate(key(98), 4096, 1024, 4).evicted == [old[0]]
+    table.validate()
+
+
 def test_touch_makes_the_tail_older_without_parent_links() -> None:
     # With HRW placement a node mostly holds blocks whose parents live elsewhere: only the
     # touch order then puts the tail first.
@@ -512,7 +549,9 @@ class SlotMachine(RuleBasedStateMachine):
         k = (ns, self.next_block.to_bytes(16, "big"))
         pkey = (ns, parent) if parent is not None else None
         try:
-            result = self.table.allocate(k, *cls, parent=parent)
+            # (two owners, no quotas: the per-owner heaps must give the one LRU order)
+            owner = "a" if ns == NS else "b"
+            result = self.table.allocate(k, *cls, parent=parent, owner=owner)
         except CapacityError:
             self.model.check_lru_victims(self.table.take_evictions(), pkey)
             assert self.model.evictable(pkey) == [], "gave up while something was evictable"

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import time
+import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,14 +33,13 @@ pytestmark = pytest.mark.slow
 NS = namespace(1)
 
 
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
-    auth = write_auth_file(tmp_path_factory.mktemp("tenants"))
+def _pool(auth: Path, host_mem: str) -> Iterator[tuple[Server, Server]]:
+    """A master (lease 3 s) and one node of ``host_mem``, both with ``auth``."""
     master = start_server("master", "--grpc-port", "0", "--metrics-port", "0",
-                          "--auth-file", str(auth))  # fmt: skip
+                          "--node-lease-s", "3", "--auth-file", str(auth))  # fmt: skip
     try:
         node = start_server("node", "--master", master.grpc, "--data-port", "0",
-                            "--metrics-port", "0", "--host-mem", "64MiB",
+                            "--metrics-port", "0", "--host-mem", host_mem,
                             "--auth-file", str(auth))  # fmt: skip
     except BaseException:
         master.stop()
@@ -44,6 +47,11 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Ser
     yield master, node
     node.stop()
     master.stop()
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
+    yield from _pool(write_auth_file(tmp_path_factory.mktemp("tenants")), "64MiB")
 
 
 def _connect(master: Server, token: str) -> kvclient.KVClient:
@@ -167,6 +175,73 @@ async def test_a_tenants_event_stream_shows_its_own_namespaces(
             await stream.aclose()
 
 
+QUOTAS = (
+    '[[tenant]]\nname = "team-a"\nquota = "8MiB"\n[[tenant]]\nname = "team-b"\nquota = "8MiB"\n'
+)
+
+
+@pytest.fixture
+def small_pool(tmp_path: Path) -> Iterator[tuple[Server, Server]]:
+    """A master whose auth file gives both tenants a quota of 8 MiB, and one node of
+    24 MiB (about 46 one-layer blocks)."""
+    yield from _pool(write_auth_file(tmp_path, extra=QUOTAS), "24MiB")
+
+
+def _metric(server: Server, name: str, tenant: str) -> float:
+    url = f"http://{server.addresses['metrics']}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    line = f'{name}{{tenant="{tenant}"}} '
+    values = [float(row[len(line) :]) for row in text.splitlines() if row.startswith(line)]
+    assert values, f"{line!r} not in {url}"
+    return values[0]
+
+
+async def test_a_tenants_flood_evicts_its_own_blocks_not_another_tenants_within_quota(
+    small_pool: tuple[Server, Server],
+) -> None:
+    master, node = small_pool
+    kept = prompt(2048, seed=401)  # 8 blocks, about 4 MiB: within team-a's quota
+    async with await _connect(master, CLIENT) as a, await _connect(master, CLIENT_B) as b:
+        assert await a.put_layer(kept, 0, layer_kv(2048, 0, 401)) == 2048
+        async with MasterClient(master.grpc, token=ADMIN) as admin:
+            ops = NodeClient(node.data, Dial(admin.tickets()), timeout_s=5)
+            deadline = time.monotonic() + 20
+            while not any(t["quota_bytes"] for t in (await ops.stats())["tenants"]):
+                assert time.monotonic() < deadline, "the node never learnt the quotas"
+                await asyncio.sleep(0.2)
+        # Tenant B floods the pool: 64 blocks, more than the whole node holds. Its puts
+        # go on (a quota is no hard cap), but what they evict is B's own oldest blocks.
+        for i in range(16):
+            tokens = prompt(1024, seed=500 + i)
+            assert await b.put_layer(tokens, 0, layer_kv(1024, 0, i)) == 1024
+        assert await a.match_prefix(kept) == 2048
+        assert (await a.get_layer(kept, 0)).shape[1] == 2048
+        assert await b.match_prefix(prompt(1024, seed=500)) == 0  # B's first went
+        assert await b.match_prefix(prompt(1024, seed=515)) == 1024
+        # Per tenant: kvctl stats (the master, from the nodes' heartbeats) and /metrics.
+        deadline = time.monotonic() + 20
+        while True:
+            run = run_kvctl(master, "stats", "--json", env={"KVSTORE_TOKEN": ADMIN})
+            assert run.returncode == 0, run.stderr
+            tenants = {t["tenant"]: t for t in json.loads(run.stdout)["tenants"]}
+            if tenants.get("team-b", {}).get("evictions"):
+                break
+            assert time.monotonic() < deadline, tenants
+            await asyncio.sleep(0.3)
+        assert tenants["team-a"]["evictions"] == 0
+        assert tenants["team-a"]["quota_bytes"] == tenants["team-b"]["quota_bytes"] == 8 << 20
+        assert 4 << 20 <= tenants["team-a"]["used_bytes"] <= 5 << 20
+        assert tenants["team-b"]["used_bytes"] > 8 << 20  # (the free memory beyond it)
+        table = run_kvctl(master, "stats", env={"KVSTORE_TOKEN": ADMIN}).stdout
+        assert "team-a" in table and "8.0 MiB" in table, table
+        run = run_kvctl(master, "stats", "--json", env={"KVSTORE_TOKEN": CLIENT_B})
+        assert [t["tenant"] for t in json.loads(run.stdout)["tenants"]] == ["team-b"]
+        assert _metric(node, "kvstore_tenant_evictions_total", "team-b") > 0
+        assert _metric(node, "kvstore_tenant_quota_bytes", "team-a") == 8 << 20
+        assert _metric(node, "kvstore_tenant_bytes", "team-a") >= 4 << 20
+
+
 def test_pool_ids_differ_by_tenant_and_secret_and_name_their_tenant() -> None:
     from kvstore.core.tenancy import TenantScope
 
@@ -183,3 +258,25 @@ def test_pool_ids_differ_by_tenant_and_secret_and_name_their_tenant() -> None:
     # No cluster secret: no tenants, every id and key its own.
     none = TenantScope(None)
     assert none.pool_id("team-a", NS.id) == NS.id and none.object_key("team-a", "k") == "k"
+
+
+@pytest.mark.parametrize(
+    ("tenants", "needle"),
+    [
+        ('[[tenant]]\nname = "team-a"\nquota = "lots"\n', "tenant 1: quota: not a size"),
+        ('[[tenant]]\nname = "team-a"\n', "a table of name and quota"),
+        ('[[tenant]]\nname = "a"\nquota = 1\n[[tenant]]\nname = "a"\nquota = 2\n', "listed once"),
+        ('tenant = "team-a"\n', "[[tenant]] entries must be a list"),
+    ],
+)
+def test_a_bad_tenant_table_is_named_in_one_error(tenants: str, needle: str) -> None:
+    import tomllib
+
+    from kvstore.control.auth import AuthConfig
+    from kvstore.errors import InvalidArgument
+
+    doc = tomllib.loads(f'cluster_secret = "{"s" * 20}"\n{tenants}')
+    with pytest.raises(InvalidArgument, match=re.escape(needle)):
+        AuthConfig.parse(doc)
+    good = tomllib.loads(f'cluster_secret = "{"s" * 20}"\n{QUOTAS}')
+    assert AuthConfig.parse(good).quotas == {"team-a": 8 << 20, "team-b": 8 << 20}

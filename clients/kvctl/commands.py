@@ -150,7 +150,8 @@ async def fetch_stats(client: MasterClient) -> StatsReport:
 
 
 def stats_json(report: StatsReport) -> dict[str, Any]:
-    """``kvctl stats --json``: the status totals, the hit ratio and the per-tier sums."""
+    """``kvctl stats --json``: the status totals, the hit ratio, the per-tier sums and
+    the per-tenant usage (every tenant for an admin token, a client's own)."""
     return {
         **status_json(report.stats),
         "hit_ratio": report.hit_ratio,
@@ -162,6 +163,15 @@ def stats_json(report: StatsReport) -> dict[str, Any]:
                 "used_bytes": t.used_bytes,
             }
             for t in report.tiers
+        ],
+        "tenants": [
+            {
+                "tenant": t.tenant,
+                "used_bytes": t.used_bytes,
+                "quota_bytes": t.quota_bytes,
+                "evictions": t.evictions,
+            }
+            for t in report.stats.tenants
         ],
     }
 

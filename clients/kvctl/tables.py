@@ -173,6 +173,13 @@ def print_stats(report: StatsReport, out: TextIO) -> None:
         percent(stats.used_bytes, stats.capacity_bytes),
     )
     console.print(tiers)
+    if stats.tenants:
+        tenants = new_table("TENANT", "USED", "QUOTA", "OF QUOTA", "EVICTED", title="tenants")
+        for u in stats.tenants:
+            quota = human_bytes(u.quota_bytes) if u.quota_bytes else "-"
+            share = percent(u.used_bytes, u.quota_bytes) if u.quota_bytes else "-"
+            tenants.add_row(u.tenant, human_bytes(u.used_bytes), quota, share, str(u.evictions))
+        console.print(tenants)
 
 
 def print_drain(result: DrainResult, out: TextIO) -> None:

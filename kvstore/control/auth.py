@@ -13,8 +13,13 @@ The auth file (``--auth-file PATH``, TOML, readable by its owner only)::
     role = "client"                 # client | admin
     tenant = "team-a"               # clients: the tenant the token speaks for
     name = "engine-pool-1"          # for logs
+    [[tenant]]                      # optional: a tenant's byte quota on the pool
+    name = "team-a"
+    quota = "40GiB"
 
-A node's file may hold only ``cluster_secret``. A caller sends its token as gRPC metadata
+A node's file may hold only ``cluster_secret``. A tenant's quota is what it keeps under
+pressure: beyond it, its own blocks are evicted first (the master tells each node its
+share, :meth:`kvstore.core.slots.SlotTable.set_quotas`). A caller sends its token as gRPC metadata
 ``authorization: Bearer TOKEN`` on every call; :class:`AuthInterceptor` answers a call
 without a known token UNAUTHENTICATED and one whose role may not call the method
 PERMISSION_DENIED, before the handler runs. Tokens are compared by their SHA-256 digests
@@ -36,12 +41,13 @@ import os
 import stat
 import tomllib
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from kvstore.core.sizes import parse_size
 from kvstore.errors import InvalidArgument
 
 __all__ = [
@@ -109,6 +115,8 @@ class AuthConfig:
 
     cluster_secret: str
     identities: Mapping[bytes, Identity]
+    quotas: Mapping[str, int] = field(default_factory=dict)
+    """Byte quotas on the pool, by tenant (a tenant not named has none)."""
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> AuthConfig:
@@ -134,7 +142,7 @@ class AuthConfig:
     @classmethod
     def parse(cls, doc: Mapping[str, Any], where: str = "auth file") -> AuthConfig:
         """An :class:`AuthConfig` from a parsed auth file (see the module docstring)."""
-        unknown = set(doc) - {"cluster_secret", "token"}
+        unknown = set(doc) - {"cluster_secret", "token", "tenant"}
         if unknown:
             raise InvalidArgument(f"{where}: unknown keys {sorted(unknown)}")
         secret = doc.get("cluster_secret", "")
@@ -153,7 +161,7 @@ class AuthConfig:
             if key in identities:
                 raise InvalidArgument(f"{where}: token {i + 1} is listed twice (or is the secret)")
             identities[key] = identity
-        return cls(secret, identities)
+        return cls(secret, identities, _quotas(doc.get("tenant", []), where))
 
     def identify(self, token: str) -> Identity | None:
         """The identity of ``token``, or None."""
@@ -162,6 +170,24 @@ class AuthConfig:
     def caller(self, metadata: Any) -> Identity | None:
         """The identity of the token in a call's ``metadata``, or None."""
         return self.identify(_token_of(metadata))
+
+
+def _quotas(entries: Any, where: str) -> dict[str, int]:
+    if not isinstance(entries, list):
+        raise InvalidArgument(f"{where}: [[tenant]] entries must be a list of tables")
+    quotas: dict[str, int] = {}
+    for i, entry in enumerate(entries):
+        at = f"{where}: tenant {i + 1}"
+        if not isinstance(entry, dict) or set(entry) != {"name", "quota"}:
+            raise InvalidArgument(f"{at}: a table of name and quota")
+        name, quota = entry["name"], entry["quota"]
+        if not isinstance(name, str) or not name or name in quotas:
+            raise InvalidArgument(f"{at}: name must be a tenant name, listed once")
+        try:
+            quotas[name] = parse_size(quota)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{at}: quota: {exc}") from None
+    return quotas
 
 
 def _entry(entry: Any, where: str) -> tuple[Identity, str]:

@@ -38,6 +38,7 @@ from kvstore.control.records import (
     ObjectHolder,
     PrefixMatch,
     Registration,
+    TenantUsage,
     Tier,
     WatchEvent,
 )
@@ -448,6 +449,9 @@ class MasterClient:
             r.objects,
             r.hits,
             r.misses,
+            tuple(
+                TenantUsage(t.tenant, t.used_bytes, t.quota_bytes, t.evictions) for t in r.tenants
+            ),
         )
 
     # -- events -----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ __all__ = [
     "ObjectHolder",
     "PrefixMatch",
     "Registration",
+    "TenantUsage",
     "Tier",
     "WatchEvent",
     "WatchKind",
@@ -332,6 +333,20 @@ class MasterStats:
     objects: int
     hits: int
     misses: int
+    tenants: tuple[TenantUsage, ...] = ()
+    """By tenant (``kvctl stats``): every tenant for an admin, a client's own."""
+
+
+@dataclass(frozen=True)
+class TenantUsage:
+    """One tenant's share of the pool, over the live nodes' last heartbeats."""
+
+    tenant: str
+    used_bytes: int
+    quota_bytes: int
+    """0: no quota."""
+    evictions: int
+    """Its slots evicted to make room, so far."""
 
 
 class ClusterEventKind(enum.Enum):

@@ -20,6 +20,8 @@ Slot life cycle::
   live (not quarantined), unpinned, and with no cached child in their prefix chain (a slot
   allocated with ``parent=h`` is the child of ``(ns, h)``). So along a chain the tail goes
   first; ``touch`` stamps a request's blocks tail to head, so the tail is also the older.
+  With quotas (:meth:`SlotTable.set_quotas`), the least recently used slot of an owner
+  (tenant) over its quota goes before anyone else's.
   Every LRU eviction is journaled and reported in the next :class:`AllocResult`
   (``evicted``) or by :meth:`SlotTable.take_evictions` — it cannot be lost, even when an
   allocation evicts and still fails.
@@ -33,9 +35,8 @@ Slot life cycle::
 
 from __future__ import annotations
 
-import heapq
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -43,6 +44,7 @@ from typing import NamedTuple
 import torch
 
 from kvstore.core.arena import Arena, Lease, LeaseBook, expiry_time
+from kvstore.core.lru import OwnerLRU
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, Miss
 
 __all__ = [
@@ -78,6 +80,7 @@ class Slot:
         "landed_mask",
         "num_chunks",
         "offset",
+        "owner",
         "parent",
         "pins",
         "quarantined",
@@ -95,8 +98,11 @@ class Slot:
         chunk_bytes: int,
         num_chunks: int,
         parent: bytes | None,
+        owner: str = "",
     ) -> None:
         self.key = key
+        self.owner = owner
+        """The tenant whose block it is (``""``: none); quotas count by owner."""
         self.offset = offset
         self.slot_bytes = slot_bytes
         self.stride = stride
@@ -184,7 +190,11 @@ class SlotTable:
         self._slots: dict[SlotKey, Slot] = {}
         self._children: dict[SlotKey, int] = {}
         self._evictable: dict[SlotKey, Slot] = {}
-        self._lru: list[tuple[int, Slot]] = []
+        self._lru: OwnerLRU[Slot] = OwnerLRU(self._evictable)
+        self._owner_bytes: dict[str, int] = {}
+        self._quotas: dict[str, int] = {}
+        self.owner_evictions: dict[str, int] = {}
+        """LRU evictions so far, by owner of the slot evicted."""
         self._tick = 0
         self._leases: LeaseBook[Slot] = LeaseBook(self._on_release)
         self._journal: list[SlotKey] = []
@@ -204,8 +214,10 @@ class SlotTable:
         chunk_bytes: int,
         num_chunks: int,
         parent: bytes | None = None,
+        owner: str = "",
     ) -> AllocResult:
-        """The slot for ``key``, allocating it (most recently used) if absent.
+        """The slot for ``key``, allocating it (most recently used) if absent, for
+        ``owner`` (a tenant; see :meth:`set_quotas`).
 
         ``parent`` is the previous block's hash in the prefix chain (None for the first
         block); the parent is never evicted to make room for its child. If ``key`` already
@@ -224,13 +236,14 @@ class SlotTable:
         if parent_key is not None:
             self._add_child(parent_key)
         try:
-            offset = self._alloc_offset(slot_bytes)
+            stride = self.arena.slot_stride(slot_bytes)
+            offset = self._alloc_offset(slot_bytes, owner, stride)
         except KVStoreError:
             if parent_key is not None:
                 self._drop_child(parent_key)
             raise
-        stride = self.arena.slot_stride(slot_bytes)
-        slot = Slot(key, offset, slot_bytes, stride, chunk_bytes, num_chunks, parent)
+        slot = Slot(key, offset, slot_bytes, stride, chunk_bytes, num_chunks, parent, owner)
+        self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + stride
         self._tick += 1
         slot.stamp = self._tick
         self._slots[key] = slot
@@ -253,10 +266,10 @@ class SlotTable:
             )
         return AllocResult(slot, False, self.take_evictions())
 
-    def _alloc_offset(self, slot_bytes: int) -> int:
+    def _alloc_offset(self, slot_bytes: int, owner: str = "", stride: int = 0) -> int:
         arena = self.arena
         while (offset := arena.alloc_slot(slot_bytes)) is None:
-            victim = self._pop_lru()
+            victim = self._pop_lru(owner, stride)
             if victim is None:
                 raise CapacityError(
                     f"no room for a {slot_bytes}-byte slot: {len(self._slots)} slots, "
@@ -270,6 +283,7 @@ class SlotTable:
         self._remove(victim)
         if not moved:
             self._journal.append(victim.key)
+            self.owner_evictions[victim.owner] = self.owner_evictions.get(victim.owner, 0) + 1
 
     def evict_lru(self) -> SlotKey | None:
         """Evict the least recently used evictable slot; its key (journaled for the next
@@ -475,25 +489,35 @@ class SlotTable:
             self._evictable.pop(key, None)
 
     def _push(self, slot: Slot) -> None:
-        heapq.heappush(self._lru, (slot.stamp, slot))
-        slot.heap_stamp = slot.stamp
-        if len(self._lru) > 2 * len(self._evictable) + 1024:
-            for other in self._slots.values():
-                other.heap_stamp = -1
-            self._lru = [(s.stamp, s) for s in self._evictable.values()]
-            heapq.heapify(self._lru)
-            for other in self._evictable.values():
-                other.heap_stamp = other.stamp
+        self._lru.push(slot)
 
-    def _pop_lru(self) -> Slot | None:
-        heap, evictable = self._lru, self._evictable
-        while heap:
-            stamp, slot = heapq.heappop(heap)
-            if slot.heap_stamp == stamp:
-                slot.heap_stamp = -1
-            if slot.stamp == stamp and evictable.get(slot.key) is slot:
-                return slot
-        return None
+    def _pop_lru(self, writer: str = "", stride: int = 0) -> Slot | None:
+        """The next victim: the least recently used evictable slot of an owner over its
+        quota (``writer`` counts as over once ``stride`` more bytes would put it over),
+        else the least recently used of all."""
+        if not self._quotas:
+            return self._lru.pop()
+        used, quotas = self._owner_bytes, self._quotas
+
+        def over(owner: str) -> bool:
+            quota = quotas.get(owner)
+            extra = stride if owner == writer else 0
+            return quota is not None and used.get(owner, 0) + extra > quota
+
+        return self._lru.pop(over)
+
+    # ---- quotas ----------------------------------------------------------------------
+
+    def set_quotas(self, quotas: Mapping[str, int]) -> None:
+        """Byte quotas by owner (an owner not named has none). A quota is what its owner
+        keeps under pressure: an owner beyond it may still use free memory, but the next
+        eviction takes its least recently used block before anyone else's, so a flood by
+        one owner cannot evict another's within its quota."""
+        self._quotas = {o: int(q) for o, q in quotas.items() if o}
+
+    def owner_bytes(self) -> dict[str, int]:
+        """Bytes of slots held, by owner (owners holding none left out)."""
+        return {o: n for o, n in self._owner_bytes.items() if n}
 
     def _add_child(self, parent_key: SlotKey) -> None:
         count = self._children.get(parent_key, 0)
@@ -514,6 +538,11 @@ class SlotTable:
     def _remove(self, slot: Slot) -> None:
         key = slot.key
         del self._slots[key]
+        left = self._owner_bytes[slot.owner] - slot.stride
+        if left:
+            self._owner_bytes[slot.owner] = left
+        else:
+            del self._owner_bytes[slot.owner]
         self._evictable.pop(key, None)
         self.arena.free_slot(slot.offset)
         slot.alive = False
@@ -566,7 +595,7 @@ class SlotTable:
         self._validate_slots(pins)
 
     def _validate_slots(self, pins: dict[SlotKey, int]) -> None:
-        in_heap = {id(s) for stamp, s in self._lru if s.stamp == stamp == s.heap_stamp}
+        in_heap = {id(s) for stamp, s in self._lru.entries() if s.stamp == stamp == s.heap_stamp}
         pinned_bytes = quarantined = 0
         evictable: dict[SlotKey, Slot] = {}
         for key, s in self._slots.items():
@@ -586,6 +615,11 @@ class SlotTable:
             raise KVStoreError("slot invariant: pinned/quarantined counters are out of date")
         if sum(1 for s in self._slots.values() if s.pins) != self._pinned_slots:
             raise KVStoreError("slot invariant: pinned slot counter is out of date")
+        owners: dict[str, int] = {}
+        for s in self._slots.values():
+            owners[s.owner] = owners.get(s.owner, 0) + s.stride
+        if owners != self._owner_bytes:
+            raise KVStoreError("slot invariant: bytes by owner are out of date")
 
 
 def _check_request(

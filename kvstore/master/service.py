@@ -16,7 +16,7 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -203,6 +203,10 @@ class MasterService(pb_grpc.MasterServicer):
         self.counters = MasterCounters()
         self.node_counters: dict[str, dict[str, int]] = {}
         """Last counters each live node reported in its heartbeat."""
+        self.node_tenants: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
+        """Last (bytes held, LRU evictions) by tenant each live node reported."""
+        self.quotas: dict[str, int] = dict(auth.quotas) if auth is not None else {}
+        """Byte quotas on the pool, by tenant (the auth file's ``[[tenant]]`` tables)."""
         self.rpc_calls: dict[str, int] = {}
         self.rpc_seconds: dict[str, float] = {}
         self._observers: list[RpcObserver] = []
@@ -314,7 +318,28 @@ class MasterService(pb_grpc.MasterServicer):
             self._records[node_id] = replace(rec, tiers=tiers, draining=draining)
         self._usage.pop(node_id, None)  # the heartbeat's usage is the newest now
         self.node_counters[node_id] = counters
-        return pb.HeartbeatResponse(ok=True, reregister=False, draining=draining)
+        self.node_tenants[node_id] = (
+            wire.check_counters(request.tenant_bytes),
+            wire.check_counters(request.tenant_evictions),
+        )
+        return pb.HeartbeatResponse(
+            ok=True, reregister=False, draining=draining, tenant_quotas=self._shares(tiers)
+        )
+
+    def _shares(self, tiers: Sequence[Tier]) -> dict[str, int]:
+        """A node's share of each tenant's pool quota: the quota times the node's part of
+        the live pool's capacity (its tiers ``tiers``). Nodes place blocks by weighted
+        rendezvous hashing, so each holds about its part of every tenant's blocks."""
+        if not self.quotas:
+            return {}
+        mine = sum(t.capacity_bytes for t in tiers)
+        pool = sum(
+            sum(t.capacity_bytes for t in rec.tiers)
+            for rec in self._records.values()
+            if rec.alive and self.membership.is_live(rec.node_id, rec.epoch)
+        )
+        pool = max(pool, mine)
+        return {t: q * mine // pool if pool else q for t, q in self.quotas.items()}
 
     @_unary
     async def Nodes(
@@ -418,6 +443,7 @@ class MasterService(pb_grpc.MasterServicer):
         if rec is not None and rec.epoch == epoch:
             self._records[node_id] = replace(rec, alive=False)
         self.node_counters.pop(node_id, None)
+        self.node_tenants.pop(node_id, None)
 
     def _suspects(self, node_ids: Iterable[str]) -> set[str]:
         """Which of ``node_ids`` are suspect now (their copies are listed last)."""
@@ -542,6 +568,7 @@ class MasterService(pb_grpc.MasterServicer):
         live = [i for i in infos if i.alive]
         counts = await self.store.counts()
         return pb.StatsResponse(
+            tenants=self._tenant_usage({i.node_id for i in live}, self._tenant(context)),
             nodes=len(infos),
             live_nodes=len(live),
             capacity_bytes=sum(t.capacity_bytes for i in live for t in i.tiers),
@@ -551,6 +578,25 @@ class MasterService(pb_grpc.MasterServicer):
             hits=self.counters.hits,
             misses=self.counters.misses,
         )
+
+    def _tenant_usage(self, live: set[str], caller: str) -> list[pb.TenantUsage]:
+        """Bytes, quota and evictions by tenant over the ``live`` nodes' last heartbeats;
+        only ``caller``'s own when it speaks for a tenant."""
+        used: dict[str, int] = {}
+        evictions: dict[str, int] = {}
+        for node_id, (held, evicted) in self.node_tenants.items():
+            if node_id in live:
+                for t, n in held.items():
+                    used[t] = used.get(t, 0) + n
+                for t, n in evicted.items():
+                    evictions[t] = evictions.get(t, 0) + n
+        names = sorted((set(used) | set(evictions) | set(self.quotas)) - {""})
+        return [
+            pb.TenantUsage(tenant=t, used_bytes=used.get(t, 0), quota_bytes=self.quotas.get(t, 0),
+                           evictions=evictions.get(t, 0))
+            for t in names
+            if not caller or t == caller
+        ]  # fmt: skip
 
     async def _match(
         self, ns_id: bytes, hashes: list[bytes], cpb: int, block_tokens: int

@@ -104,6 +104,13 @@ class MasterLink:
         self._flusher: asyncio.Task[None] | None = None
         self.on_draining: Callable[[bool], None] | None = None
         """Called on the loop with the draining mark each heartbeat's answer carries."""
+        self.tenant_bytes: dict[str, int] = {}
+        """Bytes held by tenant, for the next heartbeat (set by the node's loop)."""
+        self.tenant_evictions: dict[str, int] = {}
+        """LRU evictions so far by tenant, for the next heartbeat."""
+        self.on_quotas: Callable[[dict[str, int]], None] | None = None
+        """Called on the node's loop with this node's tenant quotas from each heartbeat
+        answer."""
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
 
@@ -238,6 +245,8 @@ class MasterLink:
                         tiers=wire.tiers_to_pb(self.usage),
                         counters=self.counters,
                         session=self.master.session,
+                        tenant_bytes=self.tenant_bytes,
+                        tenant_evictions=self.tenant_evictions,
                     )
                     try:
                         reply = pb_grpc.MasterStub(channels[current]).Heartbeat(
@@ -251,8 +260,11 @@ class MasterLink:
                         continue
                     if reply.reregister:
                         call_soon(self.reregister.set)
-                    elif self.on_draining is not None:
-                        call_soon(self.on_draining, reply.draining)
+                    else:
+                        if self.on_draining is not None:
+                            call_soon(self.on_draining, reply.draining)
+                        if self.on_quotas is not None:
+                            call_soon(self.on_quotas, dict(reply.tenant_quotas))
                     break
         finally:
             for channel in channels:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,8 @@ class Puts:
         self._grants: dict[tuple[SlotKey, int], _Grant] = {}
         self.granting = True
         """False while the node drains: acks grant no slot here for a writer's next layer."""
+        self.owner_of: Callable[[bytes], str] = lambda pool_id: ""
+        """The tenant a pool id's new slots belong to (their quota owner)."""
 
     @property
     def inflight(self) -> int:
@@ -455,7 +457,8 @@ class Puts:
                 by_key[key] = None
                 continue
             into = held or tier
-            args = (key, chunk_bytes * num_chunks, chunk_bytes, num_chunks, parent)
+            args = (key, chunk_bytes * num_chunks, chunk_bytes, num_chunks, parent,
+                    self.owner_of(key[0]))  # fmt: skip
             try:
                 res = into.table.allocate(*args)
             except CapacityError:

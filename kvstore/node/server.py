@@ -227,9 +227,15 @@ class StorageNode:
         )
         self.migration = Migration(
             self.node_id, self.tiers, self.link.master, self._namespaces.get, self.checks,
-            self._drop, config.io_timeout_s, tenant_of=lambda ns_id: self._tenant_of.get(ns_id, ""),
+            self._drop, config.io_timeout_s, tenant_of=self._tenant_of_pool,
         )  # fmt: skip
+        self.puts.owner_of = self._tenant_of_pool
         self.link.on_draining = self._on_draining
+        self.link.on_quotas = self._on_quotas
+        self._quotas: dict[str, int] = {}
+        """This node's byte quota by tenant, as the master's last heartbeat answer said."""
+        self._evictions_seen: dict[str, int] = {}
+        self._tenant_labels: set[str] = set()
         self._leaving = False
         """Set by :meth:`drain_and_wait` (SIGTERM with ``--drain-on-exit``): the drain goes
         on whatever an older heartbeat answer says."""
@@ -406,7 +412,29 @@ class StorageNode:
             except KVStoreError as exc:
                 logger.warning("node sweep: %s", exc)
 
+    def _on_quotas(self, quotas: dict[str, int]) -> None:
+        if quotas != self._quotas:
+            self._quotas = quotas
+            self.tiers.set_quotas(quotas)
+            for tenant, quota in quotas.items():
+                self.metrics.tenant_quota_bytes.labels(tenant=tenant).set(quota)
+
+    def _refresh_tenants(self) -> None:
+        """Per-tenant bytes and evictions: for the next heartbeat and the metrics."""
+        held, evicted = self.tiers.tenant_bytes(), self.tiers.tenant_evictions()
+        held.pop("", None), evicted.pop("", None)
+        self.link.tenant_bytes, self.link.tenant_evictions = held, evicted
+        for tenant in set(held) | self._tenant_labels:  # (a tenant gone to 0 says 0)
+            self.metrics.tenant_bytes.labels(tenant=tenant).set(held.get(tenant, 0))
+        self._tenant_labels |= set(held)
+        for tenant, n in evicted.items():
+            new = n - self._evictions_seen.get(tenant, 0)
+            if new > 0:
+                self.metrics.tenant_evictions.labels(tenant=tenant).inc(new)
+        self._evictions_seen = {**self._evictions_seen, **evicted}
+
     def _refresh_usage(self) -> None:
+        self._refresh_tenants()
         self.link.usage = self.tiers.usage()
         self.link.counters = {
             k: v
@@ -449,7 +477,7 @@ class StorageNode:
                     raise ProtocolError(f"op {frame.header.get('op')!r} carries no payload")
                 self._serving += 1
                 try:
-                    await self._handle(conn, self._scoped(peer, request), frame.sizes)
+                    await self._handle(conn, self._scoped(peer, request), frame.sizes, peer)
                 finally:
                     self._serving -= 1
             except (
@@ -480,6 +508,10 @@ class StorageNode:
         transport = "ucx" if op in _UCX_OPS else "tcp"
         self.metrics.transfer_errors.labels(op=op, transport=transport, reason=reason).inc()
 
+    def _tenant_of_pool(self, pool_id: bytes) -> str:
+        """The tenant whose namespace ``pool_id`` is (``""``: none)."""
+        return self._tenant_of.get(pool_id, "")
+
     def _scoped(self, peer: Peer, request: Message) -> Message:
         """``request`` with the names it carries scoped by the connection's tenant (namespace
         ids to pool ids, object keys to the tenant's; :mod:`kvstore.core.tenancy`). A node or
@@ -503,7 +535,9 @@ class StorageNode:
                 return replace(request, key=tenancy.object_key(tenant, request.key))
         return request
 
-    async def _handle(self, conn: Connection, request: Message, sizes: list[int]) -> None:
+    async def _handle(
+        self, conn: Connection, request: Message, sizes: list[int], peer: Peer = OPEN
+    ) -> None:
         match request:
             case Put():
                 known = self._namespace(request.ns, request.tenant)
@@ -530,7 +564,7 @@ class StorageNode:
             case Report():
                 await self._send(conn, await self._on_report(conn.peer, request))
             case Stats():
-                await self._send(conn, self._stats())
+                await self._send(conn, self._stats(peer))
             case _:  # a request type REQUESTS names but no case here serves: a bug
                 raise ProtocolError(f"op {request.OP!r} is not served here")
 
@@ -732,11 +766,23 @@ class StorageNode:
             self._readds.append(self.tiers.add_of(slot, tier=tier))
         self.tiers.evicted(tier, [slot.key])
 
+    def _tenant_stats(self, peer: Peer) -> list[dict[str, Any]]:
+        held, evicted = self.tiers.tenant_bytes(), self.tiers.tenant_evictions()
+        names = sorted((set(held) | set(evicted) | set(self._quotas)) - {""})
+        if peer.role == "client":
+            names = [t for t in names if t == peer.tenant]
+        return [
+            {"tenant": t, "used_bytes": held.get(t, 0), "quota_bytes": self._quotas.get(t, 0),
+             "evictions": evicted.get(t, 0)}
+            for t in names
+        ]  # fmt: skip
+
     def _take_readds(self) -> list[BlockAdd]:
         readds, self._readds = self._readds, []
         return [a for a in readds if a.chunks]
 
-    def _stats(self) -> NodeStats:
+    def _stats(self, peer: Peer = OPEN) -> NodeStats:
+        """The node's counters; a client's connection sees its own tenant's usage only."""
         stats = [(t.name, t.table.stats()) for t in self.tiers]
         return NodeStats(
             {
@@ -755,6 +801,7 @@ class StorageNode:
                 "capacity_bytes": sum(st.capacity_bytes for _, st in stats),
                 "used_bytes": sum(st.used_bytes for _, st in stats),
                 "tiers": [_tier_stats(name, st) for name, st in stats],
+                "tenants": self._tenant_stats(peer),
                 **self.migration.counters(),
             }
         )

@@ -10,7 +10,7 @@ reports it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -157,6 +157,30 @@ class Tiers:
         gone, self._unreported = [*self._unreported, *gone], []
         return gone
 
+    def set_quotas(self, quotas: Mapping[str, int]) -> None:
+        """This node's byte quotas by tenant, split over the tiers by their capacity (see
+        :meth:`~kvstore.core.slots.SlotTable.set_quotas`)."""
+        total = sum(t.arena.capacity_bytes for t in self.all)
+        for tier in self.all:
+            share = {o: q * tier.arena.capacity_bytes // total for o, q in quotas.items()}
+            tier.table.set_quotas(share if total else quotas)
+
+    def tenant_bytes(self) -> dict[str, int]:
+        """Bytes of slots held, by tenant, over every tier."""
+        out: dict[str, int] = {}
+        for tier in self.all:
+            for owner, n in tier.table.owner_bytes().items():
+                out[owner] = out.get(owner, 0) + n
+        return out
+
+    def tenant_evictions(self) -> dict[str, int]:
+        """LRU evictions so far (off the node, not demotions), by tenant, over every tier."""
+        out: dict[str, int] = {}
+        for tier in self.all:
+            for owner, n in tier.table.owner_evictions.items():
+                out[owner] = out.get(owner, 0) + n
+        return out
+
     def usage(self) -> list[Tier]:
         """Capacity and use per tier, as the master records them."""
         stats = [(t.name, t.table.stats()) for t in self.all]
@@ -176,8 +200,9 @@ class Tiers:
             return False
         try:
             res = host.table.allocate(
-                victim.key, victim.slot_bytes, victim.chunk_bytes, victim.num_chunks, victim.parent
-            )
+                victim.key, victim.slot_bytes, victim.chunk_bytes, victim.num_chunks,
+                victim.parent, victim.owner,
+            )  # fmt: skip
         except KVStoreError:
             return False
         self.evicted(host, res.evicted)

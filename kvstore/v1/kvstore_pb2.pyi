@@ -46,8 +46,22 @@ class RegisterResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "epoch", "tiers", "counters", "session")
+    __slots__ = ("node_id", "epoch", "tiers", "counters", "session", "tenant_bytes", "tenant_evictions")
     class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TenantBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TenantEvictionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -59,22 +73,35 @@ class HeartbeatRequest(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     tiers: _containers.RepeatedCompositeFieldContainer[Tier]
     counters: _containers.ScalarMap[str, int]
     session: bytes
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., session: _Optional[bytes] = ...) -> None: ...
+    tenant_bytes: _containers.ScalarMap[str, int]
+    tenant_evictions: _containers.ScalarMap[str, int]
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., session: _Optional[bytes] = ..., tenant_bytes: _Optional[_Mapping[str, int]] = ..., tenant_evictions: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("ok", "reregister", "draining")
+    __slots__ = ("ok", "reregister", "draining", "tenant_quotas")
+    class TenantQuotasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     OK_FIELD_NUMBER: _ClassVar[int]
     REREGISTER_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    TENANT_QUOTAS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     reregister: bool
     draining: bool
-    def __init__(self, ok: _Optional[bool] = ..., reregister: _Optional[bool] = ..., draining: _Optional[bool] = ...) -> None: ...
+    tenant_quotas: _containers.ScalarMap[str, int]
+    def __init__(self, ok: _Optional[bool] = ..., reregister: _Optional[bool] = ..., draining: _Optional[bool] = ..., tenant_quotas: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class BlockAdd(_message.Message):
     __slots__ = ("ns_id", "block_hash", "chunks", "location")
@@ -438,7 +465,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("nodes", "live_nodes", "capacity_bytes", "used_bytes", "blocks", "objects", "hits", "misses")
+    __slots__ = ("nodes", "live_nodes", "capacity_bytes", "used_bytes", "blocks", "objects", "hits", "misses", "tenants")
     NODES_FIELD_NUMBER: _ClassVar[int]
     LIVE_NODES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -447,6 +474,7 @@ class StatsResponse(_message.Message):
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     nodes: int
     live_nodes: int
     capacity_bytes: int
@@ -455,7 +483,20 @@ class StatsResponse(_message.Message):
     objects: int
     hits: int
     misses: int
-    def __init__(self, nodes: _Optional[int] = ..., live_nodes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantUsage]
+    def __init__(self, nodes: _Optional[int] = ..., live_nodes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ...) -> None: ...
+
+class TenantUsage(_message.Message):
+    __slots__ = ("tenant", "used_bytes", "quota_bytes", "evictions")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    used_bytes: int
+    quota_bytes: int
+    evictions: int
+    def __init__(self, tenant: _Optional[str] = ..., used_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("node_id", "undrain", "session")
