@@ -93,9 +93,18 @@ def test_optional_none_differs_from_value_and_dtype_aliases() -> None:
 
 
 def test_canonical_round_trip_and_garbage() -> None:
-    ns = _ns(adapter="lora", cache_salt="tenant", tp_size=4, quant="none")
-    assert Namespace.from_canonical_bytes(ns.canonical_bytes()) == ns
-    for bad in (b"", b"junk", ns.canonical_bytes()[:-3], ns.canonical_bytes() + b"x"):
+    plain = _ns(adapter="lora", tp_size=4, quant="none")
+    assert Namespace.from_canonical_bytes(plain.canonical_bytes()) == plain
+    # A salt travels as its digest: the parsed namespace has the id and the digest only.
+    ns = _ns(adapter="lora", cache_salt="tenant-secret", tp_size=4, quant="none")
+    assert b"tenant-secret" not in ns.canonical_bytes()
+    parsed = Namespace.from_canonical_bytes(ns.canonical_bytes())
+    assert (parsed.id, parsed.salt_digest, parsed.cache_salt) == (ns.id, ns.salt_digest, None)
+    assert parsed.canonical_bytes() == ns.canonical_bytes()
+    assert replace(parsed, cache_salt="tenant-secret") == ns
+    not_a_digest = ns.canonical_bytes().replace(ns.salt_digest.encode(), b"x" * 32)
+    for bad in (b"", b"junk", ns.canonical_bytes()[:-3], ns.canonical_bytes() + b"x",
+                not_a_digest):  # fmt: skip
         with pytest.raises(InvalidArgument):
             Namespace.from_canonical_bytes(bad)
 
@@ -147,5 +156,5 @@ def test_deterministic_across_processes() -> None:
 
 
 def test_namespace_fields_are_all_hashed() -> None:
-    declared = {f.name for f in fields(Namespace) if f.name != "id"}
+    declared = {f.name for f in fields(Namespace) if f.name not in ("id", "salt_digest")}
     assert declared == set(NAMESPACE_FIELDS)

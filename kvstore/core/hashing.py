@@ -11,17 +11,20 @@ so a block hash names its whole prefix and its namespace. Digests are 16 bytes,
 big-endian (``xxhash.xxh3_128_digest``). The TP rank is not part of any hash: every
 shard of a block shares the block hash and is told apart by the chunk key's ``shard``.
 
-Canonical namespace bytes (version 1): the ASCII tag ``kvstore-ns/1`` followed by each
+Canonical namespace bytes (version 2): the ASCII tag ``kvstore-ns/2`` followed by each
 field, in the order of :data:`NAMESPACE_FIELDS`, as ``u16 name length, name, u32 value
 length, value`` (little-endian lengths, UTF-8 text; integers in decimal, absent optional
-fields as the empty string). Nothing here depends on Python's ``hash()``, the platform
-or the Python version, and nothing imports torch.
+fields as the empty string). ``cache_salt`` is written as its digest, 32 hex digits of
+``SHA-256("kvstore salt v2" || salt)[:16]``, so the bytes a put carries to a node name the
+salt without showing it (:func:`digest_salt`). Nothing here depends on Python's
+``hash()``, the platform or the Python version, and nothing imports torch.
 """
 
 from __future__ import annotations
 
 import array
 import copy
+import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,6 +41,7 @@ __all__ = [
     "BlockHash",
     "Namespace",
     "block_hashes",
+    "digest_salt",
     "dtype_name",
 ]
 
@@ -64,7 +68,8 @@ NAMESPACE_FIELDS = (
 )
 """Fields in canonical order; changing any of them changes ``ns.id`` and every block hash."""
 
-_TAG = b"kvstore-ns/1"
+_TAG = b"kvstore-ns/2"
+_SALT_HEX = 32
 _MAX_TOKEN = 2**32 - 1
 _U32_ITEMSIZE = array.array("I").itemsize
 
@@ -101,6 +106,9 @@ class Namespace:
     cache_salt: str | None = None
     tp_size: int = 1
     id: bytes = field(init=False, repr=False, compare=False)
+    salt_digest: str = field(init=False, repr=False)
+    """What the canonical bytes hold for ``cache_salt`` (``""``: none); a namespace parsed
+    from them has only this, its ``cache_salt`` None."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
@@ -114,13 +122,15 @@ class Namespace:
             raise InvalidArgument(f"Namespace.quant must be one of {QUANTS}, got {self.quant!r}")
         if not self.model:
             raise InvalidArgument("Namespace.model must be non-empty")
+        digest = "" if self.cache_salt is None else digest_salt(str(self.cache_salt))
+        object.__setattr__(self, "salt_digest", digest)
         object.__setattr__(self, "id", xxhash.xxh3_128_digest(self.canonical_bytes()))
 
     def canonical_bytes(self) -> bytes:
         """The versioned, platform-independent serialisation that ``id`` hashes."""
         parts = [_TAG]
         for name in NAMESPACE_FIELDS:
-            value = getattr(self, name)
+            value = self.salt_digest if name == "cache_salt" else getattr(self, name)
             text = "" if value is None else str(value)
             raw_name, raw_value = name.encode(), text.encode("utf-8")
             parts.append(struct.pack("<H", len(raw_name)) + raw_name)
@@ -148,9 +158,14 @@ class Namespace:
             raise InvalidArgument(f"canonical namespace has fields {sorted(values)}")
         ints = ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "tp_size")
         kwargs: dict[str, Any] = {k: int(values[k]) if k in ints else values[k] for k in values}
-        for opt in ("adapter", "cache_salt"):
-            kwargs[opt] = kwargs[opt] or None
+        kwargs["adapter"] = kwargs["adapter"] or None
+        digest = kwargs.pop("cache_salt")
+        if digest and (len(digest) != _SALT_HEX or digest.strip("0123456789abcdef")):
+            raise InvalidArgument("canonical namespace: cache_salt is not a salt digest")
         ns = cls(**kwargs)
+        if digest:
+            object.__setattr__(ns, "salt_digest", digest)
+            object.__setattr__(ns, "id", xxhash.xxh3_128_digest(ns.canonical_bytes()))
         if ns.canonical_bytes() != raw:
             raise InvalidArgument("canonical namespace does not round-trip")
         return ns
@@ -172,6 +187,15 @@ class Namespace:
     def full_blocks(self, num_tokens: int) -> int:
         """How many full blocks ``num_tokens`` tokens make (the tail is never cached)."""
         return num_tokens // self.block_tokens
+
+
+def digest_salt(salt: str) -> str:
+    """What a namespace's canonical bytes hold for ``cache_salt``: 32 hex digits."""
+    try:
+        raw = salt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"Namespace.cache_salt is not valid UTF-8: {exc}") from exc
+    return hashlib.sha256(b"kvstore salt v2" + raw).hexdigest()[:_SALT_HEX]
 
 
 def _tokens_le_u32(token_ids: Sequence[int] | np.ndarray | Any) -> np.ndarray:
