@@ -267,6 +267,10 @@ def test_pool_ids_differ_by_tenant_and_secret_and_name_their_tenant() -> None:
         ('[[tenant]]\nname = "team-a"\n', "a table of name and quota"),
         ('[[tenant]]\nname = "a"\nquota = 1\n[[tenant]]\nname = "a"\nquota = 2\n', "listed once"),
         ('tenant = "team-a"\n', "[[tenant]] entries must be a list"),
+        (
+            f'[[token]]\ntoken = "{"t" * 20}"\nrole = "client"\ntenant = "{"x" * 129}"\n',
+            "at most 128 characters",
+        ),
     ],
 )
 def test_a_bad_tenant_table_is_named_in_one_error(tenants: str, needle: str) -> None:

@@ -63,6 +63,8 @@ __all__ = [
 
 ROLES = ("node", "client", "admin")
 MIN_SECRET_LEN = 16
+MAX_TENANT_LEN = 128
+"""Longest tenant name (it travels in tickets and in drains' puts)."""
 _ALL = frozenset(ROLES)
 _USERS = frozenset({"client", "admin"})
 METHOD_ROLES: Mapping[str, frozenset[str]] = {
@@ -181,7 +183,7 @@ def _quotas(entries: Any, where: str) -> dict[str, int]:
         if not isinstance(entry, dict) or set(entry) != {"name", "quota"}:
             raise InvalidArgument(f"{at}: a table of name and quota")
         name, quota = entry["name"], entry["quota"]
-        if not isinstance(name, str) or not name or name in quotas:
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_TENANT_LEN or name in quotas:
             raise InvalidArgument(f"{at}: name must be a tenant name, listed once")
         try:
             quotas[name] = parse_size(quota)
@@ -204,6 +206,8 @@ def _entry(entry: Any, where: str) -> tuple[Identity, str]:
         raise InvalidArgument(f"{where}: tenant and name are strings")
     if role == "client" and not tenant:
         raise InvalidArgument(f"{where}: a client token names its tenant")
+    if len(tenant) > MAX_TENANT_LEN:
+        raise InvalidArgument(f"{where}: a tenant name is at most {MAX_TENANT_LEN} characters")
     return Identity(role, tenant, name), token
 
 
