@@ -232,6 +232,36 @@ def test_an_owner_reaching_its_quota_evicts_its_own_before_an_unlimited_one() ->
     table.validate()
 
 
+def test_an_over_quota_owner_with_nothing_evictable_lets_the_plain_lru_choose() -> None:
+    # The over-quota owner's slots are all pinned (landing): its heap empties while the
+    # victim is sought, and the oldest of everyone else's goes. Found by review: this
+    # raised KeyError and leaked the parent's child count.
+    table, _ = small_table()
+    table.set_quotas({"a": 4096})
+    pins = [table.pin(table.allocate(key(i), 4096, 1024, 4, owner="a").slot) for i in range(2)]
+    others = [table.allocate(key(100 + i), 4096, 1024, 4).slot.key for i in range(14)]
+    result = table.allocate(key(200), 4096, 1024, 4, parent=others[-1][1], owner="b")
+    assert result.evicted == [others[0]]  # (the parent of the new slot stays)
+    table.validate()
+    for lease in pins:
+        lease.release()
+    table.validate()
+
+
+def test_a_quota_counts_the_owners_bytes_in_every_table_that_shares_it() -> None:
+    # A node's tiers share one quota per tenant (tcp:// puts land in host memory only): a
+    # tenant within its node quota is not over it because one tier holds most of it.
+    table, _ = small_table()
+    elsewhere = {"a": 0}
+    table.set_quotas({"a": 8 * 4096}, used=lambda o: table.owned_bytes(o) + elsewhere.get(o, 0))
+    older = [table.allocate(key(100 + i), 4096, 1024, 4).slot.key for i in range(10)]
+    mine = [table.allocate(key(i), 4096, 1024, 4, owner="a").slot.key for i in range(6)]
+    assert table.allocate(key(200), 4096, 1024, 4).evicted == [older[0]]  # a within: LRU
+    elsewhere["a"] = 3 * 4096  # 6 + 3 slots of "a" now count against its 8: over
+    assert table.allocate(key(201), 4096, 1024, 4).evicted == [mine[0]]
+    table.validate()
+
+
 def test_touch_makes_the_tail_older_without_parent_links() -> None:
     # With HRW placement a node mostly holds blocks whose parents live elsewhere: only the
     # touch order then puts the tail first.

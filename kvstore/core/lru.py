@@ -49,14 +49,9 @@ class OwnerLRU(Generic[S]):
     def pop(self, prefer: Callable[[str], bool] | None = None) -> S | None:
         """Remove and return the least recently used evictable slot, taken among the owners
         ``prefer`` says yes to when any of them has one; None when nothing is evictable."""
-        best: S | None = None
-        for owners in ([o for o in self._heaps if prefer(o)] if prefer else [], list(self._heaps)):
-            for owner in owners:
-                top = self._top(owner)
-                if top is not None and (best is None or top.stamp < best.stamp):
-                    best = top
-            if best is not None:
-                break
+        best = self._oldest(prefer) if prefer is not None else None
+        if best is None:
+            best = self._oldest(None)
         if best is None:
             return None
         heap = self._heaps[best.owner]
@@ -72,9 +67,21 @@ class OwnerLRU(Generic[S]):
         for heap in self._heaps.values():
             yield from heap
 
+    def _oldest(self, prefer: Callable[[str], bool] | None) -> S | None:
+        """The oldest current entry among the owners ``prefer`` says yes to (all: None)."""
+        best: S | None = None
+        for owner in [o for o in self._heaps if prefer is None or prefer(o)]:
+            top = self._top(owner)  # (may drop an owner's emptied heap)
+            if top is not None and (best is None or top.stamp < best.stamp):
+                best = top
+        return best
+
     def _top(self, owner: str) -> S | None:
-        """``owner``'s oldest current entry, left in its heap; stale tops are dropped."""
-        heap = self._heaps[owner]
+        """``owner``'s oldest current entry, left in its heap; stale tops are dropped, and
+        the heap once empty."""
+        heap = self._heaps.get(owner)
+        if heap is None:
+            return None
         while heap:
             stamp, slot = heap[0]
             if slot.stamp == stamp and self._evictable.get(slot.key) is slot:

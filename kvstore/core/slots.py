@@ -193,6 +193,7 @@ class SlotTable:
         self._lru: OwnerLRU[Slot] = OwnerLRU(self._evictable)
         self._owner_bytes: dict[str, int] = {}
         self._quotas: dict[str, int] = {}
+        self._used: Callable[[str], int] = self.owned_bytes
         self.owner_evictions: dict[str, int] = {}
         """LRU evictions so far, by owner of the slot evicted."""
         self._tick = 0
@@ -497,23 +498,31 @@ class SlotTable:
         else the least recently used of all."""
         if not self._quotas:
             return self._lru.pop()
-        used, quotas = self._owner_bytes, self._quotas
+        used, quotas = self._used, self._quotas
 
         def over(owner: str) -> bool:
             quota = quotas.get(owner)
             extra = stride if owner == writer else 0
-            return quota is not None and used.get(owner, 0) + extra > quota
+            return quota is not None and used(owner) + extra > quota
 
         return self._lru.pop(over)
 
     # ---- quotas ----------------------------------------------------------------------
 
-    def set_quotas(self, quotas: Mapping[str, int]) -> None:
+    def set_quotas(
+        self, quotas: Mapping[str, int], used: Callable[[str], int] | None = None
+    ) -> None:
         """Byte quotas by owner (an owner not named has none). A quota is what its owner
         keeps under pressure: an owner beyond it may still use free memory, but the next
         eviction takes its least recently used block before anyone else's, so a flood by
-        one owner cannot evict another's within its quota."""
+        one owner cannot evict another's within its quota. ``used(owner)``: the bytes the
+        quota counts (default this table's; a node's tiers share one quota)."""
         self._quotas = {o: int(q) for o, q in quotas.items() if o}
+        self._used = used or self.owned_bytes
+
+    def owned_bytes(self, owner: str) -> int:
+        """Bytes of ``owner``'s slots in this table."""
+        return self._owner_bytes.get(owner, 0)
 
     def owner_bytes(self) -> dict[str, int]:
         """Bytes of slots held, by owner (owners holding none left out)."""

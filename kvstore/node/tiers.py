@@ -158,12 +158,14 @@ class Tiers:
         return gone
 
     def set_quotas(self, quotas: Mapping[str, int]) -> None:
-        """This node's byte quotas by tenant, split over the tiers by their capacity (see
-        :meth:`~kvstore.core.slots.SlotTable.set_quotas`)."""
-        total = sum(t.arena.capacity_bytes for t in self.all)
+        """This node's byte quotas by tenant, each counted over every tier (see
+        :meth:`~kvstore.core.slots.SlotTable.set_quotas`): ``tcp://`` puts land in host
+        memory only, so a share per tier would hold a tenant to part of its quota."""
         for tier in self.all:
-            share = {o: q * tier.arena.capacity_bytes // total for o, q in quotas.items()}
-            tier.table.set_quotas(share if total else quotas)
+            tier.table.set_quotas(quotas, self._tenant_used)
+
+    def _tenant_used(self, tenant: str) -> int:
+        return sum(t.table.owned_bytes(tenant) for t in self.all)
 
     def tenant_bytes(self) -> dict[str, int]:
         """Bytes of slots held, by tenant, over every tier."""
