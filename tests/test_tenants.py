@@ -137,6 +137,28 @@ async def test_evict_takes_only_the_named_tenants_blocks(pool: tuple[Server, Ser
         assert await a.match_prefix(tokens) == 512
 
 
+async def test_a_hold_is_released_only_by_its_own_tenant(pool: tuple[Server, Server]) -> None:
+    master, node = pool
+    tokens = prompt(512, seed=307)
+    async with (
+        await _connect(master, CLIENT) as a,
+        MasterClient(master.grpc, token=CLIENT) as a_master,
+        MasterClient(master.grpc, token=CLIENT_B) as b_master,
+    ):
+        assert await a.put_layer(tokens, 0, layer_kv(512, 0, 307)) == 512
+        mine = NodeClient(node.data, Dial(a_master.tickets()), timeout_s=5)
+        theirs = NodeClient(node.data, Dial(b_master.tickets()), timeout_s=5)
+        held = await mine.hold(NS.id, a.block_hashes(tokens), 60)
+        assert held.blocks == 2
+        # B names A's blocks: nothing of its own there to pin; A's hold id (hold ids are
+        # easy to guess): refused as unknown, and A's pins stay.
+        assert (await theirs.hold(NS.id, a.block_hashes(tokens), 60)).blocks == 0
+        assert not await theirs.unhold(held.hold_id)
+        assert (await mine.stats())["pinned_slots"] == 2
+        assert await mine.unhold(held.hold_id)
+        assert (await mine.stats())["pinned_slots"] == 0
+
+
 async def test_objects_are_the_tenants_own(pool: tuple[Server, Server]) -> None:
     master, _ = pool
     async with await _connect(master, CLIENT) as a, await _connect(master, CLIENT_B) as b:

@@ -170,6 +170,8 @@ class NodeConfig:
 
 @dataclass
 class _Hold:
+    tenant: str
+    """Whose hold it is: only that tenant's connections (or an admin's) may release it."""
     leases: list[Lease[Slot]] = field(default_factory=list)
 
 
@@ -547,9 +549,13 @@ class StorageNode:
             case LeaseRequest():
                 await self._on_lease(conn, request)
             case Hold():
-                await self._send(conn, self._on_hold(request))
+                await self._send(conn, self._on_hold(request, peer.tenant))
             case Unhold():
-                hold = self._holds.pop(request.hold_id, None)
+                hold = self._holds.get(request.hold_id)
+                if hold is not None and peer.role == "client" and hold.tenant != peer.tenant:
+                    hold = None  # another tenant's hold: as if there were none
+                if hold is not None:
+                    del self._holds[request.hold_id]
                 for lease in hold.leases if hold else []:
                     lease.release()
                 await self._send(conn, Unheld(hold is not None))
@@ -659,12 +665,12 @@ class StorageNode:
             for lease in leases:
                 lease.release()
 
-    def _on_hold(self, hold: Hold) -> Held:
+    def _on_hold(self, hold: Hold, tenant: str) -> Held:
         if not 0 < hold.ttl_s <= self.config.max_hold_s:
             raise InvalidArgument(f"ttl_s must lie in (0, {self.config.max_hold_s}]")
         if len(self._holds) >= _MAX_HOLDS:
             raise CapacityError("too many holds on this node")
-        held = _Hold()
+        held = _Hold(tenant)
         for block in hold.blocks:
             found = self.tiers.lookup((hold.ns_id, block))
             if found is None:
