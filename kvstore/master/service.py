@@ -323,22 +323,28 @@ class MasterService(pb_grpc.MasterServicer):
             wire.check_counters(request.tenant_evictions),
         )
         return pb.HeartbeatResponse(
-            ok=True, reregister=False, draining=draining, tenant_quotas=self._shares(tiers)
+            ok=True,
+            reregister=False,
+            draining=draining,
+            tenant_quotas=self._shares(node_id, tiers),
         )
 
-    def _shares(self, tiers: Sequence[Tier]) -> dict[str, int]:
-        """A node's share of each tenant's pool quota: the quota times the node's part of
-        the live pool's capacity (its tiers ``tiers``). Nodes place blocks by weighted
-        rendezvous hashing, so each holds about its part of every tenant's blocks."""
+    def _shares(self, node_id: str, tiers: Sequence[Tier]) -> dict[str, int]:
+        """Node ``node_id``'s share of each tenant's pool quota: the quota times the node's
+        part (its tiers ``tiers``) of the capacity of the live nodes that take blocks.
+        Nodes place blocks by weighted rendezvous hashing, so each holds about its part of
+        every tenant's blocks."""
         if not self.quotas:
             return {}
         mine = sum(t.capacity_bytes for t in tiers)
-        pool = sum(
+        pool = mine + sum(
             sum(t.capacity_bytes for t in rec.tiers)
             for rec in self._records.values()
-            if rec.alive and self.membership.is_live(rec.node_id, rec.epoch)
+            if rec.node_id != node_id
+            and rec.alive
+            and not rec.draining
+            and self.membership.is_live(rec.node_id, rec.epoch)
         )
-        pool = max(pool, mine)
         return {t: q * mine // pool if pool else q for t, q in self.quotas.items()}
 
     @_unary

@@ -51,6 +51,7 @@ from kvstore.dataplane.handshake import (
     ticket_root,
 )
 from kvstore.dataplane.messages import (
+    MAX_KEY_LEN,
     REQUESTS,
     SEND,
     Ack,
@@ -534,7 +535,11 @@ class StorageNode:
             case Get() | LeaseRequest() | Hold() | Report() | Evict():
                 return replace(request, ns_id=tenancy.pool_id(tenant, request.ns_id))
             case PutObject() | GetObject() | RemoveObject():
-                return replace(request, key=tenancy.object_key(tenant, request.key))
+                key = tenancy.object_key(tenant, request.key)
+                if len(key.encode()) > MAX_KEY_LEN:  # (the master refuses longer keys)
+                    room = MAX_KEY_LEN - len(tenancy.object_key(tenant, "").encode())
+                    raise InvalidArgument(f"a tenant's object key is at most {room} bytes")
+                return replace(request, key=key)
         return request
 
     async def _handle(
