@@ -14,23 +14,23 @@ different slots, index entries, watches and aborts, and no client can name anoth
 tenant's entries: it does not know ``K``, and whatever it sends is scoped by its own
 tenant. This is the salt the server derives; a client's ``cache_salt`` still separates
 namespaces within its tenant. Object keys are scoped the same way (:meth:`object_key`).
-The tag prefix lets a master tell a pool id's tenant (event streams, per-tenant stats)
-with no table. Without a cluster secret there are no tenants: every id is its own pool
-id, as in the loopback quick start.
+The tag prefix lets a master tell whether a pool id is a tenant's (:meth:`owns`: a
+tenant's event stream) with no table. Without a cluster secret there are no tenants:
+every id is its own pool id, as in the loopback quick start.
 """
 
 from __future__ import annotations
 
 import hmac
 import struct
-from collections.abc import Iterable
 
 __all__ = ["TAG_BYTES", "TenantScope"]
 
 TAG_BYTES = 8
 """Leading bytes of a pool id that name its tenant."""
 _OBJECT_MARK = "\x00t:"
-"""Object keys of a tenant start with this (a client's key is checked text: never NUL)."""
+"""Object keys of a tenant start with this. Isolation does not rest on it (whatever key a
+client sends is prefixed with its own tenant's tag); it marks the key in logs."""
 
 
 class TenantScope:
@@ -44,7 +44,6 @@ class TenantScope:
             else None
         )
         self._tags: dict[str, bytes] = {}
-        self._names: dict[bytes, str] = {}
 
     @property
     def enabled(self) -> bool:
@@ -59,7 +58,6 @@ class TenantScope:
             tag = hmac.digest(self._key, b"tag" + tenant.encode(), "sha256")[:TAG_BYTES]
             if len(self._tags) < 65536:  # (bounded: tenants come from auth files and tickets)
                 self._tags[tenant] = tag
-                self._names.setdefault(tag, tenant)
         return tag
 
     def pool_id(self, tenant: str, ns_id: bytes) -> bytes:
@@ -82,14 +80,3 @@ class TenantScope:
         if self._key is None or not tenant:
             return True
         return pool_id[:TAG_BYTES] == self.tag(tenant)
-
-    def learn(self, tenants: Iterable[str]) -> None:
-        """Remember ``tenants``' tags, so :meth:`tenant_of` can name their ids."""
-        if self._key is not None:
-            for tenant in tenants:
-                if tenant:
-                    self.tag(tenant)
-
-    def tenant_of(self, pool_id: bytes) -> str:
-        """The tenant of ``pool_id`` among those seen (``""``: none, or not a tenant's)."""
-        return self._names.get(pool_id[:TAG_BYTES], "") if self._key is not None else ""

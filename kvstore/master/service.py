@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -197,8 +198,6 @@ class MasterService(pb_grpc.MasterServicer):
         self._ticket_root = ticket_root(auth.cluster_secret) if auth is not None else b""
         self.tenancy = TenantScope(auth.cluster_secret if auth is not None else None)
         """Scopes every namespace id and object key a tenant's caller names."""
-        if auth is not None:
-            self.tenancy.learn(i.tenant for i in auth.identities.values())
         self.membership = membership
         self.counters = MasterCounters()
         self.node_counters: dict[str, dict[str, int]] = {}
@@ -588,14 +587,12 @@ class MasterService(pb_grpc.MasterServicer):
     def _tenant_usage(self, live: set[str], caller: str) -> list[pb.TenantUsage]:
         """Bytes, quota and evictions by tenant over the ``live`` nodes' last heartbeats;
         only ``caller``'s own when it speaks for a tenant."""
-        used: dict[str, int] = {}
-        evictions: dict[str, int] = {}
+        used: Counter[str] = Counter()
+        evictions: Counter[str] = Counter()
         for node_id, (held, evicted) in self.node_tenants.items():
             if node_id in live:
-                for t, n in held.items():
-                    used[t] = used.get(t, 0) + n
-                for t, n in evicted.items():
-                    evictions[t] = evictions.get(t, 0) + n
+                used.update(held)
+                evictions.update(evicted)
         names = sorted((set(used) | set(evictions) | set(self.quotas)) - {""})
         return [
             pb.TenantUsage(tenant=t, used_bytes=used.get(t, 0), quota_bytes=self.quotas.get(t, 0),

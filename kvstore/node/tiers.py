@@ -10,6 +10,7 @@ reports it.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -169,19 +170,11 @@ class Tiers:
 
     def tenant_bytes(self) -> dict[str, int]:
         """Bytes of slots held, by tenant, over every tier."""
-        out: dict[str, int] = {}
-        for tier in self.all:
-            for owner, n in tier.table.owner_bytes().items():
-                out[owner] = out.get(owner, 0) + n
-        return out
+        return dict(sum((Counter(t.table.owner_bytes()) for t in self.all), Counter()))
 
     def tenant_evictions(self) -> dict[str, int]:
         """LRU evictions so far (off the node, not demotions), by tenant, over every tier."""
-        out: dict[str, int] = {}
-        for tier in self.all:
-            for owner, n in tier.table.owner_evictions.items():
-                out[owner] = out.get(owner, 0) + n
-        return out
+        return dict(sum((Counter(t.table.owner_evictions) for t in self.all), Counter()))
 
     def usage(self) -> list[Tier]:
         """Capacity and use per tier, as the master records them."""
