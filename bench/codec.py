@@ -1,19 +1,24 @@
 """The core's speed and accuracy, side by side with what the machine can do.
 
     python bench/codec.py [--quick] [--plot codec.png] [--fused-only] [--warm-cache]
+                          [--no-engine]
 
-Prints Markdown: the INT8 schemes' attention-output error on realistic KV, codec GB/s next
-to a plain ``torch`` copy of the same bytes, the eager and the fused (torch.compile)
-codec side by side on a trace-like layer and a big one with their first-call (compile)
-times, prefix-hashing time for a 128k-token prompt, and slot-allocator operations per
-second. Progress goes to stderr. Compile times are cold (Inductor's on-disk caches
-in a fresh directory) unless ``--warm-cache``.
+Prints Markdown: every scheme's size and attention-output error on realistic KV (INT8,
+INT4, raw) and INT4's by group size, the reference engine's greedy tokens and logits
+through a real ``kvstore serve`` with each ``quant`` beside one process's (skipped with
+``--no-engine`` or without the ``engine`` extra), codec GB/s next to a plain ``torch``
+copy of the same bytes, the eager and the fused (torch.compile) codec side by side on a
+trace-like layer and a big one with their first-call (compile) times, prefix-hashing time
+for a 128k-token prompt, and slot-allocator operations per second. Progress goes to
+stderr. Compile times are cold (Inductor's on-disk caches in a fresh directory) unless
+``--warm-cache``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -26,14 +31,21 @@ from typing import Any
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import BarPanel, Table, machine_markdown, progress, save_bar_plot
+from _common import BarPanel, Serve, Table, machine_markdown, progress, save_bar_plot
 
 from kvstore.core import codec, fused
 from kvstore.core.arena import Arena
 from kvstore.core.hashing import Namespace, block_hashes
-from kvstore.core.kvgen import compare_schemes, measure_speed, realistic_kv
+from kvstore.core.kvgen import (
+    SchemeAccuracy,
+    compare_int4_groups,
+    compare_schemes,
+    measure_speed,
+    realistic_kv,
+)
 from kvstore.core.slots import SlotTable
 
 
@@ -175,12 +187,89 @@ def fused_tables(quick: bool) -> list[Table]:
     return [speed, first]
 
 
+def accuracy_tables(quick: bool) -> list[Table]:
+    """Every scheme's attention error and size on realistic KV, and INT4's by group size."""
+    cols = ["scheme", "median rel. error", "p99 rel. error", "mean cosine", "size / fp16"]
+    shape = "realistic KV (T=256, H=8, D=128, fp16)"
+    acc = Table(f"Schemes: attention-output error on {shape}", cols)
+    groups = Table(f"INT4 by group size G: attention-output error on {shape}", cols)
+    study = {"chunks": 4 if quick else 16, "queries": 64 if quick else 256}
+    schemes = (*(s for s in codec.SCHEMES if s != "raw"), "none")
+
+    def add(table: Table, rows: list[SchemeAccuracy]) -> None:
+        for row in rows:
+            table.add(row.scheme, f"{row.median_rel_err:.3%}", f"{row.p99_rel_err:.2%}",
+                      f"{row.mean_cosine:.6f}", f"{row.size_ratio:.4f}")  # fmt: skip
+
+    add(acc, compare_schemes(schemes=schemes, **study))
+    add(groups, compare_int4_groups(**study))
+    acc.notes.append(
+        f"quant='int8' is {codec.DEFAULT_INT8}, quant='int4' is {codec.DEFAULT_INT4}; size / "
+        "fp16 counts header, scales and checksum"
+    )
+    groups.notes.append(
+        "K per channel over groups of G tokens, V per token over groups of G channels "
+        "(int4-g32 is G=32, int4-g128 G=128), through the codec's kernels"
+    )
+    return [acc, groups]
+
+
+def engine_table(quick: bool) -> Table | None:
+    """The reference engine (transformers' Llama, random weights) prefilling prompts into a
+    real ``kvstore serve`` and decoding them from it, per ``quant``, against one process
+    with no pool: top-1 agreement over greedy steps and how far the logits moved."""
+    try:
+        from examples.reference_engine import Engine, build_model, namespace, reference_generate
+    except ImportError:
+        return None
+    import kvclient
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(40, 100))]
+               for _ in range(4 if quick else 16)]  # fmt: skip
+    steps = 8 if quick else 16
+    refs = [reference_generate("llama", p, steps) for p in prompts]
+    table = Table(
+        "Reference engine through the pool: greedy tokens and logits against one process",
+        ["quant", "top-1 agreement", "prompts identical", "max abs logit diff",
+         "mean abs logit diff / logit std"],
+    )  # fmt: skip
+    model = build_model("llama")
+    with Serve.start("--host-mem", "256MiB") as serve:
+        for quant in ("none", "int8", "int4"):
+            with kvclient.SyncKVClient.connect(
+                serve.addresses["grpc"], namespace("llama", quant)
+            ) as kv:
+                for p in prompts:
+                    Engine(model, kv, load=False, save=True).generate(p, 1)
+                outs = [
+                    Engine(model, kv, load=True, save=False).generate(p, steps) for p in prompts
+                ]
+            pairs = list(zip(outs, refs, strict=True))
+            same = sum(x == y for o, r in pairs for x, y in zip(o.tokens, r.tokens, strict=True))
+            moved = [(torch.as_tensor(g) - w, w) for o, r in pairs
+                      for g, w in zip(o.logits, r.logits, strict=True)]  # fmt: skip
+            worst = max(float(d.abs().max()) for d, _ in moved)
+            spread = statistics.mean(float(d.abs().mean() / w.std()) for d, w in moved)
+            identical = sum(o.tokens == r.tokens for o, r in pairs)
+            assert all(o.loaded_tokens > 0 for o in outs), "the decode loaded nothing"
+            table.add(quant, f"{same}/{steps * len(prompts)}", f"{identical}/{len(prompts)}",
+                      f"{worst:.4f}", f"{spread:.5f}")  # fmt: skip
+    table.notes.append(
+        f"{len(prompts)} prompts of 40-99 tokens, {steps} greedy steps each; the decode engine "
+        "loads every whole block of the prompt from the pool and computes the rest; "
+        "agreement is position by position against the same model in one process"
+    )
+    return table
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer samples (CI smoke run)")
     parser.add_argument("--plot", help="write a PNG of the codec speeds here")
     parser.add_argument("--fused-only", action="store_true", help="only eager vs fused")
     parser.add_argument("--warm-cache", action="store_true", help="keep Inductor's disk cache")
+    parser.add_argument("--no-engine", action="store_true", help="skip the reference engine")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not args.warm_cache:  # every first call compiles from scratch, C++ included
@@ -192,25 +281,13 @@ def main() -> int:
         return 0
     sections = []
     with progress() as bar:
-        task = bar.add_task("codec bench", total=5)
+        task = bar.add_task("codec bench", total=6)
         sections += fused_tables(args.quick)
         bar.advance(task)
-        acc = Table(
-            "INT8 schemes: attention-output error on realistic KV (T=256, H=8, D=128, fp16)",
-            ["scheme", "median rel. error", "p99 rel. error", "mean cosine", "size / fp16"],
-        )
-        for row in compare_schemes(
-            chunks=4 if args.quick else 16, queries=64 if args.quick else 256
-        ):
-            acc.add(
-                row.scheme,
-                f"{row.median_rel_err:.3%}",
-                f"{row.p99_rel_err:.2%}",
-                f"{row.mean_cosine:.6f}",
-                f"{row.size_ratio:.4f}",
-            )
-        acc.notes.append("size / fp16 counts header, scales and checksum")
-        sections.append(acc)
+        sections += accuracy_tables(args.quick)
+        bar.advance(task)
+        engine = None if args.no_engine else engine_table(args.quick)
+        sections += [engine] if engine else []
         bar.advance(task)
         speed = Table(
             "Codec speed vs torch copy (one thread, GB/s of fp16 KV; 2048-token layer, 8 blocks)",

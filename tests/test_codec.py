@@ -44,18 +44,38 @@ from kvstore.errors import (
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 INT8 = [s for s in SCHEMES if s.startswith("int8-")]
+INT4 = [s for s in SCHEMES if s.startswith("int4-")]
 KEY = ChunkKey(bytes(range(16)), 7, 1)
 MODES = {  # how each scheme quantizes K and V (module docstring of codec)
     "int8-kc-vt": ("c", "t"),
     "int8-kt-vt": ("t", "t"),
     "int8-kcc-vt": ("cc", "t"),
     "int8-kcc-vct": ("cc", "ct"),
+    "int4-g32": ("kg32", "vg32"),
+    "int4-g128": ("kg128", "vg128"),
 }
 EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 
 
+def _group_bound(x: torch.Tensor, mode: str) -> torch.Tensor:
+    """Largest error INT4 ``mode`` (``kg<G>``, ``vg<G>``) may make on ``x [T, H, D]``: half a
+    step, plus the float16 rounding of the group's minimum (codes are clamped to 0..15, so
+    the rounding can cost the values below it) and of its step (times at most 15 codes)."""
+    t, h, d = x.shape
+    dim = 0 if mode.startswith("k") else 2
+    g = codec.group_size(x.shape[dim], int(mode[2:]))
+    z = x.view(t // g, g, h, d) if dim == 0 else x.view(t, h, d // g, g)
+    at = 1 if dim == 0 else -1
+    lo, hi = z.amin(at, keepdim=True), z.amax(at, keepdim=True)
+    step = ((hi - lo) / 15).clamp_min(2.0**-14)
+    bound = step / 2 * (1 + 2.0**-8) + lo.abs() * 2.0**-10 + 15 * step * 2.0**-10
+    return bound.expand_as(z).reshape(t, h, d)
+
+
 def _half_bound(x: torch.Tensor, mode: str) -> torch.Tensor:
     """Largest error INT8 ``mode`` may make on ``x [T, H, D]`` (float64): half a step."""
+    if mode[:2] in ("kg", "vg"):
+        return _group_bound(x, mode)
     amax_t = x.abs().amax(0, keepdim=True)
     if mode == "c":
         step = amax_t / 127
@@ -112,12 +132,12 @@ def test_round_trip(dtype: torch.dtype, quant: str, contiguous: bool) -> None:
     header = read_header(buf)
     assert header.key == KEY and header.shape == (2, 16, 3, 16) and header.dtype == dtype
     assert header.scheme == QUANT_SCHEMES[quant]
-    assert header.quant == ("none" if QUANT_SCHEMES[quant] == "raw" else "int8")
+    assert header.quant == ("none" if QUANT_SCHEMES[quant] == "raw" else quant[:4])
     _assert_decodes(t, buf, QUANT_SCHEMES[quant])
 
 
-@pytest.mark.parametrize("scheme", INT8)
-def test_int8_bound_on_hard_values(scheme: str) -> None:
+@pytest.mark.parametrize("scheme", INT8 + INT4)
+def test_quantized_bound_on_hard_values(scheme: str) -> None:
     """Constant, zero, tiny and huge-offset channels and tokens stay within the bound."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 12, 2, 8, generator=g, dtype=torch.float32)
@@ -134,6 +154,7 @@ def test_int8_bound_on_hard_values(scheme: str) -> None:
 
 def test_default_and_aliases() -> None:
     assert QUANT_SCHEMES["int8"] == DEFAULT_INT8 and QUANT_SCHEMES["none"] == "raw"
+    assert QUANT_SCHEMES["int4"] == codec.DEFAULT_INT4 in INT4
     t = _kv(8, 2, 8, torch.float16)
     assert torch.equal(encode_chunk(t, "int8"), encode_chunk(t, DEFAULT_INT8))
     assert torch.equal(encode_chunk(t, "none"), encode_chunk(t, "raw"))
@@ -189,6 +210,11 @@ PINNED = {
     ("float32", "int8-kt-vt", "xxh3_64"): ("31baff2e919ab818", "8ab01a5556f247a6"),
     ("float32", "int8-kcc-vt", "xxh3_64"): ("a1062c16ed3eb989", "f39d8e58d20ca907"),
     ("float32", "int8-kcc-vct", "xxh3_64"): ("24c64f50093724e7", "bd8822d636fe198f"),
+    ("float16", "int4-g32", "xxh3_64"): ("6e081786a139a800", "0375a0a00e346ea5"),
+    ("float16", "int4-g32", "mulsum64"): ("4914c1c45c5dbce3", "0375a0a00e346ea5"),
+    ("bfloat16", "int4-g32", "xxh3_64"): ("b70009ed3de7146c", "719d3ddaa79c77cd"),
+    ("float32", "int4-g32", "xxh3_64"): ("ee7b03d30a5adefe", "9846899ace6b04da"),
+    ("float16", "int4-g128", "xxh3_64"): ("5938dd1bf167cf1b", "0375a0a00e346ea5"),
 }
 
 
@@ -200,10 +226,37 @@ def test_chunk_bytes_are_pinned(dtype: str, scheme: str, kind: str) -> None:
     assert digests == PINNED[(dtype, scheme, kind)]
 
 
+@pytest.mark.parametrize("scheme", INT4)
+@pytest.mark.parametrize("shape", [(16, 2, 8), (48, 3, 80), (6, 1, 2)])
+def test_int4_bytes_follow_the_documented_layout(scheme: str, shape: tuple[int, int, int]) -> None:
+    """Decode an INT4 chunk by hand from the layout the codec's docstring gives — K's
+    ``lo[T/gk, H, D]`` and ``step``, then V's ``lo[T, H, D/gv]`` and ``step``, float16, at 64;
+    codes two to a byte along D, the even channel low — and get decode_chunk's values."""
+    t, h, d = shape
+    x = _kv(t, h, d, torch.float32, seed=2) if d >= 8 else torch.randn(2, t, h, d)
+    buf = encode_chunk(x, scheme, KEY).numpy()
+    g = int(scheme.split("-g")[1])
+    gk, gv = codec.group_size(t, g), codec.group_size(d, g)
+    n_k, n_v = (t // gk) * h * d, t * h * (d // gv)
+    scales = np.frombuffer(buf[64 : 64 + 2 * (2 * n_k + 2 * n_v)], np.float16).astype(np.float64)
+    k_lo = scales[:n_k].reshape(t // gk, 1, h, d)
+    k_step = scales[n_k : 2 * n_k].reshape(t // gk, 1, h, d)
+    v_lo = scales[2 * n_k : 2 * n_k + n_v].reshape(t, h, d // gv, 1)
+    v_step = scales[2 * n_k + n_v :].reshape(t, h, d // gv, 1)
+    start = 64 + -(-2 * (2 * n_k + 2 * n_v) // 64) * 64
+    packed = buf[start : start + t * h * d].reshape(2, t, h, d // 2)
+    codes = np.stack([packed & 15, packed >> 4], -1).reshape(2, t, h, d).astype(np.float64)
+    k = (k_lo + codes[0].reshape(t // gk, gk, h, d) * k_step).reshape(t, h, d)
+    v = (v_lo + codes[1].reshape(t, h, d // gv, gv) * v_step).reshape(t, h, d)
+    got = decode_chunk(buf).double().numpy()
+    assert np.array_equal(got, np.stack([k, v]).astype(np.float32))
+    assert codes.max() <= 15
+
+
 # ----------------------------------------------------------------------------- out= paths
 
 
-@pytest.mark.parametrize("quant", ["int8", "none"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "none"])
 def test_encode_into_slot_view(quant: str) -> None:
     t = _kv(48, 2, 16, torch.bfloat16)[:, 16:32]
     n = chunk_nbytes(16, 2, 16, torch.bfloat16, quant)
@@ -220,7 +273,7 @@ def test_encode_into_slot_view(quant: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("quant", ["int8", "int8-kc-vt", "none"])
+@pytest.mark.parametrize("quant", ["int8", "int8-kc-vt", "int4", "none"])
 def test_decode_into_layer_slice_and_paged_blocks(dtype: torch.dtype, quant: str) -> None:
     t = _kv(16, 2, 8, dtype, seed=5)
     buf = encode_chunk(t, quant, KEY)
@@ -258,7 +311,7 @@ def test_decode_out_and_device_checks() -> None:
 # ----------------------------------------------------------------------------- batched encode
 
 
-@pytest.mark.parametrize("quant", ["int8", "int8-kt-vt", "none"])
+@pytest.mark.parametrize("quant", ["int8", "int8-kt-vt", "int4", "int4-g128", "none"])
 def test_encode_blocks_matches_per_chunk(quant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     b, n = 16, 3
     layer = _kv(n * b + 5, 2, 8, torch.float16, seed=9)  # a partial tail is ignored
@@ -340,7 +393,7 @@ def test_k_and_v_pairs_are_checked() -> None:
     ("budget", "tile"),
     [(512, (1, 1)), (1024, (1, 2)), (3072, (2, 3)), (1 << 30, (3, 3))],  # bytes -> (blocks, heads)
 )
-@pytest.mark.parametrize("quant", ["int8", "int8-kt-vt", "int8-kc-vt"])
+@pytest.mark.parametrize("quant", ["int8", "int8-kt-vt", "int8-kc-vt", "int4"])
 def test_every_tiling_gives_the_same_bytes(
     budget: int, tile: tuple[int, int], quant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -404,6 +457,12 @@ def test_chunk_nbytes_is_exact_and_within_bound() -> None:
         for quant in QUANT_SCHEMES:
             for shape in [(1, 1, 1), (3, 5, 7), (17, 2, 64)]:
                 t = torch.zeros(2, *shape, dtype=dtype)
+                if quant.startswith("int4") and shape[2] % 2:  # two channels to a byte
+                    with pytest.raises(BadShape, match="even"):
+                        chunk_nbytes(*shape, dtype, quant)
+                    with pytest.raises(BadShape, match="even"):
+                        encode_chunk(t, quant)
+                    continue
                 assert encode_chunk(t, quant).numel() == chunk_nbytes(*shape, dtype, quant)
                 assert chunk_nbytes(*shape, dtype, quant) % 8 == 0
     with pytest.raises(BadShape):
@@ -411,7 +470,7 @@ def test_chunk_nbytes_is_exact_and_within_bound() -> None:
     with pytest.raises(InvalidArgument):
         chunk_nbytes(256, 8, 128, torch.int8)
     with pytest.raises(InvalidArgument):
-        chunk_nbytes(256, 8, 128, torch.float16, "int4")
+        chunk_nbytes(256, 8, 128, torch.float16, "int3")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -421,6 +480,16 @@ def test_default_int8_attention_accuracy(dtype: torch.dtype) -> None:
     assert default.median_rel_err <= 0.015
     assert default.median_rel_err <= plain.median_rel_err
     assert default.mean_cosine >= 0.9999 and default.size_ratio <= 0.52
+
+
+def test_int4_size_and_attention_accuracy() -> None:
+    """INT4 is about a third of fp16 bytes at groups of 32 and a quarter at 128, its
+    attention error ~12x INT8's (docs/codec.md), and smaller groups are more accurate."""
+    rows = compare_schemes(chunks=3, queries=64, schemes=("int8", "int4-g32", "int4-g128"))
+    int8, g32, g128 = rows
+    assert g32.size_ratio <= 0.32 and g128.size_ratio <= 0.27
+    assert int8.median_rel_err < g32.median_rel_err < g128.median_rel_err <= 0.2
+    assert g32.median_rel_err <= 0.14 and g32.mean_cosine >= 0.99
 
 
 def test_attention_error_of_identical_kv_is_zero() -> None:
@@ -502,7 +571,7 @@ def test_encode_rejects_bad_arguments() -> None:
     with pytest.raises(InvalidArgument):
         encode_chunk(np.zeros((2, 4, 2, 8)))  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument):
-        encode_chunk(t, quant="int4")
+        encode_chunk(t, quant="fp8")
     with pytest.raises(InvalidArgument):
         encode_chunk(t, checksum="crc32")
     for key in [ChunkKey(b"short", 0, 0), ChunkKey(bytes(16), -1, 0), ChunkKey(bytes(16), 0, 2**32),
@@ -517,9 +586,9 @@ def test_encode_rejects_bad_arguments() -> None:
     assert read_header(encode_chunk(t, key=b"")).key == ChunkKey(bytes(16), 0, 0)
 
 
-@pytest.mark.parametrize("scheme", INT8)
+@pytest.mark.parametrize("scheme", INT8 + INT4)
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 1e30])
-def test_int8_rejects_non_finite_and_out_of_range(scheme: str, value: float) -> None:
+def test_quantized_rejects_non_finite_and_out_of_range(scheme: str, value: float) -> None:
     t = torch.randn(2, 8, 2, 8)
     t[1, 3, 1, 5] = value
     with pytest.raises(InvalidArgument):
@@ -615,7 +684,7 @@ def _patch(buf: bytes, offset: int, fmt: str, value: int, fix_check: bool = True
     return bytes(b)
 
 
-@pytest.mark.parametrize("quant", ["int8", "none"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "none"])
 def test_every_truncation_and_extension(quant: str) -> None:
     buf = _small_chunk(quant)
     for n in range(len(buf)):
@@ -628,7 +697,7 @@ def test_every_truncation_and_extension(quant: str) -> None:
 
 
 @pytest.mark.parametrize("checksum", ["xxh3_64", "mulsum64"])
-@pytest.mark.parametrize("quant", ["int8", "none"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "none"])
 def test_every_single_bit_flip_is_caught(quant: str, checksum: str) -> None:
     buf = _small_chunk(quant, checksum)
     for i in range(len(buf) * 8):

@@ -118,6 +118,8 @@ def test_eager_reference_of_the_fused_math_is_the_codec() -> None:
     compilation is the compiler's, not the formula's) — on every mode and dtype."""
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for scheme, modes in codec._SCHEME_MODES.items():
+            if scheme in codec._INT4_GROUPS:
+                continue  # INT4 has no compiled path (its own test below)
             x = _layer(3, 0, dtype, 5, 30.0).unflatten(1, (3, T))
             qk, qv, *scales = fused.reference_quantize(x[0], x[1], modes)
             name = codec._SCHEME_NAMES[scheme]
@@ -176,6 +178,21 @@ def test_eager_and_auto_on_cpu_never_compile(monkeypatch: pytest.MonkeyPatch, mo
         decode_chunk(encode_chunk(t, "int8-kt-vt"))
     assert not fused.compile_log() and not fused._state.graphs
     assert "cpu" not in fused.AUTO_DEVICES
+
+
+def test_int4_runs_eager_in_every_mode(monkeypatch: pytest.MonkeyPatch, mode: Any) -> None:
+    """INT4 has no compiled kernels: under ``fused`` it compiles nothing and gives the
+    eager bytes and values."""
+    monkeypatch.setattr(fused, "_state", fused._State())
+    t = _layer(2, 0, torch.bfloat16, 3, 30.0)
+    mode("eager")
+    expect = encode_blocks(t, T, [KEY, KEY], "int4")
+    decoded = decode_chunk(expect[1])
+    mode("fused")
+    got = encode_blocks(t, T, [KEY, KEY], "int4")
+    assert all(torch.equal(g, e) for g, e in zip(got, expect, strict=True))
+    assert torch.equal(decode_chunk(got[1]), decoded)
+    assert not fused.compile_log() and not fused._state.graphs
 
 
 # ----------------------------------------------------------------------------- fallback

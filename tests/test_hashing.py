@@ -128,7 +128,7 @@ def test_token_inputs_equivalent_and_validated() -> None:
 
 
 @pytest.mark.parametrize(
-    "kw", [{"num_layers": 0}, {"head_dim": -1}, {"quant": "int4"}, {"dtype": "int8"}, {"model": ""}]
+    "kw", [{"num_layers": 0}, {"head_dim": -1}, {"quant": "fp8"}, {"dtype": "int8"}, {"model": ""}]
 )
 def test_invalid_namespace(kw: dict) -> None:
     with pytest.raises(InvalidArgument):

@@ -1,7 +1,8 @@
 """The reference engine (transformers' Llama and Qwen2, random weights, a paged cache driven
 through kvclient.connector) against a real ``kvstore serve``: a prefill process and a decode
 process give the greedy tokens of one process; a second prompt reuses a shared prefix from
-the pool; a block that fails to load is recomputed; INT8's agreement is reported."""
+the pool; a block that fails to load is recomputed; INT8's agreement is reported and
+INT4's logits are checked."""
 
 from __future__ import annotations
 
@@ -115,6 +116,30 @@ def test_qwen2_in_process_prefill_then_decode(server: Server) -> None:
         Engine(build_model("qwen2"), kv, load=True, save=True).generate(a, 1)
         out = Engine(build_model("qwen2"), kv, load=True, save=False, seed=9).generate(a, MAX_NEW)
     assert out.loaded_tokens == 64 and out.tokens == want
+
+
+def test_int4_through_the_paged_cache_moves_logits_more_than_int8_and_little(
+    server: Server,
+) -> None:
+    """An INT4 namespace end to end through the engine's paged cache: the decode loads the
+    prompt's blocks, and its logits stay near one process's — farther than INT8's (so the
+    KV really went through INT4), within a tenth of the logits' spread on average (bench/
+    codec.py reports the agreement over more prompts)."""
+    a, b = prompts()
+    ref = [reference_generate("llama", p, MAX_NEW) for p in (a, b)]
+    moved = {}
+    for quant in ("int8", "int4"):
+        with kvclient.SyncKVClient.connect(server.grpc, namespace("llama", quant)) as kv:
+            for p in (a, b):
+                Engine(build_model("llama"), kv, load=False, save=True).generate(p, 1)
+            outs = [Engine(build_model("llama"), kv, load=True, save=False).generate(p, MAX_NEW)
+                    for p in (a, b)]  # fmt: skip
+        assert [o.loaded_tokens for o in outs] == [64, 48]
+        moved[quant] = max(float(((g - w).abs() / w.std()).mean())
+                           for o, r in zip(outs, ref, strict=True)
+                           for g, w in zip(o.logits, r.logits, strict=True))  # fmt: skip
+    print(f"\nmean |logit diff| / logit std, worst step: {moved}")
+    assert moved["int8"] < moved["int4"] < 0.1
 
 
 def test_decode_streams_layers_while_the_prefill_process_computes(server: Server) -> None:

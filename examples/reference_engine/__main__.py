@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--master", default="127.0.0.1:50051")
     p.add_argument("--model", default="llama", choices=["llama", "qwen2"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quant", default="int8", choices=["int8", "none"])
+    p.add_argument("--quant", default="int8", choices=["int8", "int4", "none"])
     p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     p.add_argument("--max-new", type=int, default=8)
     p.add_argument("--timeout", type=float, default=30.0)

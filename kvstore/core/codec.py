@@ -17,7 +17,7 @@ checksum 8-byte aligned), so scales and payload are read through aligned tensor 
     │ 28          │ 4       │ u32 shard (TP rank)                                      │
     │ 32          │ 4 x 3   │ u32 T (tokens), H (KV heads), D (head dim)               │
     │ 44          │ 1       │ u8 dtype      1 float16 · 2 bfloat16 · 3 float32         │
-    │ 45          │ 1       │ u8 scheme     0 raw · 1..4 INT8 (see SCHEMES)            │
+    │ 45          │ 1       │ u8 scheme     0 raw · 1..4 INT8 · 5, 6 INT4 (SCHEMES)    │
     │ 46          │ 1       │ u8 checksum   1 xxh3_64 · 2 mulsum64 (device)            │
     │ 47          │ 1       │ u8 flags (0)                                             │
     │ 48          │ 8       │ u64 payload bytes P                                      │
@@ -27,7 +27,8 @@ checksum 8-byte aligned), so scales and payload are read through aligned tensor 
     │ 64          │ S       │ scales, float16, K's then V's (layout per scheme below)  │
     │             │ pad     │ zeros up to a multiple of 64                             │
     ├─────────────┼─────────┼──────────────────────────────────────────────────────────┤
-    │ 64 + S'     │ P       │ payload [2, T, H, D]: int8 codes, or the raw dtype       │
+    │ 64 + S'     │ P       │ payload [2, T, H, D]: int8 codes, int4 codes two to a    │
+    │             │         │ byte ([2, T, H, D/2]), or the raw dtype                  │
     │             │ pad     │ zeros up to a multiple of 8                              │
     ├─────────────┼─────────┼──────────────────────────────────────────────────────────┤
     │ N - 8       │ 8       │ u64 checksum of bytes 0 .. N-9 (header, scales, payload) │
@@ -49,6 +50,15 @@ INT8 schemes (symmetric codes in [-127, 127], float16 scales; ``x ≈ q·s (+ m)
 Schemes: 1 ``int8-kc-vt`` (K c, V t), 2 ``int8-kt-vt`` (t, t), 3 ``int8-kcc-vt`` (cc, t),
 4 ``int8-kcc-vct`` (cc, ct). ``quant="int8"`` means :data:`DEFAULT_INT8`, chosen by the
 attention-output error study in :mod:`kvstore.core.kvgen` (docs/codec.md).
+
+INT4 schemes (KIVI-style: asymmetric codes 0..15, ``x ≈ lo + q·step``, float16 ``lo`` and
+``step`` per group, codes packed two to a byte along D, the even channel in the low
+nibble; D must be even): K per channel over groups of ``gk`` tokens (``kg``: ``lo[T/gk, H,
+D]`` then ``step[T/gk, H, D]``), V per token and head over groups of ``gv`` channels
+(``vg``: ``lo[T, H, D/gv]`` then ``step``). A scheme names its group size ``G``; ``gk`` is
+the largest divisor of T and ``gv`` the largest divisor of D that is at most ``G``, so the
+size still depends only on the shape. Schemes: 5 ``int4-g32``, 6 ``int4-g128``;
+``quant="int4"`` means :data:`DEFAULT_INT4`.
 
 Checksums (:mod:`kvstore.core.checksum`): ``xxh3_64`` (default for CPU buffers) or
 ``mulsum64`` (default elsewhere, computed on the device with torch ops; catches every
@@ -92,6 +102,7 @@ from kvstore.errors import (
 
 __all__ = [
     "CHECKSUMS",
+    "DEFAULT_INT4",
     "DEFAULT_INT8",
     "FORMAT_VERSION",
     "HEADER_NBYTES",
@@ -110,6 +121,7 @@ __all__ = [
     "decode_chunk",
     "encode_blocks",
     "encode_chunk",
+    "group_size",
     "kv_halves",
     "kv_span",
     "read_header",
@@ -135,6 +147,8 @@ SCHEMES: dict[str, int] = {
     "int8-kt-vt": 2,
     "int8-kcc-vt": 3,
     "int8-kcc-vct": 4,
+    "int4-g32": 5,
+    "int4-g128": 6,
 }
 """Every scheme this build encodes and decodes, name → id recorded in the header."""
 
@@ -144,12 +158,20 @@ _SCHEME_MODES: dict[int, tuple[str, str]] = {
     2: ("t", "t"),
     3: ("cc", "t"),
     4: ("cc", "ct"),
+    5: ("kg", "vg"),
+    6: ("kg", "vg"),
 }
+_INT4_GROUPS: dict[int, int] = {5: 32, 6: 128}
+"""INT4 scheme id → its group size G."""
 
 DEFAULT_INT8 = "int8-kcc-vct"
 """What ``quant="int8"`` encodes (lowest attention error on realistic KV; docs/codec.md)."""
 
-QUANT_SCHEMES: dict[str, str] = {"int8": DEFAULT_INT8, "none": "raw", **{s: s for s in SCHEMES}}
+DEFAULT_INT4 = "int4-g32"
+"""What ``quant="int4"`` encodes (docs/codec.md, INT4: size and error by group size)."""
+
+QUANT_SCHEMES: dict[str, str] = {"int8": DEFAULT_INT8, "int4": DEFAULT_INT4, "none": "raw",
+                                 **{s: s for s in SCHEMES}}  # fmt: skip
 """Every accepted ``quant`` argument → the scheme it encodes."""
 
 CHECKSUMS: dict[str, int] = {"xxh3_64": 1, "mulsum64": 2}
@@ -169,8 +191,9 @@ class ChunkKey(NamedTuple):
 
 class ChunkSpec(NamedTuple):
     """What every chunk of one namespace looks like: ``[2, tokens, heads, head_dim]`` of
-    ``dtype``, quantized as ``quant`` (``"int8"``: any INT8 scheme; ``"none"``: raw). A node
-    checks each chunk's header against it before acking; a reader before decoding."""
+    ``dtype``, quantized as ``quant`` (``"int8"`` / ``"int4"``: any INT8 / INT4 scheme;
+    ``"none"``: raw). A node checks each chunk's header against it before acking; a reader
+    before decoding."""
 
     tokens: int
     heads: int
@@ -203,8 +226,8 @@ class ChunkHeader:
 
     @property
     def quant(self) -> str:
-        """``"none"`` for raw chunks, ``"int8"`` for every INT8 scheme."""
-        return "none" if self.scheme == "raw" else "int8"
+        """``"none"`` for raw chunks, ``"int8"`` / ``"int4"`` for every INT8 / INT4 scheme."""
+        return "none" if self.scheme == "raw" else self.scheme[:4]
 
 
 @dataclass(frozen=True)
@@ -271,10 +294,19 @@ def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def group_size(n: int, g: int) -> int:
+    """The largest divisor of ``n`` that is at most ``g``: an INT4 group along ``n``."""
+    return next(k for k in range(min(n, g), 0, -1) if n % k == 0)
+
+
 def _scale_slots(scheme: int, t: int, h: int, d: int) -> tuple[Any, ...]:
     per_channel, per_token = ((1, h, d), (h * d, d, 1)), ((t, h, 1), (h, 1, 1))
     shapes = {"c": [per_channel], "cc": [per_channel] * 2, "t": [per_token],
               "ct": [per_channel, per_token]}  # fmt: skip
+    if scheme in _INT4_GROUPS:
+        gt, gd = t // group_size(t, _INT4_GROUPS[scheme]), d // group_size(d, _INT4_GROUPS[scheme])
+        shapes["kg"] = [((gt, h, d), (h * d, d, 1))] * 2
+        shapes["vg"] = [((t, h, gd), (h * gd, gd, 1))] * 2
     slots, start = [], 0
     for half, mode in enumerate(_SCHEME_MODES.get(scheme, ())):
         for shape, strides in shapes[mode]:
@@ -289,7 +321,7 @@ def _layout(t: int, h: int, d: int, dtype: torch.dtype, scheme: int) -> _Layout:
     slots = _scale_slots(scheme, t, h, d)
     scales = sum(2 * math.prod(shape) for _, shape, _, _ in slots)
     payload_offset = HEADER_NBYTES + _align(scales, _ALIGN)
-    payload = 2 * t * h * d * itemsize
+    payload = 2 * t * h * d * itemsize // (2 if scheme in _INT4_GROUPS else 1)
     checksum_offset = payload_offset + _align(payload, 8)
     return _Layout(
         (t, h, d), dtype, scheme, slots, scales, payload_offset, payload, checksum_offset
@@ -306,7 +338,10 @@ def _checked_layout(t: int, h: int, d: int, dtype: torch.dtype, quant: str) -> _
     for name, v in (("T", t), ("H", h), ("D", d)):
         if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < _U32:
             raise BadShape(f"chunk dimension {name}={v!r} must be an int in [1, 2**32)")
-    layout = _layout(t, h, d, dtype, _scheme_id(quant))
+    scheme = _scheme_id(quant)
+    if scheme in _INT4_GROUPS and d % 2:
+        raise BadShape(f"INT4 packs two channels to a byte: head_dim D={d} must be even")
+    layout = _layout(t, h, d, dtype, scheme)
     if layout.scales_nbytes >= _U32:
         raise BadShape(f"chunk [2, {t}, {h}, {d}] is too large for one chunk")
     return layout
@@ -391,7 +426,7 @@ def _parse_header(raw: bytes, size: int) -> tuple[ChunkHeader, _Layout]:
         raise ChecksumError("chunk header is corrupted (header check does not match)")
     if dcode not in _DTYPES or scheme not in _SCHEME_NAMES or ckind not in _CHECKSUM_NAMES:
         raise ChunkFormatError(f"unknown dtype {dcode}, scheme {scheme} or checksum {ckind}")
-    if flags != 0 or min(t, h, d) == 0:
+    if flags != 0 or min(t, h, d) == 0 or (scheme in _INT4_GROUPS and d % 2):
         raise ChunkFormatError(f"inconsistent chunk header: flags {flags}, shape T={t} H={h} D={d}")
     layout = _layout(t, h, d, _DTYPES[dcode], scheme)
     if (payload, scales) != (layout.payload_nbytes, layout.scales_nbytes):
@@ -450,9 +485,14 @@ def _scale_views(base: Tensor, start: int, layout: _Layout) -> tuple[list[Tensor
 
 
 def _payload_view(buf: Tensor, layout: _Layout) -> Tensor:
-    """The payload of ``buf [*lead, nbytes]`` as ``[*lead, 2, T, H, D]`` codes or raw values."""
-    typed = buf.view(torch.int8 if layout.scheme else layout.dtype)
-    t, h, d = layout.shape
+    """The payload of ``buf [*lead, nbytes]`` as ``[*lead, 2, T, H, D]`` int8 codes or raw
+    values, or ``[*lead, 2, T, H, D/2]`` packed INT4 codes (uint8)."""
+    if layout.scheme in _INT4_GROUPS:
+        typed, (t, h, d) = buf.view(torch.uint8), layout.shape
+        d //= 2
+    else:
+        typed = buf.view(torch.int8 if layout.scheme else layout.dtype)
+        t, h, d = layout.shape
     start = typed.storage_offset() + layout.payload_offset // typed.element_size()
     stride = (*typed.stride()[:-1], t * h * d, h * d, d, 1)
     return typed.as_strided((*typed.shape[:-1], 2, t, h, d), stride, start)
@@ -496,7 +536,8 @@ def _quantize(x: tuple[Tensor, Tensor], rows: Tensor, layout: _Layout) -> None:
     codes = _payload_view(rows, layout)  # [N, 2, T, H, D]
     rows16 = rows.view(torch.float16)
     scales = _scale_views(rows16, int(rows16.storage_offset()) + HEADER_NBYTES // 2, layout)
-    if fused.quantize(x[0], x[1], codes, scales, _SCHEME_MODES[layout.scheme]):
+    int8 = layout.scheme not in _INT4_GROUPS  # the compiled kernels are INT8's
+    if int8 and fused.quantize(x[0], x[1], codes, scales, _SCHEME_MODES[layout.scheme]):
         return  # one compiled call for the layer (kvstore.core.fused)
     work: list[tuple[kernels.Encoder, list[tuple[Tensor, ...]]]] = []
     for half, mode in enumerate(_SCHEME_MODES[layout.scheme]):
@@ -912,7 +953,8 @@ def _decode_into(buf: Tensor, layout: _Layout, out: tuple[Tensor, Tensor]) -> No
     region = buf[HEADER_NBYTES : HEADER_NBYTES + layout.scales_nbytes].view(torch.float16)
     scales = _scale_views(region.float(), 0, layout)
     modes = _SCHEME_MODES[layout.scheme]
-    if fused.dequantize(payload, scales, modes, out):
+    int8 = layout.scheme not in _INT4_GROUPS  # the compiled kernels are INT8's
+    if int8 and fused.dequantize(payload, scales, modes, out):
         return  # one compiled call (kvstore.core.fused)
     dtype, device = out[0].dtype, out[0].device
     tmp = None if dtype == torch.float32 else kernels.scratch(layout.shape, device)

@@ -51,7 +51,8 @@ BlockHash = bytes
 DTYPES = ("float16", "bfloat16", "float32")
 """KV dtypes a namespace may declare (canonical names)."""
 
-QUANTS = ("int8", "none")
+QUANTS = ("int8", "int4", "none")
+"""What a namespace may declare: any INT8 scheme, any INT4 scheme, or raw."""
 
 NAMESPACE_FIELDS = (
     "model",

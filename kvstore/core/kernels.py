@@ -1,9 +1,10 @@
-"""The codec's eager quantization kernels: per-mode INT8 encoders and decoders, tiles and
-float32 scratch.
+"""The codec's eager quantization kernels: per-mode INT8 and INT4 encoders and decoders,
+tiles and float32 scratch.
 
 :mod:`kvstore.core.codec` owns the chunk format and calls these on views of the chunk
-buffers; :mod:`kvstore.core.fused` compiles the same arithmetic from the same constants.
-The modes (``c``, ``cc``, ``t``, ``ct``) are described in the codec's module docstring.
+buffers; :mod:`kvstore.core.fused` compiles the INT8 arithmetic from the same constants.
+The modes (INT8 ``c``, ``cc``, ``t``, ``ct``; INT4 ``kg``, ``vg``) are described in the
+codec's module docstring.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ __all__ = [
     "DECODERS",
     "DEVICE_TILE_BYTES",
     "ENCODERS",
+    "LEVELS4",
     "QMAX",
     "TILE_BYTES",
     "TINY",
@@ -36,6 +38,8 @@ TINY = 2.0**-14
 off by at most 2**-11 relative and ``|x / s|`` stays under 127.07: codes never need a clamp."""
 QMAX = 127.0
 """Largest INT8 code magnitude."""
+LEVELS4 = 15.0
+"""Largest INT4 code: codes are 0..15, ``x ≈ lo + q·step``."""
 
 _SCRATCH_SHAPES = 4
 _SCRATCH_KEEP_BYTES = 8 << 20
@@ -133,10 +137,63 @@ def _dec_ct(q: Tensor, sc: list[Tensor], w: Tensor) -> None:
     w.copy_(q).mul_(sc[1]).mul_(sc[0])
 
 
+# INT4 (KIVI-style, asymmetric, grouped): ``kg`` quantizes K per channel over groups of
+# tokens, ``vg`` quantizes V per token and head over groups of channels. Each group stores
+# its minimum ``lo`` and its step ``(hi - lo) / 15`` in float16 (``sc[0]``, ``sc[1]``:
+# ``[.., T/g, H, D]`` for ``kg``, ``[.., T, H, D/g]`` for ``vg``, the group size implied by
+# the shapes); codes ``round((x - lo) / step)`` are clamped to 0..15 (``lo`` rounded to
+# float16 may sit above the true minimum) and packed two to a byte along D, the even
+# channel in the low nibble (``q``: ``[.., T, H, D/2]`` uint8). Decoding ``lo + q·step`` is
+# one rounding per value: ``q·step`` (4 x 11 significant bits) is exact in float32.
+
+
+def _grouped(y: Tensor, groups: int, dim: int) -> Tensor:
+    """``y`` with dimension ``dim`` (-3 tokens, -1 channels) cut into ``groups`` groups."""
+    return y.unflatten(dim, (groups, y.shape[dim] // groups))
+
+
+def _enc_grouped(y: Tensor, q: Tensor, sc: list[Tensor], dim: int) -> None:
+    # ``z``: groups at ``dim - 1``, their members at ``dim``; a scale view unsqueezed at
+    # ``dim`` broadcasts against it
+    z = _grouped(y, sc[0].shape[dim], dim)
+    lo, hi = z.amin(dim, keepdim=True), z.amax(dim, keepdim=True)
+    lo16 = _store(lo, sc[0].unsqueeze(dim))
+    step = _store(hi.sub_(lo).mul_(1 / LEVELS4).clamp_(min=TINY), sc[1].unsqueeze(dim))
+    z.sub_(lo16).mul_(step.reciprocal_()).round_().clamp_(0, LEVELS4)
+    pairs = y.unflatten(-1, (-1, 2))
+    q.copy_(torch.add(pairs[..., 0], pairs[..., 1], alpha=16))  # exact integers 0..255
+
+
+def _enc_kg(y: Tensor, q: Tensor, sc: list[Tensor]) -> None:
+    _enc_grouped(y, q, sc, -3)
+
+
+def _enc_vg(y: Tensor, q: Tensor, sc: list[Tensor]) -> None:
+    _enc_grouped(y, q, sc, -1)
+
+
+def _dec_grouped(q: Tensor, sc: list[Tensor], w: Tensor, dim: int) -> None:
+    pairs = w.unflatten(-1, (-1, 2))
+    pairs[..., 0].copy_(torch.bitwise_and(q, 15))
+    pairs[..., 1].copy_(torch.bitwise_right_shift(q, 4))
+    z = _grouped(w, sc[0].shape[dim], dim)
+    torch.addcmul(sc[0].unsqueeze(dim), z, sc[1].unsqueeze(dim), out=z)
+
+
+def _dec_kg(q: Tensor, sc: list[Tensor], w: Tensor) -> None:
+    _dec_grouped(q, sc, w, -3)
+
+
+def _dec_vg(q: Tensor, sc: list[Tensor], w: Tensor) -> None:
+    _dec_grouped(q, sc, w, -1)
+
+
 Encoder = Callable[[Tensor, Tensor, list[Tensor]], None]
 Decoder = Callable[[Tensor, list[Tensor], Tensor], None]
-ENCODERS: dict[str, Encoder] = {"c": _enc_c, "cc": _enc_cc, "t": _enc_t, "ct": _enc_ct}
-DECODERS: dict[str, Decoder] = {"c": _dec_scaled, "cc": _dec_cc, "t": _dec_scaled, "ct": _dec_ct}
+ENCODERS: dict[str, Encoder] = {"c": _enc_c, "cc": _enc_cc, "t": _enc_t, "ct": _enc_ct,
+                                "kg": _enc_kg, "vg": _enc_vg}  # fmt: skip
+DECODERS: dict[str, Decoder] = {"c": _dec_scaled, "cc": _dec_cc, "t": _dec_scaled, "ct": _dec_ct,
+                                "kg": _dec_kg, "vg": _dec_vg}  # fmt: skip
 
 
 def tile_shape(n: int, t: int, h: int, d: int, device: torch.device) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Synthetic but realistic attention KV, and the study that picks the INT8 scheme.
+"""Synthetic but realistic attention KV, and the study that picks the INT8 and INT4 schemes.
 
 Real K caches are not Gaussian: a few channels per head carry 10-50x the typical
 magnitude (they sit in the slow-rotating rotary pairs, so they stay large across a whole
@@ -8,9 +8,10 @@ close to Gaussian with mild per-channel and per-token scale variation. :func:`re
 builds such a ``[2, T, H, D]`` tensor, deterministically from a seed; tests and
 benchmarks use it.
 
-:func:`compare_schemes` measures every INT8 scheme of :mod:`kvstore.core.codec` by the
-relative error of the attention output ``softmax(q Kᵀ/√D) V`` against the original, over
-many random queries. Run the study with::
+:func:`compare_schemes` measures the schemes of :mod:`kvstore.core.codec` by the relative
+error of the attention output ``softmax(q Kᵀ/√D) V`` against the original, over many
+random queries; :func:`compare_int4_groups` does the same for INT4 at any group size. Run
+the study with::
 
     python -m kvstore.core.kvgen            # prints the table docs/codec.md quotes
     python -m kvstore.core.kvgen --speed --threads 1    # and the speed table
@@ -22,18 +23,19 @@ import argparse
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from kvstore.core import codec
+from kvstore.core import codec, kernels
 from kvstore.errors import InvalidArgument
 
 __all__ = [
     "SchemeAccuracy",
     "attention_error",
+    "compare_int4_groups",
     "compare_schemes",
     "measure_speed",
     "realistic_kv",
@@ -133,7 +135,7 @@ def attention_error(
 
 @dataclass(frozen=True)
 class SchemeAccuracy:
-    """Accuracy of one INT8 scheme on :func:`realistic_kv` data."""
+    """Accuracy of one scheme on :func:`realistic_kv` data."""
 
     scheme: str
     median_rel_err: float
@@ -161,18 +163,78 @@ def compare_schemes(
     given (default: every INT8 scheme the codec ships).
     """
     names = schemes or tuple(s for s in codec.SCHEMES if s.startswith("int8-"))
-    rels: dict[str, list[torch.Tensor]] = {name: [] for name in names}
-    coss: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    trips = {
+        name: (partial(_codec_round_trip, name), codec.chunk_nbytes(T, H, D, dtype, name))
+        for name in names
+    }
+    return _study(trips, T, H, D, dtype, chunks, queries, seed)
+
+
+def compare_int4_groups(
+    groups: tuple[int, ...] = (8, 16, 32, 64, 128, 256),
+    T: int = 256,
+    H: int = 8,
+    D: int = 128,
+    dtype: torch.dtype = torch.float16,
+    chunks: int = 8,
+    queries: int = 128,
+    seed: int = 0,
+) -> list[SchemeAccuracy]:
+    """:func:`compare_schemes` for INT4 at any group size ``G`` (K per channel over groups
+    of up to ``G`` tokens, V per token over groups of up to ``G`` channels, as the codec's
+    ``int4-g<G>`` schemes do, through the codec's own kernels): the study behind the
+    shipped group sizes. Rows are named ``int4 G=<G>``; sizes count header, scales,
+    payload and checksum as a chunk would."""
+    trips = {f"int4 G={g}": (partial(_int4_round_trip, g), _int4_nbytes(T, H, D, g))
+             for g in groups}  # fmt: skip
+    return _study(trips, T, H, D, dtype, chunks, queries, seed)
+
+
+def _codec_round_trip(scheme: str, kv: torch.Tensor) -> torch.Tensor:
+    return codec.decode_chunk(codec.encode_chunk(kv, scheme))
+
+
+def _int4_round_trip(g: int, kv: torch.Tensor) -> torch.Tensor:
+    t, h, d = kv.shape[1:]
+    gk, gv = codec.group_size(t, g), codec.group_size(d, g)
+    out = torch.empty_like(kv)
+    for half, (mode, shape) in enumerate((("kg", (t // gk, h, d)), ("vg", (t, h, d // gv)))):
+        scales = [torch.empty(shape, dtype=torch.float16) for _ in range(2)]
+        q = torch.empty(t, h, d // 2, dtype=torch.uint8)
+        kernels.ENCODERS[mode](kv[half].float(), q, scales)
+        w = torch.empty(t, h, d)
+        kernels.DECODERS[mode](q, [sc.float() for sc in scales], w)
+        out[half] = w
+    return out
+
+
+def _int4_nbytes(t: int, h: int, d: int, g: int) -> int:
+    scales = 2 * 2 * (t // codec.group_size(t, g) * h * d + t * h * d // codec.group_size(d, g))
+    return codec.HEADER_NBYTES + -(-scales // 64) * 64 + -(-(t * h * d) // 8) * 8 + 8
+
+
+def _study(
+    trips: Mapping[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]],
+    T: int,
+    H: int,
+    D: int,
+    dtype: torch.dtype,
+    chunks: int,
+    queries: int,
+    seed: int,
+) -> list[SchemeAccuracy]:
+    rels: dict[str, list[torch.Tensor]] = {name: [] for name in trips}
+    coss: dict[str, list[torch.Tensor]] = {name: [] for name in trips}
     for c in range(chunks):
         kv = realistic_kv(T, H, D, dtype, seed=seed + c)
         q = torch.randn(queries, H, D, generator=torch.Generator().manual_seed(10_000 + seed + c))
         ref = _attend(kv, q)
-        for name in names:
-            rel, cos = _compare(ref, _attend(codec.decode_chunk(codec.encode_chunk(kv, name)), q))
+        for name, (trip, _) in trips.items():
+            rel, cos = _compare(ref, _attend(trip(kv).to(dtype), q))
             rels[name].append(rel)
             coss[name].append(cos)
     rows = []
-    for name in names:
+    for name, (_, nbytes) in trips.items():
         rel_all, cos_all = torch.cat(rels[name]), torch.cat(coss[name])
         rows.append(
             SchemeAccuracy(
@@ -181,7 +243,7 @@ def compare_schemes(
                 p99_rel_err=float(torch.quantile(rel_all, 0.99)),
                 mean_cosine=float(cos_all.mean()),
                 min_cosine=float(cos_all.min()),
-                size_ratio=codec.chunk_nbytes(T, H, D, dtype, name) / (4 * T * H * D),
+                size_ratio=nbytes / (4 * T * H * D),
             )
         )
     return rows
@@ -211,7 +273,7 @@ def measure_speed(
     H: int = 8,
     D: int = 128,
     dtype: torch.dtype = torch.float16,
-    quants: tuple[str, ...] = ("int8", "int8-kcc-vt", "int8-kc-vt", "none"),
+    quants: tuple[str, ...] = ("int8", "int8-kcc-vt", "int8-kc-vt", "int4", "none"),
 ) -> list[tuple[str, float, float]]:
     """Time the codec next to a plain ``dst.copy_(src)`` of the same bytes, on this CPU.
 
@@ -270,14 +332,21 @@ def _main() -> None:
 
 
 def _print_accuracy(args: argparse.Namespace) -> None:
-    rows = compare_schemes(
-        args.T, args.H, args.D, getattr(torch, args.dtype), args.chunks, args.queries
-    )
-    default = codec.DEFAULT_INT8
+    dtype = getattr(torch, args.dtype)
+    shape = (args.T, args.H, args.D, dtype, args.chunks, args.queries)
+    rows = compare_schemes(*shape, schemes=(*(s for s in codec.SCHEMES if s != "raw"), "none"))
     print(
         f"T={args.T} H={args.H} D={args.D} {args.dtype}, {args.chunks} chunks x "
-        f"{args.queries} queries x {args.H} heads; default int8 = {default}"
+        f"{args.queries} queries x {args.H} heads; default int8 = {codec.DEFAULT_INT8}, "
+        f"int4 = {codec.DEFAULT_INT4}"
     )
+    _print_rows(rows)
+    print("\nINT4 by group size G (K: groups of G tokens per channel, V: of G channels per token)")
+    _print_rows(compare_int4_groups(T=args.T, H=args.H, D=args.D, dtype=dtype,
+                                    chunks=args.chunks, queries=args.queries))  # fmt: skip
+
+
+def _print_rows(rows: list[SchemeAccuracy]) -> None:
     print("| scheme | median rel. err | p99 rel. err | mean cosine | min cosine | size / fp16 |")
     print("|---|---|---|---|---|---|")
     for r in rows:
