@@ -91,6 +91,12 @@ class Metrics:
             registry=r,
         )
         self.evictions = Counter("kvstore_evictions_total", "Slots evicted", ["tier"], registry=r)
+        self.tier_moves = Counter(
+            "kvstore_tier_moves_total",
+            "Blocks moved between a node's tiers (to host: demoted; to gpu: promoted on a read)",
+            ["to"],
+            registry=r,
+        )
         self.tenant_bytes = Gauge(
             "kvstore_tenant_bytes", "Pool memory held by each tenant's blocks", ["tenant"],
             registry=r,

@@ -331,3 +331,21 @@ def test_validate_catches_corruption() -> None:
     arena._slot_bytes += 1  # simulate a bookkeeping bug
     with pytest.raises(KVStoreError):
         arena.validate()
+
+
+def test_slot_room_counts_the_slots_an_allocation_could_take_without_evicting() -> None:
+    """Free bytes overstate room for big slots: a 4 MiB arena of 64 KiB pages holds one
+    33-page span of eight 256 KiB + 144 B slots and 31 pages no such span fits in."""
+    arena = Arena(4 * MiB, device="cpu")
+    size = 256 * KiB + 144
+    assert arena.slot_room(size) == (8, 8)
+    offsets = [arena.alloc_slot(size) for _ in range(8)]
+    assert None not in offsets and arena.alloc_slot(size) is None
+    assert arena.slot_room(size) == (0, 8) and arena.stats().free_bytes == 31 * 64 * KiB
+    for offset in offsets[:3]:
+        arena.free_slot(offset)
+    assert arena.slot_room(size) == (3, 8)
+    small_free, small_total = arena.slot_room(4 * KiB)  # the free pages, in small spans
+    assert small_free > 0 and small_total >= small_free
+    with pytest.raises(CapacityError):
+        arena.slot_room(8 * MiB)  # never fits

@@ -1,6 +1,6 @@
 """The node's GPU tier (``--gpu-mem``): where puts land, reads from either tier over either
-transport, a block that stays in its tier, and demotion of the GPU tier's LRU victims to
-host memory.
+transport, a block that stays in its tier, demotion of the GPU tier's LRU victims to host
+memory by the mover (never inside a put), and promotion of blocks read from host memory.
 
 No GPU exists in CI, so the tier runs on CPU tensors (``NodeConfig(gpu_device="cpu")``):
 the same code as on CUDA, including the host bounce of ``tcp://`` puts into and gets out
@@ -39,6 +39,7 @@ from kvstore.dataplane.messages import (
     expect,
 )  # fmt: skip
 from kvstore.master import MasterClient, MasterConfig, MasterServer
+from kvstore.node import tiers
 from kvstore.node.server import NodeConfig, StorageNode
 from kvstore.transport import Connection, connect
 from tests.test_node import NS, TIMEOUT, blocks, chunks, get, put, write_by_ucx
@@ -127,6 +128,15 @@ async def read_by_ucx(
     return torch.stack(list(got.values()))
 
 
+async def settled(node: StorageNode) -> None:
+    """Wait until the node's mover has made the GPU tier's free share (bounded: 5 s)."""
+    for _ in range(500):
+        if not node.tiers.short_of_room() and not node._move_wanted.is_set():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the mover did not make room in 5 s")
+
+
 def tier_of(node: StorageNode, key: bytes) -> str | None:
     found = [t.name for t in node.tiers if t.table.find((NS.id, key)) is not None]
     assert len(found) <= 1, "a block lives in one tier at most"
@@ -138,7 +148,7 @@ async def stats(conn: Connection) -> dict[str, Any]:
     return expect((await conn.recv_header(TIMEOUT)).header, NodeStats).counters
 
 
-async def test_ucx_puts_land_in_the_gpu_tier_tcp_puts_in_host_memory(
+async def test_puts_over_either_transport_land_in_the_gpu_tier_while_it_has_room(
     master: MasterServer, node: StorageNode
 ) -> None:
     assert [t.name for t in node.tiers] == ["gpu", "host"]
@@ -148,17 +158,21 @@ async def test_ucx_puts_land_in_the_gpu_tier_tcp_puts_in_host_memory(
     try:
         assert (await put(conn, node, one, rows_one, "reserve", 0)).stored == 3
         assert (await put(conn, node, two, rows_two, "put", 0)).stored == 3
-        assert [tier_of(node, k) for k in one + two] == ["gpu"] * 3 + ["host"] * 3
+        assert [tier_of(node, k) for k in one + two] == ["gpu"] * 6
+        gpu = node.tiers[0]
+        for _ in range(2):  # two blocks moved down (as the mover does), read back below
+            assert gpu.table.evict_lru() is not None
+        assert [tier_of(node, k) for k in one + two] == ["host"] * 2 + ["gpu"] * 4, "LRU first"
+        st = await stats(conn)
+        tiers = {t["name"]: t for t in st["tiers"]}
+        assert (tiers["gpu"]["slots"], tiers["host"]["slots"], st["slots"]) == (4, 2, 6)
+        assert tiers["gpu"]["capacity_bytes"] == node.tiers[0].arena.capacity_bytes
         # Every chunk reads back byte for byte from either tier over either transport.
         found, bufs = await get(conn, one + two)
         assert found == [1] * 6
         assert torch.equal(torch.stack(bufs), torch.cat([rows_one, rows_two]))
         assert torch.equal(await read_by_ucx(conn, node, one + two, 0),
                            torch.cat([rows_one, rows_two]))  # fmt: skip
-        st = await stats(conn)
-        tiers = {t["name"]: t for t in st["tiers"]}
-        assert (tiers["gpu"]["slots"], tiers["host"]["slots"], st["slots"]) == (3, 3, 6)
-        assert tiers["gpu"]["capacity_bytes"] == node.tiers[0].arena.capacity_bytes
         # The master hears of both tiers (kvctl nodes shows them).
         listed = await MasterClient.in_process(master.service).nodes()
         assert [t.name for t in listed[0].tiers] == ["gpu", "host"]
@@ -192,8 +206,9 @@ async def test_a_block_stays_in_its_tier_whatever_carries_its_next_layer(
 
 
 async def test_gpu_victims_move_to_host_memory_and_leave_the_node_only_from_there(
-    master: MasterServer, node: StorageNode
+    master: MasterServer, node: StorageNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(tiers, "FREE_SHARE", 0.5)  # the tier keeps room for a batch of 4
     room = sum(t.arena.capacity_bytes // t.arena.slot_stride(SLOT) for t in node.tiers)
     keys = blocks(room + 8)
     rows = chunks(keys)
@@ -201,10 +216,13 @@ async def test_gpu_victims_move_to_host_memory_and_leave_the_node_only_from_ther
     try:
         for i in range(0, len(keys), 4):
             await put(conn, node, keys[i : i + 4], rows[i : i + 4], "reserve", 0)
+            await settled(node)
         where = [tier_of(node, k) for k in keys]
         rank = {None: 0, "host": 1, "gpu": 2}
         # Oldest gone, then the GPU tier's victims in host memory, the newest in the GPU.
-        assert [rank[w] for w in where] == sorted(rank[w] for w in where), where
+        assert [rank[w] for w in where] == sorted(rank[w] for w in where), "".join(
+            str(rank[w]) for w in where
+        )
         assert {None, "host", "gpu"} <= set(where), where
         await node.link.commit([])  # the next commit carries the evictions
         lookup = await MasterClient.in_process(master.service).lookup(NS.id, keys, 2)
@@ -221,6 +239,86 @@ async def test_gpu_victims_move_to_host_memory_and_leave_the_node_only_from_ther
 
         left_gpu = where.count("host") + where.count(None)
         assert (evicted("gpu"), evicted("host")) == (left_gpu, where.count(None))
+        moved = node.metrics.registry.get_sample_value("kvstore_tier_moves_total", {"to": "host"})
+        assert moved == left_gpu  # every block that left the GPU tier was demoted first
+    finally:
+        await conn.close()
+
+
+async def test_a_put_never_waits_for_a_demotion_and_the_mover_makes_room_after(
+    node: StorageNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU tier never evicts for a put: a batch bigger than its free room goes on in
+    host memory (no copy on the allocation path), then the mover moves the tier's least
+    recently used blocks down until a share of it is free again."""
+    gpu = node.tiers[0]
+    copies: list[int] = []
+    demote = gpu.table._demote
+    assert demote is not None
+
+    def counted(victim: Any) -> bool:
+        copies.append(len(copies))
+        return demote(victim)
+
+    monkeypatch.setattr(gpu.table, "_demote", counted)
+    room = gpu.arena.slot_room(SLOT)[1]
+    first, second = blocks(room), blocks(4)
+    conn = await connect(node.data_uri, timeout=TIMEOUT)
+    try:
+        assert (await put(conn, node, first, chunks(first), "reserve", 0)).stored == room
+        await settled(node)
+        assert not node.tiers.short_of_room()
+        before = len(copies)
+        assert before > 0 and [tier_of(node, k) for k in first[:before]] == ["host"] * before
+        monkeypatch.setattr(node.tiers, "wake", lambda: None)  # the mover sleeps meanwhile
+        gpu_room = gpu.arena.slot_room(SLOT)[0]
+        rows = chunks(second)
+        assert (await put(conn, node, second, rows, "put", 0)).stored == 4
+        where = [tier_of(node, k) for k in second]
+        assert where == ["gpu"] * gpu_room + ["host"] * (4 - gpu_room), where
+        assert len(copies) == before, "the put copied nothing out of the GPU tier"
+        assert node.tiers.short_of_room()
+        node._move_wanted.set()
+        await settled(node)
+        assert not node.tiers.short_of_room() and len(copies) > before
+        found, bufs = await get(conn, second)
+        assert found == [1] * 4 and torch.equal(torch.stack(bufs), rows)
+    finally:
+        await conn.close()
+
+
+async def test_a_block_read_from_host_memory_moves_back_into_the_gpu_tier(
+    master: MasterServer, node: StorageNode
+) -> None:
+    """Promotion on a hit: a demoted block read over tcp:// moves back up into the GPU
+    tier's free room (between requests), the master hears its new location, and ucx://
+    readers READ it there byte for byte."""
+    gpu, host = node.tiers
+    keys = blocks(2)
+    rows = chunks(keys)
+    conn = await connect(node.data_uri, timeout=TIMEOUT)
+    try:
+        await put(conn, node, keys, rows, "reserve", 0)
+        assert gpu.table.evict_lru() is not None and gpu.table.evict_lru() is not None
+        assert [tier_of(node, k) for k in keys] == ["host", "host"]
+        await node.link.commit([])
+        client = MasterClient.in_process(master.service)
+        [before] = (await client.lookup(NS.id, keys[:1], 1))[0]
+        found, bufs = await get(conn, keys[:1])  # a hit in host memory
+        assert found == [1] and torch.equal(bufs[0], rows[0])
+        for _ in range(500):  # bounded: 5 s
+            if tier_of(node, keys[0]) == "gpu":
+                break
+            await asyncio.sleep(0.01)
+        assert [tier_of(node, k) for k in keys] == ["gpu", "host"]  # only the block read
+        moved = node.metrics.registry.get_sample_value("kvstore_tier_moves_total", {"to": "gpu"})
+        assert moved == 1
+        await node.link.commit([])
+        [after] = (await client.lookup(NS.id, keys[:1], 1))[0]
+        assert after.location and after.location != before.location
+        assert torch.equal(await read_by_ucx(conn, node, keys, 0), rows)
+        gpu.table.validate()
+        host.table.validate()
     finally:
         await conn.close()
 
@@ -345,23 +443,32 @@ async def test_a_demotion_that_fails_drops_the_block_cleanly(
 ) -> None:
     gpu, host = node.tiers
     broken = {"left": 1}
-    mark = host.table.mark_landed
+    demote = gpu.table._demote
+    assert demote is not None
 
     def failing_mark(slot: Any, index: int) -> bool:
-        if broken["left"]:
-            broken["left"] -= 1
-            raise RuntimeError("device copy failed")
-        return mark(slot, index)
+        raise RuntimeError("device copy failed")
 
-    monkeypatch.setattr(host.table, "mark_landed", failing_mark)
+    def failing_once(victim: Any) -> bool:  # the real demotion, its first copy failing
+        if not broken["left"]:
+            return demote(victim)
+        broken["left"] -= 1
+        with monkeypatch.context() as m:
+            m.setattr(host.table, "mark_landed", failing_mark)
+            return demote(victim)
+
+    monkeypatch.setattr(gpu.table, "_demote", failing_once)
+    monkeypatch.setattr(tiers, "FREE_SHARE", 0.5)
     room = gpu.arena.capacity_bytes // gpu.arena.slot_stride(SLOT)
     keys = blocks(room + 4)
     conn = await connect(node.data_uri, timeout=TIMEOUT)
     try:
         for i in range(0, len(keys), 4):
             await put(conn, node, keys[i : i + 4], chunks(keys[i : i + 4]), "reserve", 0)
+            await settled(node)
         where = [tier_of(node, k) for k in keys]
         assert where[0] is None and "host" in where, "the first victim was dropped, not half-moved"
+        assert broken["left"] == 0
         await node.link.commit([])
         lookup = await MasterClient.in_process(master.service).lookup(NS.id, keys, 2)
         assert [bool(hs) for hs in lookup] == [w is not None for w in where]

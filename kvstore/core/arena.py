@@ -457,6 +457,16 @@ class Arena:
             cls = self._classes[stride] = _SlabClass(stride, slots, pages)
         return cls
 
+    def slot_room(self, slot_bytes: int) -> tuple[int, int]:
+        """``(free, total)``: slots of ``slot_bytes`` this arena could hand out now without
+        evicting — the free ones in its spans, plus the spans its free pages could make
+        (an upper bound: free pages may lie in runs shorter than a span) — and at most
+        when empty. O(spans of that size with a free slot). Raises as :meth:`slab_class`."""
+        cls = self._class(slot_bytes)
+        free = sum(len(span.free) for span in cls.partial.values())
+        free += self._pages.free_units // cls.span_pages * cls.slots_per_span
+        return free, self.n_pages // cls.span_pages * cls.slots_per_span
+
     def alloc_slot(self, slot_bytes: int) -> int | None:
         """Allocate one slot; its byte offset, or None if there is no room right now.
 

@@ -216,9 +216,12 @@ class SlotTable:
         num_chunks: int,
         parent: bytes | None = None,
         owner: str = "",
+        *,
+        evict: bool = True,
     ) -> AllocResult:
         """The slot for ``key``, allocating it (most recently used) if absent, for
-        ``owner`` (a tenant; see :meth:`set_quotas`).
+        ``owner`` (a tenant; see :meth:`set_quotas`). ``evict=False``: only from free room
+        (:class:`CapacityError` when there is none), never evicting or demoting.
 
         ``parent`` is the previous block's hash in the prefix chain (None for the first
         block); the parent is never evicted to make room for its child. If ``key`` already
@@ -238,7 +241,7 @@ class SlotTable:
             self._add_child(parent_key)
         try:
             stride = self.arena.slot_stride(slot_bytes)
-            offset = self._alloc_offset(slot_bytes, owner, stride)
+            offset = self._alloc_offset(slot_bytes, owner, stride, evict)
         except KVStoreError:
             if parent_key is not None:
                 self._drop_child(parent_key)
@@ -267,9 +270,13 @@ class SlotTable:
             )
         return AllocResult(slot, False, self.take_evictions())
 
-    def _alloc_offset(self, slot_bytes: int, owner: str = "", stride: int = 0) -> int:
+    def _alloc_offset(
+        self, slot_bytes: int, owner: str = "", stride: int = 0, evict: bool = True
+    ) -> int:
         arena = self.arena
         while (offset := arena.alloc_slot(slot_bytes)) is None:
+            if not evict:
+                raise CapacityError(f"no free room for a {slot_bytes}-byte slot")
             victim = self._pop_lru(owner, stride)
             if victim is None:
                 raise CapacityError(

@@ -141,9 +141,10 @@ class Puts:
             raise ProtocolError("a tcp:// put frame carries each chunk it names, in order")
         leases: list[Lease[Slot]] = []
         claims: dict[tuple[SlotKey, int], asyncio.Future[None]] = {}
-        # ucx:// lands in the fastest tier (device memory, written one-sidedly); tcp:// in
-        # host memory, where the socket delivers. A block already held stays where it is.
-        tier = self.tiers.fastest if put.ucx else self.tiers.host
+        # New blocks start in the fastest tier with free room (ucx:// writes device memory
+        # one-sidedly; tcp:// bounces through host memory into it), else in host memory. A
+        # block already held stays where it is.
+        tier = self.tiers.fastest
         wait = min(put.wait_s, self.io_timeout_s)
         scrub = ScrubBatch()
         try:
@@ -184,6 +185,7 @@ class Puts:
             self._settle(claims)
             for lease in leases:
                 lease.release()
+            self.tiers.allocated()  # its slots are movable now
 
     async def _put_ucx(
         self,
@@ -442,9 +444,11 @@ class Puts:
         leases: list[Lease[Slot]],
         tier: MemoryTier,
     ) -> list[Slot | None]:
-        """Allocate and pin the batch's slots, new ones in ``tier``, blocks already held in
-        the tier that holds them (REJECT = CapacityError before any payload). A block whose
-        slot is quarantined gets None: its chunks cannot be stored now (BUSY)."""
+        """Allocate and pin the batch's slots, new ones in ``tier`` while it has free room
+        (the GPU tier never evicts for a put: its mover makes room between requests) and
+        in host memory otherwise, blocks already held in the tier that holds them (REJECT =
+        CapacityError before any payload). A block whose slot is quarantined gets None: its
+        chunks cannot be stored now (BUSY)."""
         by_key: dict[SlotKey, Slot | None] = {}
         host = self.tiers.host
         for key, parent, _ in wanted:
@@ -460,15 +464,16 @@ class Puts:
             args = (key, chunk_bytes * num_chunks, chunk_bytes, num_chunks, parent,
                     self.owner_of(key[0]))  # fmt: skip
             try:
-                res = into.table.allocate(*args)
+                res = into.table.allocate(*args, evict=into is host)
             except CapacityError:
                 if held is not None or into is host:
                     raise
-                into = host  # no room in the GPU tier (pinned, quarantined): host memory
+                into = host  # no free room in the GPU tier: host memory
                 res = into.table.allocate(*args)
             by_key[key] = res.slot
             leases.append(into.table.pin(res.slot))
             self.tiers.evicted(into, res.evicted)
+        self.tiers.allocated(chunk_bytes * num_chunks)
         return [by_key[key] for key, _, _ in wanted]
 
     async def _land_by_ucx(

@@ -12,8 +12,10 @@ it STORED/BUSY), receive the claimed chunks straight into slot memory, check eac
 only then ack the writer. Reads pin the slots while their bytes are sent straight from slot
 memory.
 
-Tiers: ``ucx://`` puts land in the fastest tier (one-sided writes into device memory);
-``tcp://`` puts start blocks in host memory (docs/decisions.md); a block lives in one tier.
+Tiers: puts over either transport start blocks in the fastest tier with free room
+(``ucx://`` writes device memory one-sidedly; ``tcp://`` bounces through host memory), a
+block lives in one tier, and blocks move between tiers outside requests (the mover:
+:mod:`kvstore.node.tiers`).
 
 Copies a chunk takes on a put over ``tcp://``: kernel socket buffer → slot (``recv_into``);
 the check reads it as it arrives, from cache, and copies nothing (a block in the GPU tier:
@@ -24,6 +26,7 @@ the GPU tier through one host copy).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import ssl
@@ -115,6 +118,7 @@ _MAX_NAMESPACES = 1024
 _UCX_OPS = frozenset({"reserve", "write", "lease"})
 """Requests of the ``ucx://`` exchanges (control over this port, bytes one-sided)."""
 _MAX_HOLDS = 65536
+_MAX_MOVES_PER_WAKE = 256
 
 
 @dataclass(frozen=True)
@@ -250,6 +254,7 @@ class StorageNode:
         self._hold_ids = itertools.count(1)
         self._listener: Listener | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._move_wanted = asyncio.Event()
         self._closing = False
         self._nixl: NixlAgent | None = None
         self._nixl_metadata = b""
@@ -290,6 +295,9 @@ class StorageNode:
         self._tasks.append(asyncio.create_task(self._sweeper(), name="kvstore-node-sweeper"))
         self._tasks.append(asyncio.create_task(self.scrub.run(), name="kvstore-node-scrub"))
         self._tasks.append(asyncio.create_task(self.migration.run(), name="kvstore-node-drain"))
+        if len(self.tiers) > 1:
+            self.tiers.wake = self._move_wanted.set
+            self._tasks.append(asyncio.create_task(self._mover(), name="kvstore-node-mover"))
 
     async def _check_master_authenticates(self) -> None:
         """A node with the cluster secret authenticates its data port, so its clients need
@@ -414,6 +422,19 @@ class StorageNode:
                 self._refresh_usage()
             except KVStoreError as exc:
                 logger.warning("node sweep: %s", exc)
+
+    async def _mover(self) -> None:
+        """Move blocks between the tiers (:meth:`Tiers.move_one`) between requests: woken
+        when a put leaves the GPU tier short of free room or a read hits host memory, and
+        every sweep period in any case; yields to the loop after each move."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._move_wanted.wait(), self.config.sweep_s)
+            self._move_wanted.clear()
+            for _ in range(_MAX_MOVES_PER_WAKE):  # bounded: the next wake goes on
+                if not self.tiers.move_one():
+                    break
+                await asyncio.sleep(0)
 
     def _on_quotas(self, quotas: dict[str, int]) -> None:
         if quotas != self._quotas:
@@ -634,6 +655,7 @@ class StorageNode:
             keys.setdefault(tier.name, []).append(key)
         for tier in self.tiers:
             tier.table.touch(keys.get(tier.name, []))
+        self.tiers.hit(keys.get(self.tiers.host.name, []))
         return tuple(found), views
 
     async def _on_get(self, conn: Connection, get: Get) -> None:

@@ -1,17 +1,23 @@
 """A node's memory tiers: host memory always, with ``--gpu-mem`` a GPU tier before it.
 
 Each :class:`MemoryTier` is one arena, its pure :class:`~kvstore.core.slots.SlotTable` and its
-NIXL registration (``ucx://`` nodes). A block lives in one tier at most. The GPU tier's LRU
-victims move to host memory (one device → host copy of their landed chunks) instead of
-leaving the node; :class:`Tiers` journals every eviction of every tier until the master link
-reports it.
+NIXL registration (``ucx://`` nodes). A block lives in one tier at most. :class:`Tiers`
+journals every eviction of every tier until the master link reports it.
+
+With a GPU tier, blocks move between tiers outside any request (:meth:`Tiers.move_one`,
+which the node runs between requests): a new block lands in the GPU tier when it has free
+room and in host memory otherwise, so an allocation never waits for a copy; while the GPU
+tier has less than :data:`FREE_SHARE` of it free, its least recently used blocks move to
+host memory (one device → host copy of their landed chunks) instead of leaving the node;
+and a block read from host memory moves back up into the GPU tier's free room.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +30,17 @@ from kvstore.errors import InvalidArgument, KVStoreError, ProtocolError
 from kvstore.metrics import Metrics
 from kvstore.transport.nixl import Registration
 
-__all__ = ["MemoryTier", "Tiers", "gpu_device", "host_copy", "landed_bits"]
+__all__ = ["FREE_SHARE", "MAX_PROMOTIONS", "MemoryTier", "Tiers", "gpu_device", "host_copy",
+           "landed_bits"]  # fmt: skip
 
 logger = logging.getLogger("kvstore.node")
+
+FREE_SHARE = 1 / 8
+"""The share of the GPU tier's slots kept free for new blocks (at least one): below it, its
+least recently used blocks move to host memory; a promotion never takes the tier below
+it."""
+MAX_PROMOTIONS = 256
+"""Host blocks read and waiting to move up (the most recently read are kept)."""
 
 
 @dataclass
@@ -69,7 +83,13 @@ class Tiers:
         self._unreported: list[tuple[str, SlotKey]] = []
         """Evictions (tier, key) not yet reported to the master, beyond the tables' own."""
         self._moved: list[Slot] = []
-        """Slots demoted to host memory whose new location the master has not heard of."""
+        """Slots moved to another tier whose new location the master has not heard of."""
+        self._promotions: dict[SlotKey, None] = {}
+        """Host blocks read since they were last considered, least recent first."""
+        self._slot_bytes = 0
+        """The slot size of the last put (what the GPU tier keeps room for)."""
+        self.wake: Callable[[], None] = lambda: None
+        """Called when :meth:`move_one` has work (the node sets it to wake its mover)."""
 
     def __iter__(self) -> Iterator[MemoryTier]:
         return iter(self.all)
@@ -82,7 +102,8 @@ class Tiers:
 
     @property
     def fastest(self) -> MemoryTier:
-        """Where ``ucx://`` puts start blocks: the GPU tier if there is one."""
+        """Where puts start new blocks (when it has free room): the GPU tier if there is
+        one."""
         return self.all[0]
 
     def in_gpu(self, view: torch.Tensor) -> bool:
@@ -146,7 +167,7 @@ class Tiers:
         location changed), each taken once; slots gone meanwhile are left out (their
         eviction is reported instead)."""
         moved, self._moved = self._moved, []
-        return [self.add_of(s) for s in moved if s.alive and self.host.owns(s) and s.landed_mask]
+        return [self.add_of(s) for s in moved if s.alive and self.owner(s) and s.landed_mask]
 
     def evicted(self, tier: MemoryTier, keys: list[SlotKey]) -> None:
         """Journal evictions the caller made in ``tier`` (reported with the next commit)."""
@@ -181,6 +202,95 @@ class Tiers:
         stats = [(t.name, t.table.stats()) for t in self.all]
         return [Tier(name, st.capacity_bytes, st.used_bytes) for name, st in stats]
 
+    # -- moves between tiers -------------------------------------------------------------
+
+    def _room(self, slot_bytes: int) -> tuple[int, int]:
+        """(free slots of ``slot_bytes`` in the GPU tier, the slots it keeps free)."""
+        try:
+            free, total = self.all[0].arena.slot_room(slot_bytes)
+        except KVStoreError:  # a slot that never fits the tier
+            return 0, 0
+        return free, max(1, math.ceil(total * FREE_SHARE))
+
+    def short_of_room(self) -> bool:
+        """Whether the GPU tier has fewer free slots than :data:`FREE_SHARE` of what it
+        holds, for the slot size its puts last took (False without a GPU tier or a put)."""
+        if len(self.all) == 1 or not self._slot_bytes:
+            return False
+        free, keep = self._room(self._slot_bytes)
+        return free < keep
+
+    def allocated(self, slot_bytes: int = 0) -> None:
+        """A put allocated slots of ``slot_bytes`` (0: let go of its slots): wake the mover
+        if the GPU tier is short of room."""
+        self._slot_bytes = slot_bytes or self._slot_bytes
+        if self.short_of_room():
+            self.wake()
+
+    def hit(self, keys: list[SlotKey]) -> None:
+        """Blocks were read from host memory: candidates to move up into the GPU tier."""
+        if len(self.all) == 1 or not keys:
+            return
+        for key in keys:
+            self._promotions.pop(key, None)
+            self._promotions[key] = None
+        while len(self._promotions) > MAX_PROMOTIONS:
+            del self._promotions[next(iter(self._promotions))]
+        self.wake()
+
+    def move_one(self) -> bool:
+        """One move, synchronous, never inside a request: while the GPU tier is short of
+        :data:`FREE_SHARE` free, demote its least recently used block (to host memory, or
+        off the node when host memory has no room for it); else promote the most recently
+        read host block that fits in the GPU tier's free room. Whether there may be more
+        to do. Never raises for a failed copy (logged; the block stays where it was, or a
+        demoted one is dropped as an eviction)."""
+        if len(self.all) == 1:
+            return False
+        if self.short_of_room():
+            return self.all[0].table.evict_lru() is not None
+        for key in reversed(list(self._promotions)):  # most recently read first (<= 256)
+            moved = self._promote(key)
+            if moved is not None:  # moved, or not to be moved: forget it
+                del self._promotions[key]
+            if moved:
+                return True
+        return False
+
+    def _promote(self, key: SlotKey) -> bool | None:
+        """Move host block ``key`` into the GPU tier: True if moved, None to try it again
+        later (it is pinned: being read or written), False if it is not to be moved now
+        (gone, empty, or no room beyond the tier's free share)."""
+        gpu, host = self.all[0], self.host
+        slot = host.table.get(key)
+        if slot is not None and slot.pins:
+            return None
+        if slot is None or not slot.landed_mask or gpu.table.find(key) is not None:
+            return False  # gone, empty, or (a bug) in both tiers
+        free, keep = self._room(slot.slot_bytes)
+        if free - 1 < keep:  # a promotion never makes the mover demote
+            return False
+        try:
+            res = gpu.table.allocate(
+                key, slot.slot_bytes, slot.chunk_bytes, slot.num_chunks, slot.parent,
+                slot.owner, evict=False,
+            )  # fmt: skip
+        except KVStoreError:
+            return False
+        try:
+            gpu.table.slot_view(res.slot).copy_(host.table.slot_view(slot))
+            for index in landed_bits(slot.landed_mask):
+                gpu.table.mark_landed(res.slot, index)
+        except Exception:
+            logger.exception("moving slot %s into the GPU tier failed", key[1].hex())
+            gpu.table.evict(key)
+            return False
+        host.table.evict(key)  # unpinned: removed now, and not an eviction off the node
+        self.metrics.tier_moves.labels(to=gpu.name).inc()
+        if gpu.reg is not None:
+            self._moved.append(res.slot)
+        return True
+
     def _demote(self, victim: Slot) -> bool:
         """The GPU tier's LRU victim moves to host memory instead of leaving the node (one
         device → host copy of its landed chunks); False, dropping it, when host memory has
@@ -211,6 +321,7 @@ class Tiers:
             return False
         # (a dropped victim is journaled and counted with the other evictions it reports)
         self.metrics.evictions.labels(tier=gpu.name).inc()
+        self.metrics.tier_moves.labels(to=host.name).inc()
         if host.reg is not None:
             self._moved.append(res.slot)
         return True
