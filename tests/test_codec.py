@@ -13,7 +13,7 @@ import xxhash
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvstore.core import checksum, codec, fused, kernels
+from kvstore.core import checksum, codec, fused, hashing, kernels
 from kvstore.core.codec import (
     DEFAULT_INT8,
     HEADER_NBYTES,
@@ -155,6 +155,8 @@ def test_quantized_bound_on_hard_values(scheme: str) -> None:
 def test_default_and_aliases() -> None:
     assert QUANT_SCHEMES["int8"] == DEFAULT_INT8 and QUANT_SCHEMES["none"] == "raw"
     assert QUANT_SCHEMES["int4"] == codec.DEFAULT_INT4 in INT4
+    # a namespace may declare every quant the codec takes but the internal name "raw"
+    assert set(hashing.QUANTS) == set(QUANT_SCHEMES) - {"raw"}
     t = _kv(8, 2, 8, torch.float16)
     assert torch.equal(encode_chunk(t, "int8"), encode_chunk(t, DEFAULT_INT8))
     assert torch.equal(encode_chunk(t, "none"), encode_chunk(t, "raw"))
@@ -210,11 +212,11 @@ PINNED = {
     ("float32", "int8-kt-vt", "xxh3_64"): ("31baff2e919ab818", "8ab01a5556f247a6"),
     ("float32", "int8-kcc-vt", "xxh3_64"): ("a1062c16ed3eb989", "f39d8e58d20ca907"),
     ("float32", "int8-kcc-vct", "xxh3_64"): ("24c64f50093724e7", "bd8822d636fe198f"),
-    ("float16", "int4-g32", "xxh3_64"): ("6e081786a139a800", "0375a0a00e346ea5"),
-    ("float16", "int4-g32", "mulsum64"): ("4914c1c45c5dbce3", "0375a0a00e346ea5"),
-    ("bfloat16", "int4-g32", "xxh3_64"): ("b70009ed3de7146c", "719d3ddaa79c77cd"),
-    ("float32", "int4-g32", "xxh3_64"): ("ee7b03d30a5adefe", "9846899ace6b04da"),
-    ("float16", "int4-g128", "xxh3_64"): ("5938dd1bf167cf1b", "0375a0a00e346ea5"),
+    ("float16", "int4-g32", "xxh3_64"): ("642297c0f76e8987", "eb7fa59ea8804cc5"),
+    ("float16", "int4-g32", "mulsum64"): ("57cbdf9136f10f29", "eb7fa59ea8804cc5"),
+    ("bfloat16", "int4-g32", "xxh3_64"): ("f9e80d280a25c3dc", "d140e0a5f6b61918"),
+    ("float32", "int4-g32", "xxh3_64"): ("ea501cbc26f3a3ad", "07f5f5c1e17b3fca"),
+    ("float16", "int4-g128", "xxh3_64"): ("5405ba13e3ad50a8", "eb7fa59ea8804cc5"),
 }
 
 
@@ -705,6 +707,43 @@ def test_every_single_bit_flip_is_caught(quant: str, checksum: str) -> None:
         b[i // 8] ^= 1 << (i % 8)
         with pytest.raises(ChunkError):
             decode_chunk(bytes(b))
+
+
+@pytest.mark.parametrize("scheme", INT4)
+def test_an_int4_header_with_an_odd_head_dim_is_refused(scheme: str) -> None:
+    """INT4 packs two channels to a byte: a chunk whose sizes, header check and checksum
+    are all consistent with D=7 is a malformed chunk, not a crash in the decoder."""
+    layout = codec._layout(4, 2, 7, torch.float16, SCHEMES[scheme])
+    buf = np.zeros(layout.nbytes, np.uint8)
+    buf[:HEADER_NBYTES] = np.frombuffer(codec._pack_header(KEY, layout, 1), np.uint8)
+    end = layout.checksum_offset
+    buf[end:] = np.frombuffer(struct.pack("<Q", xxhash.xxh3_64_intdigest(buf[:end].data)), np.uint8)
+    for call in (read_header, verify_chunk, decode_chunk):
+        with pytest.raises(ChunkFormatError, match="D=7"):
+            call(buf)
+
+
+def test_int4_holds_offset_float32_groups_and_never_overflows_float16() -> None:
+    """The INT4 group's ``lo`` and step are rounded toward -inf: a float32 channel at 1000.3
+    with a spread of 3e-3 (its nearest float16 is 1000.5, above every value) decodes
+    within its bound, and float16 groups spanning 0..65504 decode to finite values."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 32, 2, 8, generator=g)
+    x[0, :, 1, 3] = 1000.3 + 3e-3 * torch.rand(32, generator=g)  # a K channel: one group
+    x[1, 5, 0, :] = 1000.3 + 3e-3 * torch.rand(8, generator=g)  # a V token's group
+    for scheme in INT4:
+        y = decode_chunk(encode_chunk(x, scheme))
+        _assert_close_to_scheme(x, y, scheme)
+        # lo rounds down to 1000.0: at most half a step of (1000.303 - 1000) / 15; the
+        # float16 nearest to 1000.3, 1000.5, lies above every value and decoded the whole
+        # group 0.2 off
+        assert float((y - x)[0, :, 1, 3].abs().max()) < 0.011
+        assert float((y - x)[1, 5, 0, :].abs().max()) < 0.011
+        edge = torch.zeros(2, 16, 1, 8, dtype=torch.float16)
+        edge[:, ::2] = 65504.0
+        out = decode_chunk(encode_chunk(edge, scheme))
+        assert bool(torch.isfinite(out).all())
+        _assert_close_to_scheme(edge, out, scheme)
 
 
 def test_wrong_magic_version_and_inconsistent_headers() -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvclient
-from kvstore.core.codec import ChunkKey, chunk_nbytes, encode_blocks, read_header
+from kvstore.core.codec import QUANT_SCHEMES, ChunkKey, chunk_nbytes, encode_blocks, read_header
 from kvstore.core.kvgen import realistic_kv
 from kvstore.dataplane import NodeClient, PutChunk
 from kvstore.errors import BadShape, InvalidArgument
@@ -41,12 +41,15 @@ def decoded(ns: kvclient.Namespace, tokens: list[int], layer: int) -> torch.Tens
     """What a reader must get back: the codec's own INT4 round trip of the layer's blocks."""
     keys = [ChunkKey(h, layer, 0) for h in kvclient.block_hashes(ns, tokens)]
     chunks = encode_blocks(layer_kv(len(tokens), layer), B, keys, ns.quant)
-    assert all(read_header(c).scheme == "int4-g32" for c in chunks)
+    assert all(read_header(c).scheme == QUANT_SCHEMES[ns.quant] for c in chunks)
     return torch.cat([kvclient.decode_chunk(c) for c in chunks], dim=1)
 
 
-async def test_int4_layers_round_trip_through_the_pool(server: Server) -> None:
-    ns = namespace()
+@pytest.mark.parametrize("quant", ["int4", "int4-g128"])
+async def test_int4_layers_round_trip_through_the_pool(server: Server, quant: str) -> None:
+    """The family (its default, int4-g32) or a scheme by name: the node sizes its slots and
+    checks its chunks by it."""
+    ns = namespace(quant)
     tokens = list(range(5 * B + 3))  # a partial last block is not stored
     async with await kvclient.KVClient.connect(server.grpc, ns, timeout_s=10) as kv:
         for layer in range(LAYERS):

@@ -433,7 +433,7 @@ def _lookup_options(parser: argparse.ArgumentParser, tokens_required: bool = Tru
     ns.add_argument("--head-dim", type=int, required=True)
     ns.add_argument("--dtype", default="bfloat16", help="float16 | bfloat16 | float32")
     ns.add_argument("--block-tokens", type=int, default=256)
-    ns.add_argument("--quant", default="int8", choices=("int8", "int4", "none"))
+    ns.add_argument("--quant", default="int8", help="int8, int4, none or a scheme name")
     ns.add_argument("--tp-size", type=int, default=1)
     ns.add_argument("--adapter", default=None, help="LoRA id (default none)")
     ns.add_argument("--cache-salt", default=None, help="tenant salt (default none)")

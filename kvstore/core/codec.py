@@ -52,13 +52,13 @@ Schemes: 1 ``int8-kc-vt`` (K c, V t), 2 ``int8-kt-vt`` (t, t), 3 ``int8-kcc-vt``
 attention-output error study in :mod:`kvstore.core.kvgen` (docs/codec.md).
 
 INT4 schemes (KIVI-style: asymmetric codes 0..15, ``x ≈ lo + q·step``, float16 ``lo`` and
-``step`` per group, codes packed two to a byte along D, the even channel in the low
-nibble; D must be even): K per channel over groups of ``gk`` tokens (``kg``: ``lo[T/gk, H,
-D]`` then ``step[T/gk, H, D]``), V per token and head over groups of ``gv`` channels
-(``vg``: ``lo[T, H, D/gv]`` then ``step``). A scheme names its group size ``G``; ``gk`` is
-the largest divisor of T and ``gv`` the largest divisor of D that is at most ``G``, so the
-size still depends only on the shape. Schemes: 5 ``int4-g32``, 6 ``int4-g128``;
-``quant="int4"`` means :data:`DEFAULT_INT4`.
+``step`` per group, both rounded toward -inf, codes packed two to a byte along D, the even
+channel in the low nibble; D must be even): K per channel over groups of ``gk`` tokens
+(``kg``: ``lo[T/gk, H, D]`` then ``step[T/gk, H, D]``), V per token and head over groups of
+``gv`` channels (``vg``: ``lo[T, H, D/gv]`` then ``step``). A scheme names its group size
+``G``; ``gk`` is the largest divisor of T and ``gv`` the largest divisor of D that is at
+most ``G``, so the size still depends only on the shape. Schemes: 5 ``int4-g32``, 6
+``int4-g128``; ``quant="int4"`` means :data:`DEFAULT_INT4`.
 
 Checksums (:mod:`kvstore.core.checksum`): ``xxh3_64`` (default for CPU buffers) or
 ``mulsum64`` (default elsewhere, computed on the device with torch ops; catches every
@@ -192,8 +192,8 @@ class ChunkKey(NamedTuple):
 class ChunkSpec(NamedTuple):
     """What every chunk of one namespace looks like: ``[2, tokens, heads, head_dim]`` of
     ``dtype``, quantized as ``quant`` (``"int8"`` / ``"int4"``: any INT8 / INT4 scheme;
-    ``"none"``: raw). A node checks each chunk's header against it before acking; a reader
-    before decoding."""
+    ``"none"``: raw; a scheme's name: that scheme). A node checks each chunk's header
+    against it before acking; a reader before decoding."""
 
     tokens: int
     heads: int
@@ -228,6 +228,12 @@ class ChunkHeader:
     def quant(self) -> str:
         """``"none"`` for raw chunks, ``"int8"`` / ``"int4"`` for every INT8 / INT4 scheme."""
         return "none" if self.scheme == "raw" else self.scheme[:4]
+
+    @property
+    def quants(self) -> tuple[str, str]:
+        """The ``quant`` values a namespace of this chunk may declare: its family and its
+        scheme's own name."""
+        return self.quant, self.scheme
 
 
 @dataclass(frozen=True)
@@ -562,8 +568,9 @@ def _require_finite(rows: Tensor, host: np.ndarray | None, layout: _Layout) -> N
         finite = math.isfinite(scales.sum(dtype=torch.float32).item())
     if not finite:
         raise InvalidArgument(
-            "KV holds NaN/inf or values too large for float16 scales (|x| > ~8e6); "
-            "encode it with quant='none'"
+            "KV holds NaN/inf or values too large for this scheme's float16 scales "
+            "(INT8: |x| > ~8e6; INT4: beyond float16's range, |x| > 65504); encode it "
+            "with quant='none'"
         )
 
 
@@ -751,7 +758,7 @@ def _check_expected(
     if expect_spec is not None:
         s = expect_spec
         shape = (2, s.tokens, s.heads, s.head_dim)
-        if header.shape != shape or header.dtype != s.dtype or header.quant != s.quant:
+        if header.shape != shape or header.dtype != s.dtype or s.quant not in header.quants:
             raise ChunkSpecMismatch(
                 f"chunk {_fmt_key(header.key)} is {list(header.shape)} {header.dtype} "
                 f"{header.scheme}; its namespace stores {list(shape)} {s.dtype} {s.quant}"

@@ -51,8 +51,10 @@ BlockHash = bytes
 DTYPES = ("float16", "bfloat16", "float32")
 """KV dtypes a namespace may declare (canonical names)."""
 
-QUANTS = ("int8", "int4", "none")
-"""What a namespace may declare: any INT8 scheme, any INT4 scheme, or raw."""
+QUANTS = ("int8", "int4", "none", "int8-kc-vt", "int8-kt-vt", "int8-kcc-vt", "int8-kcc-vct",
+          "int4-g32", "int4-g128")  # fmt: skip
+"""What a namespace may declare: a family (``int8``, ``int4``: its default scheme; ``none``:
+raw) or one scheme by name (``kvstore.core.codec.QUANT_SCHEMES`` holds the same names)."""
 
 NAMESPACE_FIELDS = (
     "model",

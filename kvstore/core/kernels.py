@@ -141,10 +141,24 @@ def _dec_ct(q: Tensor, sc: list[Tensor], w: Tensor) -> None:
 # tokens, ``vg`` quantizes V per token and head over groups of channels. Each group stores
 # its minimum ``lo`` and its step ``(hi - lo) / 15`` in float16 (``sc[0]``, ``sc[1]``:
 # ``[.., T/g, H, D]`` for ``kg``, ``[.., T, H, D/g]`` for ``vg``, the group size implied by
-# the shapes); codes ``round((x - lo) / step)`` are clamped to 0..15 (``lo`` rounded to
-# float16 may sit above the true minimum) and packed two to a byte along D, the even
-# channel in the low nibble (``q``: ``[.., T, H, D/2]`` uint8). Decoding ``lo + q·step`` is
-# one rounding per value: ``q·step`` (4 x 11 significant bits) is exact in float32.
+# the shapes), both rounded toward -inf, the step from the stored ``lo``: so ``lo`` never
+# sits above a value of its group (a float32 group at 1000.3 with a spread of 1e-3 would
+# otherwise decode 0.2 off, its float16 ``lo`` rounded to 1000.5), and ``lo + 15·step``
+# never passes the group's maximum (no overflow to inf at float16's limit). The codes
+# ``round((x - lo) / step)`` then lie in 0..15 by construction (the step's rounding moves
+# the top by at most 15 x 2**-10 of a step) and are packed two to a byte along D, the even
+# channel in the low nibble (``q``: ``[.., T, H, D/2]`` uint8). Decoding ``lo + q·step``
+# rounds once in float32 (``q·step``, 4 x 11 significant bits, is exact), then once more
+# into a float16 or bfloat16 output.
+
+
+def _store_down(values: Tensor, view: Tensor) -> Tensor:
+    """Round ``values`` toward -inf to float16 into ``view``; return them as float32. A
+    value beyond float16's range stays infinite (the codec refuses the chunk then)."""
+    near = values.to(torch.float16)
+    below = torch.nextafter(near, torch.full_like(near, -math.inf))
+    down = (near.float() > values) & torch.isfinite(near)
+    return view.copy_(torch.where(down, below, near)).float()
 
 
 def _grouped(y: Tensor, groups: int, dim: int) -> Tensor:
@@ -157,9 +171,9 @@ def _enc_grouped(y: Tensor, q: Tensor, sc: list[Tensor], dim: int) -> None:
     # ``dim`` broadcasts against it
     z = _grouped(y, sc[0].shape[dim], dim)
     lo, hi = z.amin(dim, keepdim=True), z.amax(dim, keepdim=True)
-    lo16 = _store(lo, sc[0].unsqueeze(dim))
-    step = _store(hi.sub_(lo).mul_(1 / LEVELS4).clamp_(min=TINY), sc[1].unsqueeze(dim))
-    z.sub_(lo16).mul_(step.reciprocal_()).round_().clamp_(0, LEVELS4)
+    lo16 = _store_down(lo, sc[0].unsqueeze(dim))
+    step = _store_down(hi.sub_(lo16).mul_(1 / LEVELS4).clamp_(min=TINY), sc[1].unsqueeze(dim))
+    z.sub_(lo16).mul_(step.reciprocal_()).round_()
     pairs = y.unflatten(-1, (-1, 2))
     q.copy_(torch.add(pairs[..., 0], pairs[..., 1], alpha=16))  # exact integers 0..255
 
