@@ -2,23 +2,30 @@
 over loopback gRPC: registration re-reports every landed slot; heartbeats carry the
 master's draining mark back to the node (set and cleared); a heartbeat whose master is
 down moves on to the next address; a commit answered "stale epoch" asks for a new
-registration."""
+registration; evictions whose commit failed go with the next one."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
 
 import pytest
+import redis
 
 from kvstore.control.client import MasterClient
 from kvstore.core.slots import ObjectStore
-from kvstore.errors import TransportError
+from kvstore.errors import KVStoreError, TransportError, Unreachable
 from kvstore.master import BlockAdd, MasterConfig, MasterServer
 from kvstore.metrics import Metrics
 from kvstore.node.master_link import MasterLink, NodeIdentity
 from kvstore.node.tiers import Tiers
+from tests.cluster import start_server
+
+T = TypeVar("T")
 
 LEASE_S = 0.9
 """Heartbeats every 0.3 s."""
@@ -113,3 +120,59 @@ async def test_registration_re_reports_and_a_stale_commit_asks_again(
     finally:
         await admin.close()
         await link.close()
+
+
+@pytest.mark.skipif(not os.environ.get("KVSTORE_TEST_REDIS"), reason="KVSTORE_TEST_REDIS unset")
+async def test_an_eviction_whose_commit_failed_goes_with_the_next(tmp_path: Path) -> None:
+    """The master goes away (kill -9) between a node's eviction and its commit, and comes
+    back on its port over the same Redis, where the node's epoch is still alive: the
+    eviction reaches it with the next commit. It was dropped with the failed batch, and
+    the master listed the evicted block on this node for as long as the node lived."""
+    url = os.environ["KVSTORE_TEST_REDIS"].rsplit("/", 1)[0] + "/13"
+    with redis.Redis.from_url(url, socket_timeout=5) as r:
+        r.flushdb()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ("master", "--grpc-port", str(port), "--metrics-port", "0", "--redis", url,
+            "--node-lease-s", "30")  # fmt: skip
+    first = start_server(*argv)
+    link = _link(f"127.0.0.1:{port}")
+    key = (b"e" * 16, b"v" * 16)
+    try:
+        tiers = link.tiers
+        slot = tiers.host.table.allocate(key, 64, 64, 1).slot
+        tiers.host.table.mark_landed(slot, 0)
+        await link.register(ME)
+        [held] = await link.master.lookup(key[0], [key[1]])
+        assert [h.node_id for h in held] == [ME.node_id]
+        first.proc.kill()
+        first.proc.wait(10)
+        assert tiers.host.table.evict(key)
+        tiers.evicted(tiers.host, [key])
+        with pytest.raises(KVStoreError):
+            await link.commit([])
+        second = start_server(*argv)
+        admin = MasterClient(second.grpc)
+        try:
+            await _retried(lambda: link.commit([]))  # as the node's sweeper commits again
+            [held] = await _retried(lambda: admin.lookup(key[0], [key[1]]))
+            assert held == [], "the master still lists the evicted block"
+        finally:
+            await admin.close()
+            second.stop()
+    finally:
+        if first.proc.poll() is None:
+            first.stop()
+        await link.close()
+
+
+async def _retried(call: Callable[[], Awaitable[T]], timeout: float = 15.0) -> T:
+    """``call()`` until it does not raise Unreachable (a restarted master's port, the
+    channel's reconnect backoff), bounded by ``timeout``."""
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                return await call()
+            except Unreachable:
+                await asyncio.sleep(0.2)

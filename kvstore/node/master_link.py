@@ -28,7 +28,7 @@ from kvstore.control.auth import bearer
 from kvstore.control.client import MasterClient
 from kvstore.control.records import BlockAdd, BlockRef, CommitBatch, ObjectAdd, Tier
 from kvstore.control.tls import channel_credentials
-from kvstore.core.slots import ObjectStore
+from kvstore.core.slots import ObjectStore, SlotKey
 from kvstore.errors import KVStoreError, StaleEpoch, TransportError
 from kvstore.metrics import Metrics
 from kvstore.node.tiers import Tiers
@@ -171,20 +171,24 @@ class MasterLink:
             while self._queued and not (self._queued[0].object_keys() & keys):
                 batch.append(self._queued.pop(0))
                 keys |= batch[-1].object_keys()
+            gone: list[tuple[str, SlotKey]] = []
             try:
                 async with self._lock:
                     gone = self.tiers.take_evictions()
-                    for tier in {name for name, _ in gone}:
-                        self.metrics.evictions.labels(tier=tier).inc(
-                            sum(name == tier for name, _ in gone)
-                        )
                     refs = [BlockRef(k[0], k[1]) for _, k in gone]
                     adds = [*self.tiers.take_moves(), *(a for q in batch for a in q.adds)]
                     obj_adds = [a for q in batch for a in q.object_adds]
                     obj_removes = [k for q in batch for k in q.object_removes]
                     if adds or refs or obj_adds or obj_removes:
                         await self._send(adds, refs, obj_adds, obj_removes)
+                    for tier in {name for name, _ in gone}:
+                        self.metrics.evictions.labels(tier=tier).inc(
+                            sum(name == tier for name, _ in gone)
+                        )
             except Exception as exc:
+                # Evictions and moves the master did not take are not lost: they go with
+                # the next commit (a registration meanwhile re-reports and drops them).
+                self.tiers.put_back(gone)
                 for q in batch:
                     q.done.set_exception(exc)
             except BaseException:  # cancelled (the node stops): nobody waits in vain

@@ -84,6 +84,8 @@ class Tiers:
         """Evictions (tier, key) not yet reported to the master, beyond the tables' own."""
         self._moved: list[Slot] = []
         """Slots moved to another tier whose new location the master has not heard of."""
+        self._sending: list[Slot] = []
+        """The moves the last :meth:`take_moves` took (put back if their commit fails)."""
         self._promotions: dict[SlotKey, None] = {}
         """Host blocks read since they were last considered, least recent first."""
         self._slot_bytes = 0
@@ -167,7 +169,17 @@ class Tiers:
         location changed), each taken once; slots gone meanwhile are left out (their
         eviction is reported instead)."""
         moved, self._moved = self._moved, []
+        self._sending = moved
         return [self.add_of(s) for s in moved if s.alive and self.owner(s) and s.landed_mask]
+
+    def put_back(self, gone: list[tuple[str, SlotKey]]) -> None:
+        """The commit carrying evictions ``gone`` and the moves last taken failed: both go
+        with the next one (the master applies a batch's removals before its additions, so
+        a block evicted and stored again meanwhile ends up held). Moves are rebuilt from
+        their slots then, so a slot gone meanwhile is left out."""
+        self._unreported = [*gone, *self._unreported]
+        self._moved = [*self._sending, *self._moved]
+        self._sending = []
 
     def evicted(self, tier: MemoryTier, keys: list[SlotKey]) -> None:
         """Journal evictions the caller made in ``tier`` (reported with the next commit)."""
