@@ -459,12 +459,14 @@ class Arena:
 
     def slot_room(self, slot_bytes: int) -> tuple[int, int]:
         """``(free, total)``: slots of ``slot_bytes`` this arena could hand out now without
-        evicting — the free ones in its spans, plus the spans its free pages could make
-        (an upper bound: free pages may lie in runs shorter than a span) — and at most
-        when empty. O(spans of that size with a free slot). Raises as :meth:`slab_class`."""
+        evicting — the free ones in its spans, plus the spans its runs of free pages could
+        make (pages freed between other sizes' spans make runs too short for one) — and at
+        most when empty. O(spans of that size with a free slot + runs of free pages).
+        Raises as :meth:`slab_class`."""
         cls = self._class(slot_bytes)
         free = sum(len(span.free) for span in cls.partial.values())
-        free += self._pages.free_units // cls.span_pages * cls.slots_per_span
+        spans = sum(length // cls.span_pages for _, length in self._pages.extents())
+        free += spans * cls.slots_per_span
         return free, self.n_pages // cls.span_pages * cls.slots_per_span
 
     def alloc_slot(self, slot_bytes: int) -> int | None:

@@ -142,9 +142,8 @@ class Puts:
         leases: list[Lease[Slot]] = []
         claims: dict[tuple[SlotKey, int], asyncio.Future[None]] = {}
         # New blocks start in the fastest tier with free room (ucx:// writes device memory
-        # one-sidedly; tcp:// bounces through host memory into it), else in host memory. A
-        # block already held stays where it is.
-        tier = self.tiers.fastest
+        # one-sidedly; tcp:// bounces through host memory into it), else in host memory
+        # (Tiers.start_tier). A block already held stays where it is.
         wait = min(put.wait_s, self.io_timeout_s)
         scrub = ScrubBatch()
         try:
@@ -156,7 +155,7 @@ class Puts:
                 # A chunk without a live grant of this writer: failed (not stored).
                 failed = sorted({*bad, *(i for i in range(len(wanted)) if i not in sent)})
             else:
-                slots = self._allocate(wanted, chunk_bytes, num_chunks, leases, tier)
+                slots = self._allocate(wanted, chunk_bytes, num_chunks, leases)
                 if put.ucx:
                     accept, sent, failed = await self._put_ucx(
                         conn, ns, wanted, slots, claims, wait, scrub, put.writer
@@ -442,11 +441,11 @@ class Puts:
         chunk_bytes: int,
         num_chunks: int,
         leases: list[Lease[Slot]],
-        tier: MemoryTier,
     ) -> list[Slot | None]:
-        """Allocate and pin the batch's slots, new ones in ``tier`` while it has free room
-        (the GPU tier never evicts for a put: its mover makes room between requests) and
-        in host memory otherwise, blocks already held in the tier that holds them (REJECT =
+        """Allocate and pin the batch's slots, new ones in the tier
+        :meth:`~kvstore.node.tiers.Tiers.start_tier` names while it has free room (the GPU
+        tier never evicts for a put: its mover makes room between requests) and in host
+        memory otherwise, blocks already held in the tier that holds them (REJECT =
         CapacityError before any payload). A block whose slot is quarantined gets None: its
         chunks cannot be stored now (BUSY)."""
         by_key: dict[SlotKey, Slot | None] = {}
@@ -460,7 +459,7 @@ class Puts:
             if held is not None and held.table.get(key) is None:
                 by_key[key] = None
                 continue
-            into = held or tier
+            into = held or self.tiers.start_tier(key[0], parent)
             args = (key, chunk_bytes * num_chunks, chunk_bytes, num_chunks, parent,
                     self.owner_of(key[0]))  # fmt: skip
             try:
@@ -468,7 +467,8 @@ class Puts:
             except CapacityError:
                 if held is not None or into is host:
                     raise
-                into = host  # no free room in the GPU tier: host memory
+                into = host  # no free room in the GPU tier: host memory, and the mover
+                self.tiers.wake()  # makes room for the next put
                 res = into.table.allocate(*args)
             by_key[key] = res.slot
             leases.append(into.table.pin(res.slot))

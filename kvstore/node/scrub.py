@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -81,6 +81,8 @@ class Scrub:
         self._max = max_pending_bytes
         self._busy = busy
         self._queue: deque[_Pending] = deque()
+        self._slots: Counter[Slot] = Counter()
+        """Chunks queued, by slot."""
         self._bytes = 0
         """Bytes queued or reserved."""
         self._wake = asyncio.Event()
@@ -95,6 +97,11 @@ class Scrub:
     def pending(self) -> int:
         """Chunks waiting for their scrub."""
         return len(self._queue)
+
+    def holds(self, slot: Slot) -> bool:
+        """Whether chunks of ``slot`` wait for their scrub (it must not move meanwhile: the
+        scrub checks the slot it was given)."""
+        return slot in self._slots
 
     def reserve(self, batch: ScrubBatch, chunks: list[LandedChunk]) -> bool:
         """Take room in ``batch`` for ``chunks``; False, taking nothing, when they do not
@@ -114,6 +121,7 @@ class Scrub:
         batch.reserved = 0
         now = asyncio.get_running_loop().time()
         self._queue.extend(_Pending(ns, slot, c, now) for slot, c in batch.chunks)
+        self._slots.update(slot for slot, _ in batch.chunks)
         if batch.chunks:
             self._idle.clear()
             self._wake.set()
@@ -147,6 +155,9 @@ class Scrub:
         done = 0
         while self._queue and done < SLICE_BYTES:
             item = self._queue.popleft()
+            self._slots[item.slot] -= 1
+            if not self._slots[item.slot]:
+                del self._slots[item.slot]
             size = item.chunk.view.numel()
             self._bytes -= size
             done += size

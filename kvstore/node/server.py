@@ -297,6 +297,7 @@ class StorageNode:
         self._tasks.append(asyncio.create_task(self.migration.run(), name="kvstore-node-drain"))
         if len(self.tiers) > 1:
             self.tiers.wake = self._move_wanted.set
+            self.tiers.movable = lambda slot: not self.scrub.holds(slot)
             self._tasks.append(asyncio.create_task(self._mover(), name="kvstore-node-mover"))
 
     async def _check_master_authenticates(self) -> None:
@@ -671,6 +672,7 @@ class StorageNode:
         finally:
             for lease in leases:
                 lease.release()
+            self.tiers.nudge()
 
     async def _on_lease(self, conn: Connection, request: LeaseRequest) -> None:
         """``ucx://`` get: pin the chunks for at most ``lease_s``, send their spans, wait
@@ -691,6 +693,7 @@ class StorageNode:
         finally:
             for lease in leases:
                 lease.release()
+            self.tiers.nudge()
 
     def _on_hold(self, hold: Hold, tenant: str) -> Held:
         if not 0 < hold.ttl_s <= self.config.max_hold_s:

@@ -92,6 +92,8 @@ class Tiers:
         """The slot size of the last put (what the GPU tier keeps room for)."""
         self.wake: Callable[[], None] = lambda: None
         """Called when :meth:`move_one` has work (the node sets it to wake its mover)."""
+        self.movable: Callable[[Slot], bool] = lambda slot: True
+        """Whether a host slot may move up now (the node: not while its scrub is pending)."""
 
     def __iter__(self) -> Iterator[MemoryTier]:
         return iter(self.all)
@@ -107,6 +109,15 @@ class Tiers:
         """Where puts start new blocks (when it has free room): the GPU tier if there is
         one."""
         return self.all[0]
+
+    def start_tier(self, ns_id: bytes, parent: bytes | None) -> MemoryTier:
+        """Where a put starts a new block: the fastest tier, but host memory when its parent
+        block is there. A child above its parent would break the rule that a block
+        leaves the node only after its children: host memory evicts a parent whose
+        children it does not hold."""
+        if parent is not None and self.host.table.find((ns_id, parent)) is not None:
+            return self.host
+        return self.fastest
 
     def in_gpu(self, view: torch.Tensor) -> bool:
         """Whether ``view`` lies in the GPU tier (on a CUDA device, or on the CPU in tests:
@@ -239,6 +250,12 @@ class Tiers:
         if self.short_of_room():
             self.wake()
 
+    def nudge(self) -> None:
+        """Reads let go of their slots: wake the mover if promotions wait (a block is not
+        moved while a read pins it)."""
+        if self._promotions:
+            self.wake()
+
     def hit(self, keys: list[SlotKey]) -> None:
         """Blocks were read from host memory: candidates to move up into the GPU tier."""
         if len(self.all) == 1 or not keys:
@@ -271,14 +288,16 @@ class Tiers:
 
     def _promote(self, key: SlotKey) -> bool | None:
         """Move host block ``key`` into the GPU tier: True if moved, None to try it again
-        later (it is pinned: being read or written), False if it is not to be moved now
-        (gone, empty, or no room beyond the tier's free share)."""
+        later (pinned: being read or written; its scrub pending; its parent still in host
+        memory, to move first), False if it is not to be moved now (gone, empty, or no
+        room beyond the tier's free share)."""
         gpu, host = self.all[0], self.host
         slot = host.table.get(key)
-        if slot is not None and slot.pins:
-            return None
         if slot is None or not slot.landed_mask or gpu.table.find(key) is not None:
             return False  # gone, empty, or (a bug) in both tiers
+        parent_here = slot.parent is not None and host.table.find((key[0], slot.parent))
+        if slot.pins or not self.movable(slot) or parent_here:
+            return None  # a parent moves up before its children (see start_tier)
         free, keep = self._room(slot.slot_bytes)
         if free - 1 < keep:  # a promotion never makes the mover demote
             return False
@@ -289,6 +308,9 @@ class Tiers:
             )  # fmt: skip
         except KVStoreError:
             return False
+        if self.short_of_room():  # the last put's slot size ran short: no room after all
+            gpu.table.evict(key)
+            return False
         try:
             gpu.table.slot_view(res.slot).copy_(host.table.slot_view(slot))
             for index in landed_bits(slot.landed_mask):
@@ -297,7 +319,9 @@ class Tiers:
             logger.exception("moving slot %s into the GPU tier failed", key[1].hex())
             gpu.table.evict(key)
             return False
-        host.table.evict(key)  # unpinned: removed now, and not an eviction off the node
+        if not host.table.evict(key):  # unpinned, so removed now (not an eviction off
+            gpu.table.evict(key)  # the node); were it not, the copy above would go
+            return False
         self.metrics.tier_moves.labels(to=gpu.name).inc()
         if gpu.reg is not None:
             self._moved.append(res.slot)
