@@ -136,3 +136,14 @@ def test_slot_room_counts_only_runs_a_span_fits() -> None:
         fits += 1
     assert free == fits
     assert arena.stats().free_bytes >= arena.capacity_bytes // 3  # bytes, but no room
+
+
+def test_a_draining_node_promotes_nothing() -> None:
+    t = tiers()
+    keys = chain(2, tag=4)
+    store(t, keys, parents=False)
+    t.promoting = False  # what a drain sets
+    t.hit([(NS, k) for k in keys])
+    assert settle(t) == 0 and where(t, keys) == ["host", "host"]
+    t.promoting = True  # the drain was called off: the reads still count
+    assert settle(t) == 2 and where(t, keys) == ["gpu", "gpu"]

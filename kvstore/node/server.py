@@ -381,6 +381,7 @@ class StorageNode:
             return
         self.migration.set_draining(draining)
         self.puts.granting = not draining
+        self.tiers.promoting = not draining
 
     async def drain_and_wait(self, timeout_s: float) -> dict[str, int | str]:
         """Mark this node draining at the master, copy every block away (at most

@@ -94,6 +94,9 @@ class Tiers:
         """Called when :meth:`move_one` has work (the node sets it to wake its mover)."""
         self.movable: Callable[[Slot], bool] = lambda slot: True
         """Whether a host slot may move up now (the node: not while its scrub is pending)."""
+        self.promoting = True
+        """False while the node drains: its blocks are being copied away, and a moved
+        block would be copied again (a drain tracks what it copied by slot)."""
 
     def __iter__(self) -> Iterator[MemoryTier]:
         return iter(self.all)
@@ -278,6 +281,8 @@ class Tiers:
             return False
         if self.short_of_room():
             return self.all[0].table.evict_lru() is not None
+        if not self.promoting:
+            return False
         for key in reversed(list(self._promotions)):  # most recently read first (<= 256)
             moved = self._promote(key)
             if moved is not None:  # moved, or not to be moved: forget it
