@@ -554,3 +554,30 @@ def test_gpu_mem_without_a_cuda_device_is_refused_in_one_line() -> None:
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--gpu-mem needs a CUDA device" in lines[0], proc.stderr
+
+
+async def test_the_mover_survives_an_unexpected_error(
+    node: StorageNode, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A move that raises (a bug) is logged and the mover goes on at its next wake."""
+    move = node.tiers.move_one
+    calls = {"n": 0}
+
+    def failing_once() -> bool:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a bug in a move")
+        return move()
+
+    monkeypatch.setattr(node.tiers, "move_one", failing_once)
+    room = node.tiers[0].arena.slot_room(SLOT)[1]
+    keys = blocks(room)
+    conn = await connect(node.data_uri, timeout=TIMEOUT)
+    try:
+        with caplog.at_level("ERROR", "kvstore.node"):
+            assert (await put(conn, node, keys, chunks(keys), "reserve", 0)).stored == room
+            await settled(node)  # the failed wake ends; the sweep period's wake moves
+        assert calls["n"] > 1 and "a bug in a move" in caplog.text
+        assert not node.tiers.short_of_room()
+    finally:
+        await conn.close()

@@ -434,7 +434,11 @@ class StorageNode:
                 await asyncio.wait_for(self._move_wanted.wait(), self.config.sweep_s)
             self._move_wanted.clear()
             for _ in range(_MAX_MOVES_PER_WAKE):  # bounded: the next wake goes on
-                if not self.tiers.move_one():
+                try:
+                    if not self.tiers.move_one():
+                        break
+                except Exception:  # a bug must not end the moves for good: log, go on
+                    logger.exception("moving a block between tiers failed")
                     break
                 await asyncio.sleep(0)
 
