@@ -13,7 +13,7 @@ setup: $(STAMP)
 
 # The CPU build of torch 2.13.0 is installed first so nothing pulls a multi-GB CUDA build;
 # nixl-cu12 comes after torch because it declares `torch`.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py kvstore/core/_native.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q torch==2.13.0

@@ -82,7 +82,7 @@ import torch
 import xxhash
 from torch import Tensor
 
-from kvstore.core import fused, kernels
+from kvstore.core import fused, kernels, native
 from kvstore.core.checksum import (
     compute_checksum,
     stored_checksum,
@@ -542,11 +542,13 @@ def _quantize(x: tuple[Tensor, Tensor], rows: Tensor, layout: _Layout) -> None:
     codes = _payload_view(rows, layout)  # [N, 2, T, H, D]
     rows16 = rows.view(torch.float16)
     scales = _scale_views(rows16, int(rows16.storage_offset()) + HEADER_NBYTES // 2, layout)
-    int8 = layout.scheme not in _INT4_GROUPS  # the compiled kernels are INT8's
-    if int8 and fused.quantize(x[0], x[1], codes, scales, _SCHEME_MODES[layout.scheme]):
+    modes, int8 = _SCHEME_MODES[layout.scheme], layout.scheme not in _INT4_GROUPS
+    if int8 and native.quantize(x[0], x[1], codes, scales, modes):
+        return  # C kernels, one call per half of the layer (kvstore.core.native)
+    if int8 and fused.quantize(x[0], x[1], codes, scales, modes):
         return  # one compiled call for the layer (kvstore.core.fused)
     work: list[tuple[kernels.Encoder, list[tuple[Tensor, ...]]]] = []
-    for half, mode in enumerate(_SCHEME_MODES[layout.scheme]):
+    for half, mode in enumerate(modes):
         views = [x[half], codes[:, half], *scales[half]]
         per_tile = zip(*(kernels.tiles(v, blocks, heads) for v in views), strict=True)
         work.append((kernels.ENCODERS[mode], list(per_tile)))
@@ -952,15 +954,18 @@ def decode_chunk(
 
 def _decode_into(buf: Tensor, layout: _Layout, out: tuple[Tensor, Tensor]) -> None:
     """Dequantize the 1-D chunk ``buf`` into K and V ``[T, H, D]`` (any strides)."""
-    payload = _payload_view(buf, layout)  # [2, T, H, D]
     if layout.scheme == 0:
+        payload = _payload_view(buf, layout)  # [2, T, H, D]
         out[0].copy_(payload[0])
         out[1].copy_(payload[1])
         return
+    modes, int8 = _SCHEME_MODES[layout.scheme], layout.scheme not in _INT4_GROUPS
+    places = (HEADER_NBYTES, layout.payload_offset)
+    if int8 and native.dequantize(buf, modes, layout.shape, layout.scale_slots, places, out):
+        return  # C kernels, from pointers (kvstore.core.native)
+    payload = _payload_view(buf, layout)
     region = buf[HEADER_NBYTES : HEADER_NBYTES + layout.scales_nbytes].view(torch.float16)
     scales = _scale_views(region.float(), 0, layout)
-    modes = _SCHEME_MODES[layout.scheme]
-    int8 = layout.scheme not in _INT4_GROUPS  # the compiled kernels are INT8's
     if int8 and fused.dequantize(payload, scales, modes, out):
         return  # one compiled call (kvstore.core.fused)
     dtype, device = out[0].dtype, out[0].device

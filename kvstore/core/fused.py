@@ -22,10 +22,12 @@ guards (a recompile per layer length). Fresh graph outputs cost a page fault per
 every call (a float32 decode took 1.6 ms against 0.6 ms eager), hence the scratch.
 
 Which path runs: :func:`set_mode`, else the environment variable ``KVSTORE_CODEC`` (read
-here only, on first use) — ``eager`` (never compile), ``fused`` (always try) or ``auto``
-(default: fused on the devices in :data:`AUTO_DEVICES` where their compiler is
-available — Triton on CUDA — and eager elsewhere). A compilation or kernel failure is
-logged once, switches this process to the eager path and is never raised to the caller.
+here only, on first use) — ``eager`` (never compile, no C kernels), ``fused`` (always
+try), ``native`` (the C kernels of :mod:`kvstore.core.native` where they apply, else
+eager) or ``auto`` (default: the C kernels where they apply, else fused on the devices in
+:data:`AUTO_DEVICES` where their compiler is available — Triton on CUDA — else eager).
+A compilation or kernel failure is logged once, switches this process to the eager path
+and is never raised to the caller.
 
 Compiled graphs are cached per (direction, device, dtype, modes, T, H, D); the block
 count of an encode is a dynamic dimension (marked on the first multi-block call), so a
@@ -67,7 +69,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "KVSTORE_CODEC"
-MODES = ("eager", "fused", "auto")
+MODES = ("eager", "fused", "native", "auto")
 """Accepted values of :data:`ENV_VAR` and :func:`set_mode`."""
 
 AUTO_DEVICES: frozenset[str] = frozenset()
@@ -289,7 +291,7 @@ def _has_compiler(device: torch.device) -> bool:
 
 def _wanted(device: torch.device) -> bool:
     mode = get_mode()
-    if mode == "eager" or _state.failed:
+    if mode in ("eager", "native") or _state.failed:
         return False
     if mode == "fused":
         return True

@@ -1,0 +1,455 @@
+/* The codec's INT8 kernels in C (AVX2, F16C, FMA): one call quantizes or dequantizes one
+ * half (K or V) of a whole layer's blocks, bit for bit what kvstore.core.kernels' eager
+ * torch ops produce.
+ *
+ * Python side: kvstore/core/native.py, which checks shapes, dtypes and strides and passes
+ * data pointers and element strides; nothing here allocates on the heap or keeps a
+ * reference. The GIL is released while a kernel runs.
+ *
+ * Same bytes as eager: every value is computed in float32 with the same operations in the
+ * same order, each rounded once as torch rounds it (no contraction: -ffp-contract=off;
+ * torch.lerp's vectorized kernel is an FMA, so the centred mid-range is one here too).
+ * float32 -> float16 is the F16C conversion (round to nearest even, inf on overflow), as
+ * c10::Half's; float32 -> bfloat16 rounds to nearest even, NaN to 0x7FC0, as c10's.
+ * Max and min are exact in any order. A NaN anywhere in a tile makes one of its scales NaN
+ * (the codec then refuses the chunk, as it does for eager's NaN scales).
+ *
+ * The modes (codec.py's docstring): c per channel, cc per channel centred, t per token,
+ * ct channel-smoothed per token. Dtype codes are the chunk header's: 1 float16,
+ * 2 bfloat16, 3 float32.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TGT __attribute__((target("avx2,fma,f16c")))
+#define INL static inline __attribute__((always_inline)) TGT
+
+enum { F16 = 1, BF16 = 2, F32 = 3 };
+enum { MODE_C = 1, MODE_CC = 2, MODE_T = 3, MODE_CT = 4 };
+#define MAX_D 4096
+#ifndef TILE_BYTES
+#define TILE_BYTES (128 << 10) /* input per tile: read twice, the second time from L2 */
+#endif
+#define MAX_HD (1 << 20) /* channels per block: the scratch is 16 bytes each */
+
+static const float QMAX_INV = (float)(1.0 / 127.0); /* torch casts the scalar to float */
+static const float TINY = 6.103515625e-05f;         /* 2**-14 */
+
+typedef struct {
+    char *p;
+    int64_t n, t, h; /* element strides; the last dimension is contiguous */
+} view_t;
+
+typedef struct {
+    uint16_t *p;
+    int64_t n, t, h, d; /* float16 scale view, element strides */
+} scales_t;
+
+INL __m256 load8(const char *p, int dt) {
+    if (dt == F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    if (dt == BF16) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    }
+    return _mm256_loadu_ps((const float *)p);
+}
+
+INL int esize(int dt) { return dt == F32 ? 4 : 2; }
+
+INL __m256i codes_i32(__m256 y) {
+    return _mm256_cvtps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* 32 codes in one store: the packs work within 128-bit lanes, the permute restores order */
+INL void store_codes32(int8_t *q, __m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256i ab = _mm256_packs_epi32(codes_i32(a), codes_i32(b));
+    __m256i cd = _mm256_packs_epi32(codes_i32(c), codes_i32(d));
+    __m256i v = _mm256_packs_epi16(ab, cd);
+    v = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, v);
+}
+
+INL void store_codes8(int8_t *q, __m256 y) {
+    __m256i i = _mm256_cvtps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64((__m128i *)q, _mm_packs_epi16(p16, p16));
+}
+
+/* float16 round trip: the stored value and its float32 */
+INL __m256 round16(__m256 v, __m128i *bits) {
+    *bits = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+    return _mm256_cvtph_ps(*bits);
+}
+
+INL uint16_t f2h(float x) { return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+INL float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+INL void put_scales8(const scales_t *s, int64_t at, __m128i bits) {
+    if (s->d == 1) {
+        _mm_storeu_si128((__m128i *)(s->p + at), bits);
+        return;
+    }
+    uint16_t tmp[8];
+    _mm_storeu_si128((__m128i *)tmp, bits);
+    for (int i = 0; i < 8; i++) s->p[at + i * s->d] = tmp[i];
+}
+
+/* Per-channel max and min over the rows of one block: row r's head j holds channels
+ * j*d .. j*d+d-1 of hi/lo (h*d floats, in L1 for usual shapes). Rows are walked in memory
+ * order: walking one head down the rows (a stride of H*D values) left the loads waiting
+ * on memory (38% of an encode's samples on one load). */
+INL int channel_minmax(const char *x, int64_t rows, int64_t row_bytes, int64_t h,
+                       int64_t head_bytes, int64_t d, int dt, float *hi, float *lo) {
+    __m256 nan = _mm256_setzero_ps();
+    const int es = esize(dt);
+    for (int64_t c = 0; c < h * d; c += 8) {
+        _mm256_store_ps(hi + c, _mm256_set1_ps(-INFINITY));
+        _mm256_store_ps(lo + c, _mm256_set1_ps(INFINITY));
+    }
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) /* four rows per load and store of the statistics */
+        for (int64_t j = 0; j < h; j++) {
+            const char *p = x + r * row_bytes + j * head_bytes;
+            float *hj = hi + j * d, *lj = lo + j * d;
+            for (int64_t c = 0; c < d; c += 8) {
+                const char *pc = p + c * es;
+                __m256 a = load8(pc, dt), b = load8(pc + row_bytes, dt);
+                __m256 e = load8(pc + 2 * row_bytes, dt), f = load8(pc + 3 * row_bytes, dt);
+                __m256 mx = _mm256_max_ps(_mm256_max_ps(a, b), _mm256_max_ps(e, f));
+                __m256 mn = _mm256_min_ps(_mm256_min_ps(a, b), _mm256_min_ps(e, f));
+                _mm256_store_ps(hj + c, _mm256_max_ps(_mm256_load_ps(hj + c), mx));
+                _mm256_store_ps(lj + c, _mm256_min_ps(_mm256_load_ps(lj + c), mn));
+                __m256 u = _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(e, f, _CMP_UNORD_Q));
+                nan = _mm256_or_ps(nan, u);
+            }
+        }
+    for (; r < rows; r++)
+        for (int64_t j = 0; j < h; j++) {
+            const char *p = x + r * row_bytes + j * head_bytes;
+            float *hj = hi + j * d, *lj = lo + j * d;
+            for (int64_t c = 0; c < d; c += 8) {
+                __m256 a = load8(p + c * es, dt);
+                _mm256_store_ps(hj + c, _mm256_max_ps(_mm256_load_ps(hj + c), a));
+                _mm256_store_ps(lj + c, _mm256_min_ps(_mm256_load_ps(lj + c), a));
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+            }
+        }
+    return _mm256_movemask_ps(nan) != 0;
+}
+
+/* max over channels of |y|, and y's values as float32 into buf */
+INL float row_absmax(const char *p, int64_t d, int dt, float *buf, const float *mul, int *nan) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 r = _mm256_setzero_ps(), u = _mm256_setzero_ps();
+    const int es = esize(dt);
+    for (int64_t c = 0; c < d; c += 8) {
+        __m256 y = load8(p + c * es, dt);
+        if (mul) y = _mm256_mul_ps(y, _mm256_load_ps(mul + c));
+        _mm256_store_ps(buf + c, y);
+        u = _mm256_or_ps(u, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+        r = _mm256_max_ps(r, _mm256_andnot_ps(sign, y));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    if (_mm256_movemask_ps(u)) *nan = 1;
+    return _mm_cvtss_f32(m);
+}
+
+/* the stored scale for absolute maximum r, and the reciprocal of its float32 value */
+INL float inv_scale(float r, uint16_t *stored) {
+    float s = r * QMAX_INV;
+    s = s < TINY ? TINY : s; /* clamp_(min=TINY); a NaN stays NaN */
+    *stored = f2h(s);
+    return 1.0f / h2f(*stored);
+}
+
+typedef struct {
+    const char *x;      /* the block's first value */
+    int64_t rows, row_bytes, h, head_bytes, d;
+    int8_t *q;          /* its first code */
+    int64_t qrow, qhead;
+    const scales_t *s0, *s1;
+    int64_t b0, b1;     /* the block's offsets in s0 and s1 */
+    float *hi, *lo, *mid, *buf; /* scratch: h*d floats each (buf: d) */
+} block_t;
+
+/* per token (t), or channel-smoothed per token (ct: mul holds 1 / the channel maxima) */
+INL void encode_rows(const block_t *b, int dt, const scales_t *s, int64_t base, const float *mul,
+                     int nan) {
+    for (int64_t r = 0; r < b->rows; r++)
+        for (int64_t j = 0; j < b->h; j++) {
+            const char *p = b->x + r * b->row_bytes + j * b->head_bytes;
+            uint16_t st;
+            float inv = inv_scale(row_absmax(p, b->d, dt, b->buf, mul ? mul + j * b->d : NULL, &nan), &st);
+            s->p[base + r * s->t + j * s->h] = st;
+            __m256 vi = _mm256_set1_ps(inv);
+            int8_t *q = b->q + r * b->qrow + j * b->qhead;
+            const float *y = b->buf;
+            int64_t c = 0;
+            for (; c + 32 <= b->d; c += 32)
+                store_codes32(q + c, _mm256_mul_ps(_mm256_load_ps(y + c), vi),
+                              _mm256_mul_ps(_mm256_load_ps(y + c + 8), vi),
+                              _mm256_mul_ps(_mm256_load_ps(y + c + 16), vi),
+                              _mm256_mul_ps(_mm256_load_ps(y + c + 24), vi));
+            for (; c < b->d; c += 8)
+                store_codes8(q + c, _mm256_mul_ps(_mm256_load_ps(y + c), vi));
+        }
+    if (nan) s->p[base] = 0x7E00;
+}
+
+INL void encode_block(int mode, int dt, const block_t *b) {
+    const int es = esize(dt);
+    const int64_t d = b->d, hd = b->h * d;
+    if (mode == MODE_T) {
+        encode_rows(b, dt, b->s0, b->b0, NULL, 0);
+        return;
+    }
+    float *hi = b->hi, *lo = b->lo, *mid = b->mid;
+    int nan = channel_minmax(b->x, b->rows, b->row_bytes, b->h, b->head_bytes, d, dt, hi, lo);
+    const __m256 tiny = _mm256_set1_ps(TINY), qinv = _mm256_set1_ps(QMAX_INV);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const scales_t *sv = mode == MODE_CC ? b->s1 : b->s0; /* where the scales go */
+    const int64_t bv = mode == MODE_CC ? b->b1 : b->b0;
+    for (int64_t c = 0, j = 0, cj = 0; c < hd; c += 8, cj += 8) {
+        if (cj == d) j++, cj = 0; /* c = j*d + cj */
+        const int64_t at = j * b->s0->h + cj * b->s0->d;
+        __m256 hv = _mm256_load_ps(hi + c), lv = _mm256_load_ps(lo + c), r, m = _mm256_setzero_ps();
+        __m128i bits;
+        if (mode == MODE_CC) {
+            /* torch.lerp(lo, hi, 0.5), vectorized: fma(0.5 - 1, hi - lo, hi) */
+            m = round16(_mm256_fmadd_ps(_mm256_set1_ps(-0.5f), _mm256_sub_ps(hv, lv), hv), &bits);
+            put_scales8(b->s0, b->b0 + at, bits);
+            r = _mm256_max_ps(_mm256_sub_ps(hv, m), _mm256_sub_ps(m, lv));
+        } else {
+            /* maximum(amax, -amin): torch.maximum propagates NaN, handled by `nan` */
+            r = _mm256_max_ps(hv, _mm256_xor_ps(lv, _mm256_set1_ps(-0.0f)));
+        }
+        if (mode == MODE_CT) {
+            __m256 cs = round16(_mm256_max_ps(r, tiny), &bits); /* the channel maxima */
+            put_scales8(b->s0, b->b0 + at, bits);
+            _mm256_store_ps(hi + c, _mm256_div_ps(one, cs));
+            continue;
+        }
+        __m256 s = round16(_mm256_max_ps(_mm256_mul_ps(r, qinv), tiny), &bits);
+        put_scales8(sv, bv + j * sv->h + cj * sv->d, bits);
+        _mm256_store_ps(hi + c, _mm256_div_ps(one, s)); /* the reciprocals */
+        _mm256_store_ps(mid + c, m);
+    }
+    if (mode == MODE_CT) {
+        encode_rows(b, dt, b->s1, b->b1, hi, nan);
+        return;
+    }
+    for (int64_t r = 0; r < b->rows; r++)
+        for (int64_t j = 0; j < b->h; j++) {
+            const char *p = b->x + r * b->row_bytes + j * b->head_bytes;
+            int8_t *q = b->q + r * b->qrow + j * b->qhead;
+            const float *inv = hi + j * d, *mj = mid + j * d;
+            int64_t c = 0;
+#define CODE(k) (mode == MODE_CC ? _mm256_mul_ps(_mm256_sub_ps(load8(p + (c + k) * es, dt), \
+                 _mm256_load_ps(mj + c + k)), _mm256_load_ps(inv + c + k)) \
+                 : _mm256_mul_ps(load8(p + (c + k) * es, dt), _mm256_load_ps(inv + c + k)))
+            for (; c + 32 <= d; c += 32) store_codes32(q + c, CODE(0), CODE(8), CODE(16), CODE(24));
+            for (; c < d; c += 8) store_codes8(q + c, CODE(0));
+#undef CODE
+        }
+    if (nan) sv->p[bv] = 0x7E00;
+}
+
+TGT static void encode_half(int mode, int dt, int64_t n, int64_t t, int64_t h, int64_t d,
+                            view_t x, int8_t *q, int64_t qn, int64_t qt, int64_t qh,
+                            scales_t s0, scales_t s1, float *scratch) {
+    const int es = esize(dt);
+    int64_t g = TILE_BYTES / (t * d * es); /* heads per tile */
+    g = g < 1 ? 1 : g > h ? h : g;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < h; j += g) {
+            int64_t heads = h - j < g ? h - j : g;
+            block_t b = {x.p + (i * x.n + j * x.h) * es, t, x.t * es, heads, x.h * es, d,
+                         q + i * qn + j * qh, qt, qh, &s0, &s1, i * s0.n + j * s0.h,
+                         i * s1.n + j * s1.h, scratch, scratch + h * d, scratch + 2 * h * d,
+                         scratch + 3 * h * d};
+            switch (dt) { /* constant dtypes: each case inlines its own loads */
+            case F16: encode_block(mode, F16, &b); break;
+            case BF16: encode_block(mode, BF16, &b); break;
+            default: encode_block(mode, F32, &b); break;
+            }
+        }
+}
+
+/* ------------------------------------------------------------------------------ decode */
+
+INL void store8(char *p, __m256 v, int dt) {
+    if (dt == F16) {
+        _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+        return;
+    }
+    if (dt == BF16) {
+        __m256i u = _mm256_castps_si256(v);
+        __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+        __m256i isnan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), isnan);
+        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storeu_si128((__m128i *)p, packed);
+        return;
+    }
+    _mm256_storeu_ps((float *)p, v);
+}
+
+INL __m256 codes8(const int8_t *q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+}
+
+INL __m256 scales8(const scales_t *s, int64_t at) {
+    if (s->d == 1) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s->p + at)));
+    float tmp[8];
+    for (int i = 0; i < 8; i++) tmp[i] = h2f(s->p[at + i * s->d]);
+    return _mm256_loadu_ps(tmp);
+}
+
+/* per-channel scales of one block as float32, h*d of them, head by head */
+INL void channel_scales(const scales_t *s, int64_t base, int64_t h, int64_t d, float *to) {
+    for (int64_t j = 0; j < h; j++)
+        for (int64_t c = 0; c < d; c += 8)
+            _mm256_store_ps(to + j * d + c, scales8(s, base + j * s->h + c * s->d));
+}
+
+INL void decode_block(int mode, int dt, const int8_t *q, int64_t rows, int64_t qrow, int64_t qhead,
+                      int64_t h, int64_t d, char *out, int64_t orow, int64_t ohead,
+                      const scales_t *s0, int64_t b0, const scales_t *s1, int64_t b1, float *a,
+                      float *b) {
+    const int es = esize(dt);
+    if (mode != MODE_T) channel_scales(s0, b0, h, d, a);
+    if (mode == MODE_CC) channel_scales(s1, b1, h, d, b);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < h; j++) {
+            const int8_t *qp = q + r * qrow + j * qhead;
+            char *op = out + (r * orow + j * ohead) * es;
+            const float *aj = a + j * d, *bj = b + j * d;
+            if (mode == MODE_T || mode == MODE_CT) {
+                const scales_t *sv = mode == MODE_T ? s0 : s1;
+                int64_t at = (mode == MODE_T ? b0 : b1) + r * sv->t + j * sv->h;
+                __m256 st = _mm256_set1_ps(h2f(sv->p[at]));
+                for (int64_t c = 0; c < d; c += 8) {
+                    __m256 w = _mm256_mul_ps(codes8(qp + c), st); /* exact */
+                    if (mode == MODE_CT) w = _mm256_mul_ps(w, _mm256_load_ps(aj + c));
+                    store8(op + c * es, w, dt);
+                }
+            } else if (mode == MODE_CC) { /* m + q*s: the product is exact */
+                for (int64_t c = 0; c < d; c += 8) {
+                    __m256 w = _mm256_mul_ps(codes8(qp + c), _mm256_load_ps(bj + c));
+                    store8(op + c * es, _mm256_add_ps(_mm256_load_ps(aj + c), w), dt);
+                }
+            } else {
+                for (int64_t c = 0; c < d; c += 8)
+                    store8(op + c * es, _mm256_mul_ps(codes8(qp + c), _mm256_load_ps(aj + c)), dt);
+            }
+        }
+}
+
+TGT static void decode_half(int mode, int dt, int64_t n, int64_t t, int64_t h, int64_t d,
+                            const int8_t *q, int64_t qn, int64_t qt, int64_t qh, view_t out,
+                            scales_t s0, scales_t s1, float *scratch) {
+    float *a = scratch, *b = scratch + h * d;
+    for (int64_t i = 0; i < n; i++) {
+        const int8_t *qp = q + i * qn;
+        char *op = out.p + i * out.n * esize(dt);
+        int64_t b0 = i * s0.n, b1 = i * s1.n;
+        switch (dt) {
+        case F16: decode_block(mode, F16, qp, t, qt, qh, h, d, op, out.t, out.h, &s0, b0, &s1, b1, a, b); break;
+        case BF16: decode_block(mode, BF16, qp, t, qt, qh, h, d, op, out.t, out.h, &s0, b0, &s1, b1, a, b); break;
+        default: decode_block(mode, F32, qp, t, qt, qh, h, d, op, out.t, out.h, &s0, b0, &s1, b1, a, b); break;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------ Python */
+
+#define SCALES_FMT "KLLLL"
+
+static int check_args(int mode, int dt, long long t, long long h, long long d) {
+    if (mode < MODE_C || mode > MODE_CT || dt < F16 || dt > F32) {
+        PyErr_SetString(PyExc_ValueError, "unknown mode or dtype code");
+        return 0;
+    }
+    if (t < 1 || h < 1 || d < 8 || d % 8 || d > MAX_D || h * d > MAX_HD) {
+        PyErr_SetString(PyExc_ValueError, "shape outside the kernels' range (D: 8..4096, a multiple of 8)");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *py_encode(PyObject *self, PyObject *args) {
+    int mode, dt;
+    long long n, t, h, d;
+    unsigned long long xp, qp, s0p, s1p;
+    long long xn, xt, xh, qn, qt, qh, a[4], b[4];
+    if (!PyArg_ParseTuple(args, "iiLLLLKLLLKLLL" SCALES_FMT SCALES_FMT, &mode, &dt, &n, &t, &h, &d,
+                          &xp, &xn, &xt, &xh, &qp, &qn, &qt, &qh, &s0p, &a[0], &a[1], &a[2],
+                          &a[3], &s1p, &b[0], &b[1], &b[2], &b[3]))
+        return NULL;
+    if (!check_args(mode, dt, t, h, d)) return NULL;
+    view_t x = {(char *)(uintptr_t)xp, xn, xt, xh};
+    scales_t s0 = {(uint16_t *)(uintptr_t)s0p, a[0], a[1], a[2], a[3]};
+    scales_t s1 = {(uint16_t *)(uintptr_t)s1p, b[0], b[1], b[2], b[3]};
+    float *scratch = aligned_alloc(32, (size_t)(4 * h * d) * sizeof(float));
+    if (!scratch) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    encode_half(mode, dt, n, t, h, d, x, (int8_t *)(uintptr_t)qp, qn, qt, qh, s0, s1, scratch);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_decode(PyObject *self, PyObject *args) {
+    int mode, dt;
+    long long n, t, h, d;
+    unsigned long long qp, op, s0p, s1p;
+    long long qn, qt, qh, on, ot, oh, a[4], b[4];
+    if (!PyArg_ParseTuple(args, "iiLLLLKLLLKLLL" SCALES_FMT SCALES_FMT, &mode, &dt, &n, &t, &h, &d,
+                          &qp, &qn, &qt, &qh, &op, &on, &ot, &oh, &s0p, &a[0], &a[1], &a[2],
+                          &a[3], &s1p, &b[0], &b[1], &b[2], &b[3]))
+        return NULL;
+    if (!check_args(mode, dt, t, h, d)) return NULL;
+    view_t out = {(char *)(uintptr_t)op, on, ot, oh};
+    scales_t s0 = {(uint16_t *)(uintptr_t)s0p, a[0], a[1], a[2], a[3]};
+    scales_t s1 = {(uint16_t *)(uintptr_t)s1p, b[0], b[1], b[2], b[3]};
+    float *scratch = aligned_alloc(32, (size_t)(2 * h * d) * sizeof(float));
+    if (!scratch) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    decode_half(mode, dt, n, t, h, d, (const int8_t *)(uintptr_t)qp, qn, qt, qh, out, s0, s1, scratch);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_supported(PyObject *self, PyObject *noargs) {
+    __builtin_cpu_init();
+    int ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    return PyBool_FromLong(ok);
+}
+
+static PyMethodDef methods[] = {
+    {"encode", py_encode, METH_VARARGS,
+     "encode(mode, dtype, N, T, H, D, x, xsN, xsT, xsH, q, qsN, qsT, qsH, s0, s0N, s0T, s0H, s0D, "
+     "s1, s1N, s1T, s1H, s1D): quantize one half of N blocks (pointers and element strides)"},
+    {"decode", py_decode, METH_VARARGS,
+     "decode(mode, dtype, N, T, H, D, q, qsN, qsT, qsH, out, osN, osT, osH, s0, ..., s1, ...): "
+     "dequantize one half of N blocks into out"},
+    {"supported", py_supported, METH_NOARGS, "whether this CPU has AVX2, FMA and F16C"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
+                                    "The codec's INT8 kernels in C (kvstore/core/native.py).", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

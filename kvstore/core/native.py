@@ -1,0 +1,137 @@
+"""The codec's INT8 kernels in C, for CPU tensors: one call per half (K or V) of a layer.
+
+:mod:`kvstore.core.codec` offers each INT8 quantization and dequantization to
+:func:`quantize` and :func:`dequantize` first; they return False (nothing written) where
+the C kernels do not apply, and the codec runs :mod:`kvstore.core.fused` or its eager
+kernels instead. The bytes are the eager path's, bit for bit (``_native.c`` says how;
+``tests/test_native.py`` compares them).
+
+Where they apply: the extension was built (``pip install`` compiles
+``kvstore/core/_native.c``; it is optional, and a build without a C compiler installs
+without it), the CPU has AVX2, FMA and F16C, the tensors are on the CPU in float16,
+bfloat16 or float32 with contiguous channels, D is a multiple of 8 up to 4096, and the
+codec's path (:func:`kvstore.core.fused.get_mode`) is ``auto`` or ``native``. ``eager``
+and ``fused`` turn them off.
+
+Why C: the eager encode is ~40 torch ops and 16 full passes per block, and the compiled
+(Inductor) CPU code loses to it on decode (docs/codec.md, "Fused kernels"). Each kernel
+here reads the input twice (statistics, then codes; the second read hits cache) and writes
+each code once, with no scratch. The GIL is released while a kernel runs, so codec calls
+on several threads run in parallel.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from kvstore.core import fused
+
+__all__ = ["available", "dequantize", "quantize"]
+
+log = logging.getLogger(__name__)
+
+_MODES = {"c": 1, "cc": 2, "t": 3, "ct": 4}
+_DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+_MAX_D = 4096
+
+
+def _load() -> ModuleType | None:
+    try:
+        from kvstore.core import _native  # type: ignore[attr-defined]
+    except ImportError as exc:
+        log.info("codec C kernels not built (%s): the eager kernels run", exc)
+        return None
+    if not _native.supported():
+        log.info("codec C kernels need AVX2, FMA and F16C: the eager kernels run")
+        return None
+    return _native  # type: ignore[no-any-return]
+
+
+_lib = _load()
+
+
+def available() -> bool:
+    """Whether the C kernels are built and this CPU can run them (whatever the mode)."""
+    return _lib is not None
+
+
+def _applies(tensors: Sequence[Tensor], d: int, modes: Sequence[str]) -> bool:
+    if _lib is None or fused.get_mode() not in ("auto", "native"):
+        return False
+    if d % 8 or not 8 <= d <= _MAX_D or any(m not in _MODES for m in modes):
+        return False
+    return all(t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
+
+
+def _scale_args(views: Sequence[Tensor]) -> list[int]:
+    """Pointer and (N, T, H, D) element strides of a half's scale views (``[N, ...]`` or
+    one chunk's ``[...]``: N's stride 0); a one-scale mode passes its view twice."""
+    out: list[int] = []
+    for v in (views[0], views[-1]):
+        strides = v.stride() if v.dim() == 4 else (0, *v.stride())
+        out += [v.data_ptr(), *strides]
+    return out
+
+
+def quantize(
+    k: Tensor,
+    v: Tensor,
+    codes: Tensor,
+    scales: tuple[list[Tensor], list[Tensor]],
+    modes: tuple[str, str],
+) -> bool:
+    """Quantize K and V ``[N, T, H, D]`` into ``codes [N, 2, T, H, D]`` (int8 views of the
+    chunk rows) and ``scales`` (K's and V's float16 views ``[N, ...]``), as the codec's
+    eager loop does; False (nothing written) where the C kernels do not apply."""
+    n, t, h, d = k.shape
+    if k.dtype not in _DTYPES or not _applies((k, v, codes), d, modes):
+        return False
+    assert _lib is not None
+    for half, x in enumerate((k, v)):
+        q = codes[:, half]
+        _lib.encode(
+            _MODES[modes[half]], _DTYPES[k.dtype], n, t, h, d,
+            x.data_ptr(), *x.stride()[:3], q.data_ptr(), *q.stride()[:3],
+            *_scale_args(scales[half]),
+        )  # fmt: skip
+    return True
+
+
+def dequantize(
+    buf: Tensor,
+    modes: tuple[str, str],
+    shape: tuple[int, int, int],
+    scale_slots: Sequence[tuple[int, tuple[int, ...], tuple[int, ...], int]],
+    offsets: tuple[int, int],
+    out: tuple[Tensor, Tensor],
+) -> bool:
+    """Dequantize the 1-D chunk ``buf`` (uint8) into ``out``, K and V ``[T, H, D]`` (any
+    strides but the channels'), as the codec's eager decoders do; False (nothing written)
+    where the C kernels do not apply. ``shape`` is (T, H, D); ``scale_slots`` and
+    ``offsets`` (scale region, payload) say where the chunk's scales and codes lie, as the
+    codec's layout does. Built from pointers: a chunk of 16 tokens decodes in ~20 µs, and
+    every torch view of it would cost 3-10 µs more."""
+    t, h, d = shape
+    dtype = out[0].dtype
+    if dtype not in _DTYPES or not _applies((buf, *out), d, modes):
+        return False
+    assert _lib is not None
+    base = buf.data_ptr()
+    scales: tuple[list[int], list[int]] = ([], [])
+    for half, _, strides, at in scale_slots:
+        scales[half].append(base + offsets[0] + 2 * at)
+        scales[half].extend((0, *strides))
+    codes = base + offsets[1]
+    for half in (0, 1):
+        o, sc = out[half], scales[half]
+        _lib.decode(
+            _MODES[modes[half]], _DTYPES[dtype], 1, t, h, d,
+            codes + half * t * h * d, 0, h * d, d, o.data_ptr(), 0, *o.stride()[:2],
+            *sc[:5], *sc[-5:],
+        )  # fmt: skip
+    return True

@@ -1,0 +1,184 @@
+"""The codec's C kernels (kvstore.core.native): the eager codec's bytes and decoded bits on
+every INT8 scheme, dtype and odd shape, refusals where they do not apply, and bad KV
+refused as the eager path refuses it."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstore.core import codec, fused, native
+from kvstore.core.codec import ChunkKey, decode_chunk, encode_blocks, encode_chunk
+from kvstore.core.kvgen import realistic_kv
+from kvstore.errors import InvalidArgument
+
+INT8 = ["int8-kc-vt", "int8-kt-vt", "int8-kcc-vt", "int8-kcc-vct"]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def _cpu_can() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
+
+
+BUILT_TEST = "test_built_wherever_the_cpu_can_run_them"
+
+
+@pytest.fixture(autouse=True)
+def _restore_mode(request: pytest.FixtureRequest) -> Iterator[None]:
+    if not native.available() and request.node.name != BUILT_TEST:
+        pytest.skip("codec C kernels not built here")
+    yield
+    fused.set_mode(None)
+
+
+def test_built_wherever_the_cpu_can_run_them() -> None:
+    # never skipped for want of the extension: a build that lost it fails here
+    if not _cpu_can():
+        pytest.skip("not an x86-64 CPU with AVX2, FMA and F16C")
+    assert native.available()
+
+
+def _keys(n: int) -> list[ChunkKey]:
+    return [ChunkKey(bytes([i + 1]) * 16, 3, 1) for i in range(n)]
+
+
+def _encode(mode: str, layer: torch.Tensor | tuple[torch.Tensor, torch.Tensor], block: int,
+            n: int, quant: str) -> torch.Tensor:  # fmt: skip
+    fused.set_mode(mode)
+    return torch.stack([r.clone() for r in encode_blocks(layer, block, _keys(n), quant=quant)])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def _decode(mode: str, rows: torch.Tensor, out: torch.Tensor, block: int) -> None:
+    fused.set_mode(mode)
+    for i in range(rows.shape[0]):
+        decode_chunk(rows[i], out=out[:, i * block : (i + 1) * block])
+
+
+def _same_both_ways(layer: torch.Tensor, block: int, n: int, quant: str) -> None:
+    """Native and eager give one encoding and one decoding (bit for bit), into strided
+    slices of a wider layer."""
+    eager, fast = (
+        _encode("eager", layer, block, n, quant),
+        _encode("native", layer, block, n, quant),
+    )
+    assert torch.equal(eager, fast), f"{quant} {layer.dtype} {tuple(layer.shape)}"
+    outs = {}
+    for mode in ("eager", "native"):
+        wide = torch.full((2, n * block + 3, *layer.shape[2:]), 7.0, dtype=layer.dtype)
+        _decode(mode, eager, wide[:, 1:], block)
+        outs[mode] = wide
+    assert torch.equal(_bits(outs["eager"]), _bits(outs["native"]))
+    assert (outs["native"][:, 0] == 7).all() and (outs["native"][:, n * block + 1 :] == 7).all()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    quant=st.sampled_from(INT8),
+    dtype=st.sampled_from(DTYPES),
+    block=st.integers(1, 9),
+    n=st.integers(1, 4),
+    h=st.integers(1, 3),
+    d=st.sampled_from([8, 16, 24, 40, 64, 136]),
+    seed=st.integers(0, 2**16),
+    loud=st.sampled_from([1.0, 1e-6, 30.0, 3e3]),
+)
+def test_the_eager_bytes_on_every_scheme_dtype_and_shape(
+    quant: str, dtype: torch.dtype, block: int, n: int, h: int, d: int, seed: int, loud: float
+) -> None:
+    x = realistic_kv(n * block + 2, h, d, torch.float32, seed=seed)
+    x[0, :, 0, 1] *= loud  # one channel far louder (or quieter) than the rest
+    x[0, :, -1, -1] += 40.0  # a K channel with a large offset (what centring is for)
+    x[1, ::3, 0] = 0.0  # zero tokens
+    _same_both_ways(x.to(dtype)[:, 1:], block, n, quant)
+
+
+@pytest.mark.parametrize("quant", INT8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_eager_bytes_at_engine_shapes(quant: str, dtype: torch.dtype) -> None:
+    # 16-token blocks of a trace-like layer, and one 256-token block: H=8, D=128
+    _same_both_ways(realistic_kv(48, 8, 128, dtype, seed=5), 16, 3, quant)
+    _same_both_ways(realistic_kv(256, 8, 128, dtype, seed=6), 256, 1, quant)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extreme_values_give_the_eager_bytes(dtype: torch.dtype) -> None:
+    x = realistic_kv(16, 2, 16, torch.float32, seed=9)
+    x[0, :, 0, 0] = 0.0  # an all-zero channel
+    x[1, 2] = 0.0  # an all-zero token
+    x[0, :, 1, 2] = 1e-3 * torch.arange(16)  # a tiny, spread channel
+    x[:, 3] *= 0.004  # a quiet token: per-token scales just above the 2**-14 floor
+    x[1, 5, 1] = 6e4  # a loud token (the channel maxima are float16: no more)
+    if dtype != torch.float16:
+        x[0, :, 1, 3] = 1e-30  # below float16's range: scales floor at 2**-14
+    for quant in INT8:
+        _same_both_ways(x.to(dtype), 4, 4, quant)
+
+
+@pytest.mark.parametrize("quant", INT8)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 3e38])
+def test_bad_kv_is_refused_as_eager_refuses_it(quant: str, bad: float) -> None:
+    for half in (0, 1):
+        x = realistic_kv(8, 2, 16, torch.float32, seed=2)
+        x[half, 5, 1, 9] = bad
+        fused.set_mode("native")
+        with pytest.raises(InvalidArgument, match="NaN/inf"):
+            encode_chunk(x, quant, key=_keys(1)[0])
+
+
+def test_k_and_v_apart_and_one_chunk() -> None:
+    x = realistic_kv(32, 4, 64, torch.bfloat16, seed=3)
+    k, v = x[0].clone(), x[1].clone()  # a (K, V) pair of separate tensors
+    assert torch.equal(
+        _encode("eager", (k, v), 8, 4, "int8"), _encode("native", (k, v), 8, 4, "int8")
+    )
+    fused.set_mode("eager")
+    one = encode_chunk(x[:, :8], key=_keys(1)[0])
+    fused.set_mode("native")
+    assert torch.equal(one, encode_chunk(x[:, :8], key=_keys(1)[0]))
+
+
+def test_where_they_do_not_apply_the_codec_still_encodes() -> None:
+    x = realistic_kv(8, 2, 12, torch.float16, seed=4)  # D=12: not a multiple of 8
+    fused.set_mode("native")
+    rows = encode_blocks(x, 4, _keys(2))
+    codes = torch.empty(2, 2, 4, 2, 12, dtype=torch.int8)
+    assert not native.quantize(x[0][:8].view(2, 4, 2, 12), x[1][:8].view(2, 4, 2, 12), codes,
+                               ([], []), ("cc", "ct"))  # fmt: skip
+    fused.set_mode("eager")
+    assert torch.equal(torch.stack(list(rows)), torch.stack(list(encode_blocks(x, 4, _keys(2)))))
+
+
+def test_the_eager_mode_turns_them_off() -> None:
+    x = realistic_kv(8, 2, 16, torch.float16, seed=4)
+    k, v = x[0].view(2, 4, 2, 16), x[1].view(2, 4, 2, 16)
+    codes = torch.zeros(2, 2, 4, 2, 16, dtype=torch.int8)
+    fused.set_mode("eager")
+    assert not native.quantize(k, v, codes, ([], []), ("c", "t"))
+    fused.set_mode("fused")
+    assert not native.quantize(k, v, codes, ([], []), ("c", "t"))
+    assert (codes == 0).all()
+
+
+def test_a_chunk_decodes_the_same_through_either_path_after_a_round_trip() -> None:
+    # decode_chunk with no out: a fresh tensor; values within one scale step per element
+    x = realistic_kv(64, 8, 128, torch.float16, seed=8)
+    fused.set_mode("native")
+    chunk = encode_chunk(x, key=_keys(1)[0])
+    got = decode_chunk(chunk)
+    fused.set_mode("eager")
+    assert torch.equal(_bits(got), _bits(decode_chunk(chunk)))
+    assert (got.float() - x.float()).abs().max() < 0.05 * x.float().abs().max()
+    assert codec.read_header(chunk).scheme == codec.DEFAULT_INT8
