@@ -7,7 +7,7 @@ Prints Markdown: every scheme's size and attention-output error on realistic KV 
 INT4, raw) and INT4's by group size, the reference engine's greedy tokens and logits
 through a real ``kvstore serve`` with each ``quant`` beside one process's (skipped with
 ``--no-engine`` or without the ``engine`` extra), codec GB/s next to a plain ``torch``
-copy of the same bytes, the eager and the fused (torch.compile) codec side by side on a
+copy of the same bytes, the eager, C and fused (torch.compile) codecs side by side on a
 trace-like layer and a big one with their first-call (compile) times, prefix-hashing time
 for a 128k-token prompt, and slot-allocator operations per second. Progress goes to
 stderr. Compile times are cold (Inductor's on-disk caches in a fresh directory) unless
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import BarPanel, Serve, Table, machine_markdown, progress, save_bar_plot
 
-from kvstore.core import codec, fused
+from kvstore.core import codec, fused, native
 from kvstore.core.arena import Arena
 from kvstore.core.hashing import Namespace, block_hashes
 from kvstore.core.kvgen import (
@@ -132,13 +132,16 @@ def _in_mode(mode: str, fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
+CODECS = ("eager", "native", "fused")  # kvstore.core.fused's modes, measured in turn
+
+
 def _fused_shape(name: str, block: int, n: int, calls: int, speed: Table, first: Table) -> None:
     """Add one layer shape's rows to the two tables of :func:`fused_tables`."""
     layer = realistic_kv(n * block, 8, 128, torch.bfloat16, seed=1)
     keys = [codec.ChunkKey(bytes([i % 256]) * 16, 0, 0) for i in range(n)]
     nbytes = codec.chunk_nbytes(block, 8, 128, torch.bfloat16, "int8")
-    rows = {m: torch.empty(n, nbytes, dtype=torch.uint8) for m in ("eager", "fused")}
-    dst = {m: torch.empty_like(layer) for m in ("eager", "fused")}
+    rows = {m: torch.empty(n, nbytes, dtype=torch.uint8) for m in CODECS}
+    dst = {m: torch.empty_like(layer) for m in CODECS}
     copy_dst = torch.empty_like(layer)
     copy = partial(copy_dst.copy_, layer)
     if n > 3:  # a smaller layer first: the block count is dynamic, no recompile after
@@ -152,30 +155,34 @@ def _fused_shape(name: str, block: int, n: int, calls: int, speed: Table, first:
                                for m in rows},
     }  # fmt: skip
     for what, job in jobs.items():
-        starts = {m: _timed(_in_mode(m, job[m])) for m in ("eager", "fused")}
+        starts = {m: _timed(_in_mode(m, job[m])) for m in CODECS}
         first.add(name, what, f"{starts['eager'] * 1e3:.2f}", f"{starts['fused']:.2f}")
-        best = {"eager": float("inf"), "fused": float("inf"), "copy": float("inf")}
+        best = dict.fromkeys((*CODECS, "copy"), float("inf"))
         for _ in range(3):  # alternate, keep each one's best median
-            for m in ("eager", "fused"):
+            for m in CODECS:
                 best[m] = min(best[m], per_op_us(_in_mode(m, job[m]), calls) / 1e3)
             best["copy"] = min(best["copy"], per_op_us(copy, 50) / 1e3)
         wrote = rows if what == "encode_blocks" else dst
-        same = torch.equal(wrote["eager"].view(torch.uint8), wrote["fused"].view(torch.uint8))
-        e, f, c = best["eager"], best["fused"], best["copy"]
-        speed.add(name, what, f"{e:.3f}", f"{f:.3f}", f"{c:.3f}", f"{c / e:.2f}x",
-                  f"{c / f:.2f}x", f"{e / f:.2f}x", "yes" if same else "NO")  # fmt: skip
+        same = all(torch.equal(wrote["eager"].view(torch.uint8), wrote[m].view(torch.uint8))
+                   for m in CODECS)  # fmt: skip
+        c = best["copy"]
+        speed.add(name, what, *(f"{best[m]:.3f}" for m in CODECS), f"{c:.3f}",
+                  *(f"{c / best[m]:.2f}x" for m in CODECS), "yes" if same else "NO")  # fmt: skip
 
 
 def fused_tables(quick: bool) -> list[Table]:
-    """Eager vs fused vs ``copy_`` on each of :data:`FUSED_SHAPES`, in one run, the two
+    """Eager vs C vs fused vs ``copy_`` on each of :data:`FUSED_SHAPES`, in one run, the
     codecs measured in alternation (this VM is shared); and the first-call times."""
     speed = Table(
-        "Eager vs fused codec vs torch copy_ (one thread, bf16 H=8 D=128, default int8)",
-        ["layer", "operation", "eager ms", "fused ms", "copy_ ms", "eager / copy_",
-         "fused / copy_", "fused speedup", "bytes identical"],
+        "Eager vs C (native) vs fused codec vs torch copy_ (one thread, bf16 H=8 D=128, "
+        "default int8)",
+        ["layer", "operation", "eager ms", "native ms", "fused ms", "copy_ ms",
+         "eager / copy_", "native / copy_", "fused / copy_", "bytes identical"],
     )  # fmt: skip
     first = Table("First calls (compile included; later calls: the table above)",
                   ["layer", "call", "eager ms", "fused first-call s"])  # fmt: skip
+    if not native.available():
+        speed.notes.append("the C kernels are not built here: the native column ran eager")
     for name, block, n in FUSED_SHAPES:
         _fused_shape(name, block, n, 5 if quick else 15, speed, first)
     fused.set_mode(None)

@@ -1,6 +1,6 @@
 """Measure a running ``kvstore serve`` end to end, beside the baselines it should match.
 
-    python bench/service.py [--reps 5] [--warmup 1] [--plot out.png]
+    python bench/service.py [--reps 5] [--warmup 1] [--eager] [--plot out.png]
 
 One run starts its own ``kvstore serve`` (loopback, port 0), two client processes (a
 *writer* and a *reader*, neither of them the server), a plain asyncio TCP server and a bare
@@ -56,6 +56,7 @@ from _common import (
 )
 
 from kvclient import KVClient
+from kvstore.core import fused, native
 from kvstore.core.arena import parse_size
 from kvstore.core.codec import ChunkKey, chunk_nbytes, decode_chunk, encode_blocks
 from kvstore.core.hashing import Namespace, block_hashes
@@ -73,6 +74,7 @@ RAW_HEAD = struct.Struct("<cII")  # op (b"P" put, b"G" get), chunk count, chunk 
 RAW_MAX_CHUNK = 64 * 2**20
 RAW_MAX_COUNT = 4096
 TRANSPORT_SEED_OFFSET = 1_000_003  # the transport-only prompt of seed s uses s + this
+EAGER_SEED_OFFSET = 2_000_003  # --eager: the eager codec's prompt of rep s uses s + this
 FILL_SEED = 2_000_003  # pool-filling prompts use FILL_SEED + k
 Stats = dict[str, float]
 
@@ -296,8 +298,10 @@ def job_node_stats(setup: Setup) -> dict[str, Any]:
     return _run(ask())  # type: ignore[no-any-return]
 
 
-def job_write(setup: Setup, seed: int) -> dict[str, Stats]:
-    """Writer process, one prompt: put_layer x L, encode alone, protocol put, raw put."""
+def job_write(setup: Setup, seed: int, codec: str | None = None) -> dict[str, Stats]:
+    """Writer process, one prompt: put_layer x L, encode alone, protocol put, raw put;
+    ``codec``: the codec path (kvstore.core.fused's modes; None: the default)."""
+    fused.set_mode(codec)
     return _run(_write(setup, seed))  # type: ignore[no-any-return]
 
 
@@ -329,8 +333,10 @@ async def _write(setup: Setup, seed: int) -> dict[str, Stats]:
     return res
 
 
-def job_read(setup: Setup, seed: int) -> dict[str, Stats]:
-    """Reader process, one prompt: get_layer x L, protocol get, decode alone, raw get."""
+def job_read(setup: Setup, seed: int, codec: str | None = None) -> dict[str, Stats]:
+    """Reader process, one prompt: get_layer x L, protocol get, decode alone, raw get;
+    ``codec`` as for :func:`job_write`."""
+    fused.set_mode(codec)
     return _run(_read(setup, seed))  # type: ignore[no-any-return]
 
 
@@ -484,6 +490,7 @@ class Results:
     prompts: list[dict[str, Stats]]
     match: dict[str, Stats]
     pool: dict[str, Any]
+    eager: list[dict[str, Stats]]  # --eager: the same prompts' shape with the eager codec
 
 
 def run(args: argparse.Namespace) -> Results:
@@ -508,7 +515,7 @@ def run(args: argparse.Namespace) -> Results:
             match_calls=args.match_calls,
         )
         fills = -(-parse_size(args.host_mem) // setup.wire_bytes) + 1 if args.fill else 0
-        bar.update(task, total=fills + 2 * (args.warmup + args.reps) + 2)
+        bar.update(task, total=fills + 2 * (1 + args.eager) * (args.warmup + args.reps) + 2)
         bar.update(task, description="starting writer and reader processes")
         writer, reader = _worker(stack), _worker(stack)
         fill = []
@@ -517,18 +524,22 @@ def run(args: argparse.Namespace) -> Results:
             fill.append(writer.submit(job_fill, setup, FILL_SEED + k).result(JOB_TIMEOUT_S))
         pool = writer.submit(job_node_stats, setup).result(JOB_TIMEOUT_S)
         prompts = []
+        eager: list[dict[str, Stats]] = []
+        codecs = [(None, prompts, 0), ("eager", eager, EAGER_SEED_OFFSET)][: 1 + args.eager]
         for rep in range(args.warmup + args.reps):
             tag = "warm-up" if rep < args.warmup else f"prompt {rep - args.warmup + 1}"
-            bar.update(task, advance=1, description=f"{tag}: writer puts {args.layers} layers")
-            w = writer.submit(job_write, setup, rep + 1).result(JOB_TIMEOUT_S)
-            bar.update(task, advance=1, description=f"{tag}: reader gets {args.layers} layers")
-            r = reader.submit(job_read, setup, rep + 1).result(JOB_TIMEOUT_S)
-            if rep >= args.warmup:
-                prompts.append({**w, **r})
+            for codec, into, offset in codecs:  # alternating: the VM is shared
+                what = f"{tag}{' (eager codec)' if codec else ''}"
+                bar.update(task, advance=1, description=f"{what}: writer puts {args.layers} layers")
+                w = writer.submit(job_write, setup, rep + 1 + offset, codec).result(JOB_TIMEOUT_S)
+                bar.update(task, advance=1, description=f"{what}: reader gets {args.layers} layers")
+                r = reader.submit(job_read, setup, rep + 1 + offset, codec).result(JOB_TIMEOUT_S)
+                if rep >= args.warmup:
+                    into.append({**w, **r})
         bar.update(task, advance=1, description=f"match_prefix x {args.match_calls}")
         match = reader.submit(job_match, setup).result(JOB_TIMEOUT_S)
         bar.update(task, advance=1, description="stopping")
-    return Results(setup, fill, prompts, match, pool)
+    return Results(setup, fill, prompts, match, pool, eager)
 
 
 def _worker(stack: contextlib.ExitStack) -> ProcessPoolExecutor:
@@ -599,6 +610,27 @@ def throughput_table(res: Results) -> Table:
         f"Read-back check: relative L2 error of the last layer vs the bf16 original, "
         f"median {statistics.median(errs):.4f}.",
     ]
+    return table
+
+
+def codec_table(res: Results) -> Table:
+    """--eager: put_layer / get_layer x L with the default codec beside the eager one."""
+    s, p, e = res.setup, res.prompts, res.eager
+    table = Table(
+        f"1b. The default codec ({'C kernels' if native.available() else 'eager: no C kernels'}) "
+        f"vs the eager codec, end to end, {len(p)} prompts each, alternating",
+        ["step", "default ms median", "eager ms median", "eager / default"],
+    )  # fmt: skip
+    chunks = s.layers * (s.tokens // BLOCK)
+    spans = {
+        f"put_layer x {s.layers}": "put",
+        f"get_layer x {s.layers}": "get",
+        f"encode_blocks x {s.layers}": "encode",
+        f"decode_chunk x {chunks}": "decode",
+    }
+    for label, span in spans.items():
+        fast, slow = statistics.median(_col(p, span)), statistics.median(_col(e, span))
+        table.add(label, f"{fast * 1e3:.1f}", f"{slow * 1e3:.1f}", f"{slow / fast:.2f}x")
     return table
 
 
@@ -768,6 +800,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="measure into a fresh pool instead of filling it first (first-touch costs)",
     )
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="also run every prompt with the eager codec (KVSTORE_CODEC=eager), alternating",
+    )
     parser.add_argument("--plot", metavar="PNG", help="also write a bar chart here")
     args = parser.parse_args(argv)
     if args.reps < 1 or args.warmup < 0 or args.tokens < BLOCK or args.layers < 1:
@@ -782,6 +819,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     res = run(args)
     tables = (throughput_table(res), raw_table(res), match_table(res), cpu_table(res))
+    if args.eager:
+        tables = (tables[0], codec_table(res), *tables[1:])
     print_report("kvstore serve, end to end", "bench/service.py", argv, tables)
     if args.plot:
         plot(res, args.plot)

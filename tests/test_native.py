@@ -182,3 +182,15 @@ def test_a_chunk_decodes_the_same_through_either_path_after_a_round_trip() -> No
     assert torch.equal(_bits(got), _bits(decode_chunk(chunk)))
     assert (got.float() - x.float()).abs().max() < 0.05 * x.float().abs().max()
     assert codec.read_header(chunk).scheme == codec.DEFAULT_INT8
+
+
+def test_a_big_layer_runs_k_and_v_on_two_threads_with_the_same_bytes() -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = realistic_kv(512, 8, 128, torch.bfloat16, seed=11)  # halves of 1 MiB
+        assert x[0].numel() * 2 >= native.PARALLEL_BYTES
+        _same_both_ways(x, 256, 2, "int8")
+        assert native._helper is not None  # the second thread ran a half
+    finally:
+        torch.set_num_threads(threads)

@@ -17,13 +17,16 @@ Why C: the eager encode is ~40 torch ops and 16 full passes per block, and the c
 (Inductor) CPU code loses to it on decode (docs/codec.md, "Fused kernels"). Each kernel
 here reads the input twice (statistics, then codes; the second read hits cache) and writes
 each code once, with no scratch. The GIL is released while a kernel runs, so codec calls
-on several threads run in parallel.
+on several threads run in parallel, and a big layer's K and V run on two threads
+(:data:`PARALLEL_BYTES`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 
 import torch
@@ -38,6 +41,13 @@ log = logging.getLogger(__name__)
 _MODES = {"c": 1, "cc": 2, "t": 3, "ct": 4}
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 _MAX_D = 4096
+PARALLEL_BYTES = 256 << 10
+"""A half (K or V) of at least this many input bytes runs beside the other one on a second
+thread when torch may use more than one (``torch.get_num_threads()``): the kernels are
+single-threaded and release the GIL, and a hand-off costs tens of µs, which small halves
+do not repay."""
+_helper: ThreadPoolExecutor | None = None
+_helper_lock = threading.Lock()
 
 
 def _load() -> ModuleType | None:
@@ -68,6 +78,23 @@ def _applies(tensors: Sequence[Tensor], d: int, modes: Sequence[str]) -> bool:
     return all(t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
 
 
+def _both_halves(run: Callable[[int], None], half_bytes: int) -> None:
+    """``run(0)`` and ``run(1)``: side by side on two threads where that pays, else in turn."""
+    global _helper
+    if half_bytes < PARALLEL_BYTES or torch.get_num_threads() < 2:
+        run(0)
+        run(1)
+        return
+    with _helper_lock:
+        if _helper is None:
+            _helper = ThreadPoolExecutor(1, thread_name_prefix="kvstore-codec")
+    other = _helper.submit(run, 1)
+    try:
+        run(0)
+    finally:
+        other.result()
+
+
 def _scale_args(views: Sequence[Tensor]) -> list[int]:
     """Pointer and (N, T, H, D) element strides of a half's scale views (``[N, ...]`` or
     one chunk's ``[...]``: N's stride 0); a one-scale mode passes its view twice."""
@@ -92,13 +119,17 @@ def quantize(
     if k.dtype not in _DTYPES or not _applies((k, v, codes), d, modes):
         return False
     assert _lib is not None
-    for half, x in enumerate((k, v)):
-        q = codes[:, half]
-        _lib.encode(
+    lib = _lib
+
+    def run(half: int) -> None:
+        x, q = (k, v)[half], codes[:, half]
+        lib.encode(
             _MODES[modes[half]], _DTYPES[k.dtype], n, t, h, d,
             x.data_ptr(), *x.stride()[:3], q.data_ptr(), *q.stride()[:3],
             *_scale_args(scales[half]),
         )  # fmt: skip
+
+    _both_halves(run, k.numel() * k.element_size())
     return True
 
 
@@ -126,12 +157,15 @@ def dequantize(
     for half, _, strides, at in scale_slots:
         scales[half].append(base + offsets[0] + 2 * at)
         scales[half].extend((0, *strides))
-    codes = base + offsets[1]
-    for half in (0, 1):
+    codes, lib = base + offsets[1], _lib
+
+    def run(half: int) -> None:
         o, sc = out[half], scales[half]
-        _lib.decode(
+        lib.decode(
             _MODES[modes[half]], _DTYPES[dtype], 1, t, h, d,
             codes + half * t * h * d, 0, h * d, d, o.data_ptr(), 0, *o.stride()[:2],
             *sc[:5], *sc[-5:],
         )  # fmt: skip
+
+    _both_halves(run, t * h * d * out[0].element_size())
     return True
