@@ -4,12 +4,17 @@ refused as the eager path refuses it."""
 
 from __future__ import annotations
 
+import os
 import platform
+import signal
+import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -192,5 +197,87 @@ def test_a_big_layer_runs_k_and_v_on_two_threads_with_the_same_bytes() -> None:
         assert x[0].numel() * 2 >= native.PARALLEL_BYTES
         _same_both_ways(x, 256, 2, "int8")
         assert native._helper is not None  # the second thread ran a half
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("quant", INT8)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [0x7E00, 0x7C00, 0xFC00])  # NaN, inf, -inf
+def test_a_crafted_chunk_with_a_non_finite_scale_decodes_as_eager_does(
+    quant: str, dtype: torch.dtype, bits: int
+) -> None:
+    # any writer can seal such a chunk with a valid checksum: NaN and inf decode as eager's
+    x = realistic_kv(16, 2, 24, dtype, seed=12)
+    chunk = encode_chunk(x, quant, key=_keys(1)[0]).numpy().copy()
+    layout = codec._layout(16, 2, 24, dtype, codec.SCHEMES[quant])
+    for _, _, _, at in layout.scale_slots:  # one scale in each of the chunk's scale tensors
+        struct.pack_into("<H", chunk, codec.HEADER_NBYTES + 2 * (at + 1), bits)
+    end = layout.checksum_offset
+    struct.pack_into("<Q", chunk, end, xxhash.xxh3_64_intdigest(chunk[:end].data))
+    outs = {}
+    for mode in ("eager", "native"):
+        fused.set_mode(mode)
+        outs[mode] = decode_chunk(torch.from_numpy(chunk))
+    assert torch.equal(_bits(outs["eager"]), _bits(outs["native"]))
+    assert not torch.isfinite(outs["native"].float()).all()
+
+
+def test_a_zero_k_channel_of_both_signs_stores_a_positive_zero_mid() -> None:
+    # amax and amin keep one zero or the other depending on the shape; every path stores +0
+    x = torch.zeros(2, 2, 1, 8)
+    x[0, 1, 0, 0] = -0.0
+    x[0, 0, 0, 1], x[0, 1, 0, 1] = -0.0, 0.0
+    for dtype in DTYPES:
+        for quant in ("int8-kcc-vt", "int8-kcc-vct"):
+            eager = _encode("eager", x.to(dtype), 2, 1, quant)
+            assert torch.equal(eager, _encode("native", x.to(dtype), 2, 1, quant))
+            mid = eager[0, codec.HEADER_NBYTES : codec.HEADER_NBYTES + 16].view(torch.int16)
+            assert (mid == 0).all()  # +0.0, never 0x8000
+
+
+def test_more_channels_than_the_kernels_take_fall_back_to_eager() -> None:
+    x = torch.randn(2, 1, 264, 4096).half()  # H*D over 2**20
+    for quant in ("int8-kc-vt", "int8"):
+        fused.set_mode("eager")
+        eager = encode_chunk(x, quant)
+        fused.set_mode("native")
+        assert torch.equal(eager, encode_chunk(x, quant))
+        assert torch.equal(_bits(decode_chunk(eager)), _bits(decode_chunk(eager)))
+
+
+def test_an_output_with_a_zero_stride_is_refused_as_eager_refuses_it() -> None:
+    chunk = encode_chunk(realistic_kv(4, 2, 16, torch.float32, seed=1))
+    for mode in ("eager", "native"):
+        fused.set_mode(mode)
+        k = torch.zeros(1, 2, 16).expand(4, 2, 16)  # four tokens on one row of memory
+        with pytest.raises(RuntimeError, match="more than one element"):
+            decode_chunk(chunk, out=(k, torch.empty(4, 2, 16)))
+
+
+def test_a_forked_child_encodes_a_big_layer() -> None:
+    # the helper thread does not survive fork(); the child gets a new one
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = realistic_kv(256, 8, 128, torch.bfloat16, seed=13)
+        fused.set_mode("native")
+        want = encode_chunk(x)
+        assert native._helper is not None
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only with the parent's bytes (numpy compares:
+            # torch ops on two threads can hang in a forked child, whatever the codec does)
+            same = encode_chunk(x).numpy().tobytes() == want.numpy().tobytes()
+            os._exit(0 if same else 1)
+        for _ in range(600):  # 60 s at most
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in its first big encode")
+        assert os.waitstatus_to_exitcode(status) == 0
     finally:
         torch.set_num_threads(threads)

@@ -10,7 +10,8 @@
  * same order, each rounded once as torch rounds it (no contraction: -ffp-contract=off;
  * torch.lerp's vectorized kernel is an FMA, so the centred mid-range is one here too).
  * float32 -> float16 is the F16C conversion (round to nearest even, inf on overflow), as
- * c10::Half's; float32 -> bfloat16 rounds to nearest even, NaN to 0x7FC0, as c10's.
+ * c10::Half's; float32 -> bfloat16 rounds to nearest even, NaN to 0xFFFF, as ATen's vectorized
+ * conversion does (measured: torch.tensor([nan]).to(torch.bfloat16) is 0xFFFF here).
  * Max and min are exact in any order. A NaN anywhere in a tile makes one of its scales NaN
  * (the codec then refuses the chunk, as it does for eager's NaN scales).
  *
@@ -32,8 +33,14 @@
 enum { F16 = 1, BF16 = 2, F32 = 3 };
 enum { MODE_C = 1, MODE_CC = 2, MODE_T = 3, MODE_CT = 4 };
 #define MAX_D 4096
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 16 /* rows ahead; 8, 16 and 32 measured alike, none ~25% slower */
+#endif
+#ifndef STREAM_BYTES
+#define STREAM_BYTES (256 << 10)
+#endif
 #ifndef TILE_BYTES
-#define TILE_BYTES (128 << 10) /* input per tile: read twice, the second time from L2 */
+#define TILE_BYTES (1 << 20) /* input per tile: 128 KiB tiles (2 heads here) measured no faster */
 #endif
 #define MAX_HD (1 << 20) /* channels per block: the scratch is 16 bytes each */
 
@@ -61,24 +68,32 @@ INL __m256 load8(const char *p, int dt) {
 
 INL int esize(int dt) { return dt == F32 ? 4 : 2; }
 
-INL __m256i codes_i32(__m256 y) {
-    return _mm256_cvtps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
+/* Codes round to nearest even through MXCSR (encode_half sets it for the call). A NaN
+ * converts to INT32_MIN and packs to -128, a code no finite value gets (|codes| <= 127 by
+ * construction of the scales): `bad` collects them, so NaN is detected where the codes
+ * are stored and the statistics passes need no check of their own. */
+INL __m256i codes_i32(__m256 y) { return _mm256_cvtps_epi32(y); }
 
 /* 32 codes in one store: the packs work within 128-bit lanes, the permute restores order */
-INL void store_codes32(int8_t *q, __m256 a, __m256 b, __m256 c, __m256 d) {
+INL void store_codes32(int8_t *q, __m256 a, __m256 b, __m256 c, __m256 d, __m256i *bad) {
     __m256i ab = _mm256_packs_epi32(codes_i32(a), codes_i32(b));
     __m256i cd = _mm256_packs_epi32(codes_i32(c), codes_i32(d));
     __m256i v = _mm256_packs_epi16(ab, cd);
     v = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256((__m256i *)q, v);
+    *bad = _mm256_or_si256(*bad, _mm256_cmpeq_epi8(v, _mm256_set1_epi8(-128)));
 }
 
-INL void store_codes8(int8_t *q, __m256 y) {
-    __m256i i = _mm256_cvtps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+INL void store_codes8(int8_t *q, __m256 y, __m256i *bad) {
+    __m256i i = codes_i32(y);
     __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
-    _mm_storel_epi64((__m128i *)q, _mm_packs_epi16(p16, p16));
+    __m128i p8 = _mm_packs_epi16(p16, p16);
+    _mm_storel_epi64((__m128i *)q, p8);
+    __m128i hit = _mm_cmpeq_epi8(p8, _mm_set1_epi8(-128));
+    *bad = _mm256_or_si256(*bad, _mm256_castsi128_si256(hit));
 }
+
+INL int any(__m256i bad) { return !_mm256_testz_si256(bad, bad); }
 
 /* float16 round trip: the stored value and its float32 */
 INL __m256 round16(__m256 v, __m128i *bits) {
@@ -103,9 +118,8 @@ INL void put_scales8(const scales_t *s, int64_t at, __m128i bits) {
  * j*d .. j*d+d-1 of hi/lo (h*d floats, in L1 for usual shapes). Rows are walked in memory
  * order: walking one head down the rows (a stride of H*D values) left the loads waiting
  * on memory (38% of an encode's samples on one load). */
-INL int channel_minmax(const char *x, int64_t rows, int64_t row_bytes, int64_t h,
-                       int64_t head_bytes, int64_t d, int dt, float *hi, float *lo) {
-    __m256 nan = _mm256_setzero_ps();
+INL void channel_minmax(const char *x, int64_t rows, int64_t row_bytes, int64_t h,
+                        int64_t head_bytes, int64_t d, int dt, float *hi, float *lo) {
     const int es = esize(dt);
     for (int64_t c = 0; c < h * d; c += 8) {
         _mm256_store_ps(hi + c, _mm256_set1_ps(-INFINITY));
@@ -116,6 +130,10 @@ INL int channel_minmax(const char *x, int64_t rows, int64_t row_bytes, int64_t h
         for (int64_t j = 0; j < h; j++) {
             const char *p = x + r * row_bytes + j * head_bytes;
             float *hj = hi + j * d, *lj = lo + j * d;
+            if (r + PREFETCH_ROWS + 4 <= rows) /* the same head PREFETCH_ROWS rows on */
+                for (int k = 0; k < 4; k++)
+                    for (int64_t at = 0; at < d * es; at += 64)
+                        _mm_prefetch(p + (PREFETCH_ROWS + k) * row_bytes + at, _MM_HINT_T0);
             for (int64_t c = 0; c < d; c += 8) {
                 const char *pc = p + c * es;
                 __m256 a = load8(pc, dt), b = load8(pc + row_bytes, dt);
@@ -124,8 +142,6 @@ INL int channel_minmax(const char *x, int64_t rows, int64_t row_bytes, int64_t h
                 __m256 mn = _mm256_min_ps(_mm256_min_ps(a, b), _mm256_min_ps(e, f));
                 _mm256_store_ps(hj + c, _mm256_max_ps(_mm256_load_ps(hj + c), mx));
                 _mm256_store_ps(lj + c, _mm256_min_ps(_mm256_load_ps(lj + c), mn));
-                __m256 u = _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(e, f, _CMP_UNORD_Q));
-                nan = _mm256_or_ps(nan, u);
             }
         }
     for (; r < rows; r++)
@@ -136,28 +152,24 @@ INL int channel_minmax(const char *x, int64_t rows, int64_t row_bytes, int64_t h
                 __m256 a = load8(p + c * es, dt);
                 _mm256_store_ps(hj + c, _mm256_max_ps(_mm256_load_ps(hj + c), a));
                 _mm256_store_ps(lj + c, _mm256_min_ps(_mm256_load_ps(lj + c), a));
-                nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
             }
         }
-    return _mm256_movemask_ps(nan) != 0;
 }
 
 /* max over channels of |y|, and y's values as float32 into buf */
-INL float row_absmax(const char *p, int64_t d, int dt, float *buf, const float *mul, int *nan) {
+INL float row_absmax(const char *p, int64_t d, int dt, float *buf, const float *mul) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 r = _mm256_setzero_ps(), u = _mm256_setzero_ps();
+    __m256 r = _mm256_setzero_ps();
     const int es = esize(dt);
     for (int64_t c = 0; c < d; c += 8) {
         __m256 y = load8(p + c * es, dt);
         if (mul) y = _mm256_mul_ps(y, _mm256_load_ps(mul + c));
         _mm256_store_ps(buf + c, y);
-        u = _mm256_or_ps(u, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
         r = _mm256_max_ps(r, _mm256_andnot_ps(sign, y));
     }
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    if (_mm256_movemask_ps(u)) *nan = 1;
     return _mm_cvtss_f32(m);
 }
 
@@ -180,13 +192,13 @@ typedef struct {
 } block_t;
 
 /* per token (t), or channel-smoothed per token (ct: mul holds 1 / the channel maxima) */
-INL void encode_rows(const block_t *b, int dt, const scales_t *s, int64_t base, const float *mul,
-                     int nan) {
+INL void encode_rows(const block_t *b, int dt, const scales_t *s, int64_t base, const float *mul) {
+    __m256i bad = _mm256_setzero_si256();
     for (int64_t r = 0; r < b->rows; r++)
         for (int64_t j = 0; j < b->h; j++) {
             const char *p = b->x + r * b->row_bytes + j * b->head_bytes;
             uint16_t st;
-            float inv = inv_scale(row_absmax(p, b->d, dt, b->buf, mul ? mul + j * b->d : NULL, &nan), &st);
+            float inv = inv_scale(row_absmax(p, b->d, dt, b->buf, mul ? mul + j * b->d : NULL), &st);
             s->p[base + r * s->t + j * s->h] = st;
             __m256 vi = _mm256_set1_ps(inv);
             int8_t *q = b->q + r * b->qrow + j * b->qhead;
@@ -196,22 +208,22 @@ INL void encode_rows(const block_t *b, int dt, const scales_t *s, int64_t base, 
                 store_codes32(q + c, _mm256_mul_ps(_mm256_load_ps(y + c), vi),
                               _mm256_mul_ps(_mm256_load_ps(y + c + 8), vi),
                               _mm256_mul_ps(_mm256_load_ps(y + c + 16), vi),
-                              _mm256_mul_ps(_mm256_load_ps(y + c + 24), vi));
+                              _mm256_mul_ps(_mm256_load_ps(y + c + 24), vi), &bad);
             for (; c < b->d; c += 8)
-                store_codes8(q + c, _mm256_mul_ps(_mm256_load_ps(y + c), vi));
+                store_codes8(q + c, _mm256_mul_ps(_mm256_load_ps(y + c), vi), &bad);
         }
-    if (nan) s->p[base] = 0x7E00;
+    if (any(bad)) s->p[base] = 0x7E00; /* NaN in the KV: the codec refuses the chunk */
 }
 
 INL void encode_block(int mode, int dt, const block_t *b) {
     const int es = esize(dt);
     const int64_t d = b->d, hd = b->h * d;
     if (mode == MODE_T) {
-        encode_rows(b, dt, b->s0, b->b0, NULL, 0);
+        encode_rows(b, dt, b->s0, b->b0, NULL);
         return;
     }
     float *hi = b->hi, *lo = b->lo, *mid = b->mid;
-    int nan = channel_minmax(b->x, b->rows, b->row_bytes, b->h, b->head_bytes, d, dt, hi, lo);
+    channel_minmax(b->x, b->rows, b->row_bytes, b->h, b->head_bytes, d, dt, hi, lo);
     const __m256 tiny = _mm256_set1_ps(TINY), qinv = _mm256_set1_ps(QMAX_INV);
     const __m256 one = _mm256_set1_ps(1.0f);
     const scales_t *sv = mode == MODE_CC ? b->s1 : b->s0; /* where the scales go */
@@ -222,12 +234,14 @@ INL void encode_block(int mode, int dt, const block_t *b) {
         __m256 hv = _mm256_load_ps(hi + c), lv = _mm256_load_ps(lo + c), r, m = _mm256_setzero_ps();
         __m128i bits;
         if (mode == MODE_CC) {
-            /* torch.lerp(lo, hi, 0.5), vectorized: fma(0.5 - 1, hi - lo, hi) */
-            m = round16(_mm256_fmadd_ps(_mm256_set1_ps(-0.5f), _mm256_sub_ps(hv, lv), hv), &bits);
+            /* torch.lerp(lo, hi, 0.5), vectorized: fma(0.5 - 1, hi - lo, hi); + 0 makes a
+             * zero +0 whichever zero max and min kept (kernels._enc_cc) */
+            m = _mm256_fmadd_ps(_mm256_set1_ps(-0.5f), _mm256_sub_ps(hv, lv), hv);
+            m = round16(_mm256_add_ps(m, _mm256_setzero_ps()), &bits);
             put_scales8(b->s0, b->b0 + at, bits);
             r = _mm256_max_ps(_mm256_sub_ps(hv, m), _mm256_sub_ps(m, lv));
         } else {
-            /* maximum(amax, -amin): torch.maximum propagates NaN, handled by `nan` */
+            /* maximum(amax, -amin); a NaN input shows in its code (store_codes32) */
             r = _mm256_max_ps(hv, _mm256_xor_ps(lv, _mm256_set1_ps(-0.0f)));
         }
         if (mode == MODE_CT) {
@@ -242,9 +256,10 @@ INL void encode_block(int mode, int dt, const block_t *b) {
         _mm256_store_ps(mid + c, m);
     }
     if (mode == MODE_CT) {
-        encode_rows(b, dt, b->s1, b->b1, hi, nan);
+        encode_rows(b, dt, b->s1, b->b1, hi);
         return;
     }
+    __m256i bad = _mm256_setzero_si256();
     for (int64_t r = 0; r < b->rows; r++)
         for (int64_t j = 0; j < b->h; j++) {
             const char *p = b->x + r * b->row_bytes + j * b->head_bytes;
@@ -254,17 +269,19 @@ INL void encode_block(int mode, int dt, const block_t *b) {
 #define CODE(k) (mode == MODE_CC ? _mm256_mul_ps(_mm256_sub_ps(load8(p + (c + k) * es, dt), \
                  _mm256_load_ps(mj + c + k)), _mm256_load_ps(inv + c + k)) \
                  : _mm256_mul_ps(load8(p + (c + k) * es, dt), _mm256_load_ps(inv + c + k)))
-            for (; c + 32 <= d; c += 32) store_codes32(q + c, CODE(0), CODE(8), CODE(16), CODE(24));
-            for (; c < d; c += 8) store_codes8(q + c, CODE(0));
+            for (; c + 32 <= d; c += 32) store_codes32(q + c, CODE(0), CODE(8), CODE(16), CODE(24), &bad);
+            for (; c < d; c += 8) store_codes8(q + c, CODE(0), &bad);
 #undef CODE
         }
-    if (nan) sv->p[bv] = 0x7E00;
+    if (any(bad)) sv->p[bv] = 0x7E00;
 }
 
 TGT static void encode_half(int mode, int dt, int64_t n, int64_t t, int64_t h, int64_t d,
                             view_t x, int8_t *q, int64_t qn, int64_t qt, int64_t qh,
                             scales_t s0, scales_t s1, float *scratch) {
     const int es = esize(dt);
+    const unsigned int csr = _mm_getcsr(); /* round to nearest even, exceptions masked */
+    _mm_setcsr((csr & ~0x6000u) | 0x1F80u);
     int64_t g = TILE_BYTES / (t * d * es); /* heads per tile */
     g = g < 1 ? 1 : g > h ? h : g;
     for (int64_t i = 0; i < n; i++)
@@ -280,27 +297,54 @@ TGT static void encode_half(int mode, int dt, int64_t n, int64_t t, int64_t h, i
             default: encode_block(mode, F32, &b); break;
             }
         }
+    _mm_setcsr(csr);
 }
 
 /* ------------------------------------------------------------------------------ decode */
 
-INL void store8(char *p, __m256 v, int dt) {
+/* bfloat16 bits of finite v, rounded to nearest even (in the low half of each lane) */
+INL __m256i bf16_bits(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+}
+
+/* 16 values to p in dt; `finite`: no NaN among them (else NaN stores as ATen's vectorized
+ * conversion stores it, 0xFFFF); `nt`: non-temporal stores (p 32-byte aligned) */
+INL void store16(char *p, __m256 v0, __m256 v1, int dt, int finite, int nt) {
     if (dt == F16) {
-        _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+        __m128i h0 = _mm256_cvtps_ph(v0, _MM_FROUND_TO_NEAREST_INT);
+        __m128i h1 = _mm256_cvtps_ph(v1, _MM_FROUND_TO_NEAREST_INT);
+        if (nt) {
+            _mm256_stream_si256((__m256i *)p, _mm256_set_m128i(h1, h0));
+        } else {
+            _mm_storeu_si128((__m128i *)p, h0);
+            _mm_storeu_si128((__m128i *)(p + 16), h1);
+        }
         return;
     }
-    if (dt == BF16) {
-        __m256i u = _mm256_castps_si256(v);
-        __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
-                                        _mm256_set1_epi32(0x7FFF));
-        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-        __m256i isnan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), isnan);
-        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-        _mm_storeu_si128((__m128i *)p, packed);
+    if (dt == F32) {
+        if (nt) {
+            _mm256_stream_ps((float *)p, v0);
+            _mm256_stream_ps((float *)(p + 32), v1);
+        } else {
+            _mm256_storeu_ps((float *)p, v0);
+            _mm256_storeu_ps((float *)(p + 32), v1);
+        }
         return;
     }
-    _mm256_storeu_ps((float *)p, v);
+    __m256i r0 = bf16_bits(v0), r1 = bf16_bits(v1);
+    if (!finite) {
+        const __m256i qnan = _mm256_set1_epi32(0xFFFF);
+        r0 = _mm256_blendv_epi8(r0, qnan, _mm256_castps_si256(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q)));
+        r1 = _mm256_blendv_epi8(r1, qnan, _mm256_castps_si256(_mm256_cmp_ps(v1, v1, _CMP_UNORD_Q)));
+    }
+    /* packus interleaves the 128-bit lanes (r0 lo, r1 lo, r0 hi, r1 hi); restore order */
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r0, r1), 0xD8);
+    if (nt)
+        _mm256_stream_si256((__m256i *)p, packed);
+    else
+        _mm256_storeu_si256((__m256i *)p, packed);
 }
 
 INL __m256 codes8(const int8_t *q) {
@@ -314,11 +358,42 @@ INL __m256 scales8(const scales_t *s, int64_t at) {
     return _mm256_loadu_ps(tmp);
 }
 
-/* per-channel scales of one block as float32, h*d of them, head by head */
-INL void channel_scales(const scales_t *s, int64_t base, int64_t h, int64_t d, float *to) {
+/* per-channel scales of one block as float32, h*d of them, head by head; whether all
+ * are finite */
+INL int channel_scales(const scales_t *s, int64_t base, int64_t h, int64_t d, float *to) {
+    __m256 bad = _mm256_setzero_ps();
+    const __m256 inf = _mm256_set1_ps(INFINITY), sign = _mm256_set1_ps(-0.0f);
     for (int64_t j = 0; j < h; j++)
-        for (int64_t c = 0; c < d; c += 8)
-            _mm256_store_ps(to + j * d + c, scales8(s, base + j * s->h + c * s->d));
+        for (int64_t c = 0; c < d; c += 8) {
+            __m256 v = scales8(s, base + j * s->h + c * s->d);
+            _mm256_store_ps(to + j * d + c, v);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_andnot_ps(sign, v), inf, _CMP_NLT_UQ));
+        }
+    return _mm256_movemask_ps(bad) == 0;
+}
+
+/* One head's row: d values from codes qp into op. Finite scales give finite values
+ * (|q·s·c| <= 127·65504², |m + q·s| likewise), so only rows with a non-finite scale take
+ * the NaN-safe stores. */
+INL void decode_row(int mode, int dt, const int8_t *qp, char *op, int64_t d, const float *aj,
+                    const float *bj, float st, int finite, int nt) {
+    const int es = esize(dt);
+    const __m256 vs = _mm256_set1_ps(st);
+#define VALUE(k) (mode == MODE_T ? _mm256_mul_ps(codes8(qp + c + k), vs) \
+    : mode == MODE_CT ? _mm256_mul_ps(_mm256_mul_ps(codes8(qp + c + k), vs), _mm256_load_ps(aj + c + k)) \
+    : mode == MODE_CC ? _mm256_add_ps(_mm256_load_ps(aj + c + k), _mm256_mul_ps(codes8(qp + c + k), _mm256_load_ps(bj + c + k))) \
+    : _mm256_mul_ps(codes8(qp + c + k), _mm256_load_ps(aj + c + k)))
+    /* q·s is exact in float32, so each value rounds once, as eager's do */
+    int64_t c = 0;
+    for (; c + 16 <= d; c += 16) store16(op + c * es, VALUE(0), VALUE(8), dt, finite, nt);
+    if (c < d) { /* d % 16 == 8 */
+        float tail[16] __attribute__((aligned(32)));
+        char tmp[64];
+        _mm256_store_ps(tail, VALUE(0));
+        store16(tmp, _mm256_load_ps(tail), _mm256_setzero_ps(), dt, finite, 0);
+        memcpy(op + c * es, tmp, (size_t)(8 * es));
+    }
+#undef VALUE
 }
 
 INL void decode_block(int mode, int dt, const int8_t *q, int64_t rows, int64_t qrow, int64_t qhead,
@@ -326,32 +401,29 @@ INL void decode_block(int mode, int dt, const int8_t *q, int64_t rows, int64_t q
                       const scales_t *s0, int64_t b0, const scales_t *s1, int64_t b1, float *a,
                       float *b) {
     const int es = esize(dt);
-    if (mode != MODE_T) channel_scales(s0, b0, h, d, a);
-    if (mode == MODE_CC) channel_scales(s1, b1, h, d, b);
+    int finite = 1;
+    if (mode != MODE_T) finite = channel_scales(s0, b0, h, d, a);
+    if (mode == MODE_CC) finite &= channel_scales(s1, b1, h, d, b);
+    const scales_t *sv = mode == MODE_T ? s0 : s1; /* per-token scales (t, ct) */
+    const int64_t bv = mode == MODE_T ? b0 : b1;
+    /* Big outputs bypass the cache (no read for ownership of lines written whole): the
+     * layer an engine decodes into is larger than the cache anyway. */
+    const int nt = rows * h * d * es >= STREAM_BYTES && d % 16 == 0 && (uintptr_t)out % 32 == 0 &&
+                   (orow * es) % 32 == 0 && (ohead * es) % 32 == 0;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t j = 0; j < h; j++) {
             const int8_t *qp = q + r * qrow + j * qhead;
             char *op = out + (r * orow + j * ohead) * es;
-            const float *aj = a + j * d, *bj = b + j * d;
-            if (mode == MODE_T || mode == MODE_CT) {
-                const scales_t *sv = mode == MODE_T ? s0 : s1;
-                int64_t at = (mode == MODE_T ? b0 : b1) + r * sv->t + j * sv->h;
-                __m256 st = _mm256_set1_ps(h2f(sv->p[at]));
-                for (int64_t c = 0; c < d; c += 8) {
-                    __m256 w = _mm256_mul_ps(codes8(qp + c), st); /* exact */
-                    if (mode == MODE_CT) w = _mm256_mul_ps(w, _mm256_load_ps(aj + c));
-                    store8(op + c * es, w, dt);
-                }
-            } else if (mode == MODE_CC) { /* m + q*s: the product is exact */
-                for (int64_t c = 0; c < d; c += 8) {
-                    __m256 w = _mm256_mul_ps(codes8(qp + c), _mm256_load_ps(bj + c));
-                    store8(op + c * es, _mm256_add_ps(_mm256_load_ps(aj + c), w), dt);
-                }
-            } else {
-                for (int64_t c = 0; c < d; c += 8)
-                    store8(op + c * es, _mm256_mul_ps(codes8(qp + c), _mm256_load_ps(aj + c)), dt);
-            }
+            float st = 0.0f;
+            if (mode == MODE_T || mode == MODE_CT) st = h2f(sv->p[bv + r * sv->t + j * sv->h]);
+            if (finite && isfinite(st) && nt)
+                decode_row(mode, dt, qp, op, d, a + j * d, b + j * d, st, 1, 1);
+            else if (finite && isfinite(st))
+                decode_row(mode, dt, qp, op, d, a + j * d, b + j * d, st, 1, 0);
+            else
+                decode_row(mode, dt, qp, op, d, a + j * d, b + j * d, st, 0, 0);
         }
+    if (nt) _mm_sfence(); /* streamed stores visible before the call returns */
 }
 
 TGT static void decode_half(int mode, int dt, int64_t n, int64_t t, int64_t h, int64_t d,

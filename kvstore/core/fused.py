@@ -145,7 +145,7 @@ def _stats(mode: str, y: Tensor) -> tuple[list[Tensor], _Factors]:
         return [s], (None, None, inv)
     if mode == "cc":
         hi, lo = _amax(y, -3), _amin(y, -3)
-        m16 = (hi - (hi - lo) * 0.5).to(torch.float16)  # torch.lerp(lo, hi, 0.5), exactly
+        m16 = (hi - (hi - lo) * 0.5 + 0.0).to(torch.float16)  # kernels._enc_cc's, exactly
         m = m16.float()
         s, inv = _scale(torch.maximum(hi - m, m - lo))
         return [m16, s], (m, inv, None)

@@ -102,7 +102,9 @@ def _enc_c(y: Tensor, q: Tensor, sc: list[Tensor]) -> None:
 
 def _enc_cc(y: Tensor, q: Tensor, sc: list[Tensor]) -> None:
     hi, lo = y.amax(-3, keepdim=True), y.amin(-3, keepdim=True)
-    m = _store(torch.lerp(lo, hi, 0.5), sc[0])
+    # + 0.0: a zero mid-range is +0 whichever zero amax and amin kept (their order varies
+    # with the shape), so every path stores the same bytes
+    m = _store(torch.lerp(lo, hi, 0.5).add_(0.0), sc[0])
     # m - lo is -(lo - m) bit for bit (rounding to nearest is symmetric), one op instead
     # of two; the sign of a zero cannot matter, the scale floor replaces it.
     inv = _inv_scale(torch.maximum(hi.sub_(m), torch.sub(m, lo, out=lo)), sc[1])

@@ -24,10 +24,13 @@ on several threads run in parallel, and a big layer's K and V run on two threads
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 _MODES = {"c": 1, "cc": 2, "t": 3, "ct": 4}
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 _MAX_D = 4096
+_MAX_HD = 1 << 20  # _native.c's MAX_HD: channels per block (its scratch)
 PARALLEL_BYTES = 256 << 10
 """A half (K or V) of at least this many input bytes runs beside the other one on a second
 thread when torch may use more than one (``torch.get_num_threads()``): the kernels are
@@ -78,6 +82,14 @@ def _applies(tensors: Sequence[Tensor], d: int, modes: Sequence[str]) -> bool:
     return all(t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
 
 
+def _reset_after_fork() -> None:  # a forked child has no helper thread
+    global _helper, _helper_lock
+    _helper, _helper_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 def _both_halves(run: Callable[[int], None], half_bytes: int) -> None:
     """``run(0)`` and ``run(1)``: side by side on two threads where that pays, else in turn."""
     global _helper
@@ -88,11 +100,70 @@ def _both_halves(run: Callable[[int], None], half_bytes: int) -> None:
     with _helper_lock:
         if _helper is None:
             _helper = ThreadPoolExecutor(1, thread_name_prefix="kvstore-codec")
-    other = _helper.submit(run, 1)
+        helper = _helper
+    try:
+        other = helper.submit(run, 1)
+    except RuntimeError:  # the interpreter is shutting down: no new futures
+        run(0)
+        run(1)
+        return
     try:
         run(0)
     finally:
         other.result()
+
+
+def _consistent(
+    k: Tensor,
+    v: Tensor,
+    codes: Tensor,
+    scales: tuple[list[Tensor], list[Tensor]],
+    modes: tuple[str, str],
+) -> bool:
+    """What the C code reads and writes through pointers lies inside these tensors."""
+    n, t, h, d = k.shape
+    if v.shape != k.shape or v.dtype != k.dtype or codes.dtype != torch.int8:
+        return False
+    if tuple(codes.shape) != (n, 2, t, h, d):
+        return False
+    per_channel, per_token = (n, 1, h, d), (n, t, h, 1)
+    want = {"c": [per_channel], "cc": [per_channel] * 2, "t": [per_token],
+            "ct": [per_channel, per_token]}  # fmt: skip
+    for views, mode in zip(scales, modes, strict=True):
+        if [tuple(x.shape) for x in views] != want[mode]:
+            return False
+        if any(x.dtype != torch.float16 or x.device.type != "cpu" for x in views):
+            return False
+    return True
+
+
+class _Plan(NamedTuple):
+    """What decoding a chunk of one layout takes, but its addresses: per half the mode's
+    code, the codes' offset and the scale arguments (offsets in place of pointers)."""
+
+    halves: tuple[tuple[int, int, tuple[int, ...]], ...]
+    nbytes: int  # the chunk bytes the kernels read: buf must hold at least these
+
+
+@lru_cache(maxsize=256)
+def _plan(
+    modes: tuple[str, str],
+    shape: tuple[int, int, int],
+    scale_slots: tuple[tuple[int, tuple[int, ...], tuple[int, ...], int], ...],
+    offsets: tuple[int, int],
+) -> _Plan:
+    t, h, d = shape
+    scales: tuple[list[int], list[int]] = ([], [])
+    ends = [offsets[1] + 2 * t * h * d]
+    for half, dims, strides, at in scale_slots:
+        scales[half].extend((offsets[0] + 2 * at, 0, *strides))
+        last = sum((n - 1) * s for n, s in zip(dims, strides, strict=True))
+        ends.append(offsets[0] + 2 * (at + 1 + last))
+    halves = tuple(
+        (_MODES[modes[i]], offsets[1] + i * t * h * d, (*scales[i][:5], *scales[i][-5:]))
+        for i in (0, 1)
+    )
+    return _Plan(halves, max(ends))
 
 
 def _scale_args(views: Sequence[Tensor]) -> list[int]:
@@ -116,8 +187,10 @@ def quantize(
     chunk rows) and ``scales`` (K's and V's float16 views ``[N, ...]``), as the codec's
     eager loop does; False (nothing written) where the C kernels do not apply."""
     n, t, h, d = k.shape
-    if k.dtype not in _DTYPES or not _applies((k, v, codes), d, modes):
+    if k.dtype not in _DTYPES or h * d > _MAX_HD or not _applies((k, v, codes), d, modes):
         return False
+    if not _consistent(k, v, codes, scales, modes):
+        raise ValueError("native.quantize: K, V, codes and scales do not match (a codec bug)")
     assert _lib is not None
     lib = _lib
 
@@ -149,22 +222,30 @@ def dequantize(
     every torch view of it would cost 3-10 µs more."""
     t, h, d = shape
     dtype = out[0].dtype
-    if dtype not in _DTYPES or not _applies((buf, *out), d, modes):
+    if _lib is None or dtype not in _DTYPES or fused.get_mode() not in ("auto", "native"):
         return False
-    assert _lib is not None
-    base = buf.data_ptr()
-    scales: tuple[list[int], list[int]] = ([], [])
-    for half, _, strides, at in scale_slots:
-        scales[half].append(base + offsets[0] + 2 * at)
-        scales[half].extend((0, *strides))
-    codes, lib = base + offsets[1], _lib
+    if d % 8 or not 8 <= d <= _MAX_D or h * d > _MAX_HD or buf.device.type != "cpu":
+        return False
+    strides = (out[0].stride(), out[1].stride())  # one call each: torch attributes cost µs here
+    for o, st in zip(out, strides, strict=True):
+        if st[2] != 1 or o.device.type != "cpu":
+            return False
+        if any(s == 0 and n > 1 for s, n in zip(st, o.shape, strict=True)):
+            return False  # eager's copy_ raises for outputs whose elements share memory
+    plan = _plan(modes, shape, tuple(scale_slots), offsets)
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < plan.nbytes:
+        raise ValueError("native.dequantize: the chunk is shorter than its layout (a codec bug)")
+    if out[0].shape != shape or out[1].shape != shape or out[1].dtype != dtype:
+        raise ValueError("native.dequantize: out does not match the chunk (a codec bug)")
+    base, lib, dt = buf.data_ptr(), _lib, _DTYPES[dtype]
+    assert lib is not None
 
     def run(half: int) -> None:
-        o, sc = out[half], scales[half]
+        mode, codes, sc = plan.halves[half]
+        s0, s1, st = base + sc[0], base + sc[5], strides[half]
         lib.decode(
-            _MODES[modes[half]], _DTYPES[dtype], 1, t, h, d,
-            codes + half * t * h * d, 0, h * d, d, o.data_ptr(), 0, *o.stride()[:2],
-            *sc[:5], *sc[-5:],
+            mode, dt, 1, t, h, d, base + codes, 0, h * d, d, out[half].data_ptr(), 0, st[0],
+            st[1], s0, *sc[1:5], s1, *sc[6:],
         )  # fmt: skip
 
     _both_halves(run, t * h * d * out[0].element_size())
