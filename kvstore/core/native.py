@@ -74,12 +74,14 @@ def available() -> bool:
     return _lib is not None
 
 
-def _applies(tensors: Sequence[Tensor], d: int, modes: Sequence[str]) -> bool:
-    if _lib is None or fused.get_mode() not in ("auto", "native"):
+def _enabled(dtype: torch.dtype, h: int, d: int, modes: Sequence[str]) -> bool:
+    """Whether the kernels run at all for this dtype, head count, head dim and modes (the
+    tensors' own checks follow in each caller)."""
+    if _lib is None or dtype not in _DTYPES or fused.get_mode() not in ("auto", "native"):
         return False
-    if d % 8 or not 8 <= d <= _MAX_D or any(m not in _MODES for m in modes):
+    if d % 8 or not 8 <= d <= _MAX_D or h * d > _MAX_HD:
         return False
-    return all(t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
+    return all(m in _MODES for m in modes)
 
 
 def _reset_after_fork() -> None:  # a forked child has no helper thread
@@ -187,7 +189,9 @@ def quantize(
     chunk rows) and ``scales`` (K's and V's float16 views ``[N, ...]``), as the codec's
     eager loop does; False (nothing written) where the C kernels do not apply."""
     n, t, h, d = k.shape
-    if k.dtype not in _DTYPES or h * d > _MAX_HD or not _applies((k, v, codes), d, modes):
+    if not _enabled(k.dtype, h, d, modes):
+        return False
+    if not all(x.device.type == "cpu" and x.stride(-1) == 1 for x in (k, v, codes)):
         return False
     if not _consistent(k, v, codes, scales, modes):
         raise ValueError("native.quantize: K, V, codes and scales do not match (a codec bug)")
@@ -222,9 +226,7 @@ def dequantize(
     every torch view of it would cost 3-10 µs more."""
     t, h, d = shape
     dtype = out[0].dtype
-    if _lib is None or dtype not in _DTYPES or fused.get_mode() not in ("auto", "native"):
-        return False
-    if d % 8 or not 8 <= d <= _MAX_D or h * d > _MAX_HD or buf.device.type != "cpu":
+    if not _enabled(dtype, h, d, modes) or buf.device.type != "cpu":
         return False
     strides = (out[0].stride(), out[1].stride())  # one call each: torch attributes cost µs here
     for o, st in zip(out, strides, strict=True):
