@@ -18,10 +18,14 @@ Sections, each a Markdown table (progress on stderr):
 4. **A node with a GPU tier** (``kvstore serve --transport ucx --gpu-mem``): a writer
    process puts CUDA KV, a reader process gets it into CUDA tensors; every byte is
    checked, GB/s of KV reported, and the node's stats say which tier holds the blocks.
+   GPU-direct: the writer's chunks must be WRITE'd from the registered device staging they
+   were encoded into (none copied, none through the host), the reader's READ into its
+   device's staging, with no codec copy beyond the transfer on either side.
 5. **The tests that skip without CUDA** (the CUDA cases of ``tests/test_node_tiers.py``),
    run with pytest; their summary line.
 
-``--device cpu`` runs sections 1 to 4 on CPU tensors (section 4 without a GPU tier, section 5
+``--device cpu`` runs sections 1 to 4 on CPU tensors (section 4 without a GPU tier, over
+``ucx://`` where NIXL is installed, section 5
 skipped; with ``--quick`` also the fused codec, whose CPU compile alone takes ~15 s): the
 suite runs it so that the script works the first time a GPU is lent. On a
 machine without CUDA, ``--device cuda`` (the default) says so in one line and exits 2.
@@ -51,8 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Serve, Table, machine_markdown, progress  # noqa: E402
 
 import kvclient  # noqa: E402
+from kvclient.ucx import nixl_available, staging_device  # noqa: E402
 from kvstore.core import fused  # noqa: E402
-from kvstore.core.codec import ChunkKey, decode_chunk, encode_blocks  # noqa: E402
+from kvstore.core.codec import ChunkKey, copy_stats, decode_chunk, encode_blocks  # noqa: E402
 from kvstore.core.kvgen import realistic_kv  # noqa: E402
 
 TOKENS, BLOCK, H, D = 2048, 256, 8, 128
@@ -197,6 +202,7 @@ def _reader(master: str, device: str, layers: int, run: str, queue: Any) -> None
     with kvclient.SyncKVClient.connect(master, ns, timeout_s=60) as kv:
         out = torch.empty(2, TOKENS, H, D, dtype=torch.bfloat16, device=device)
         digests = []
+        copies = copy_stats().extra_copies
         t0 = time.perf_counter()
         for layer in range(layers):
             n = kv.get_layer(tokens, layer, out=out).shape[1]
@@ -205,7 +211,8 @@ def _reader(master: str, device: str, layers: int, run: str, queue: Any) -> None
             )
         if device.startswith("cuda"):
             torch.cuda.synchronize()
-        queue.put((time.perf_counter() - t0, digests))
+        elapsed, copies = time.perf_counter() - t0, copy_stats().extra_copies - copies
+        queue.put((elapsed, digests, dict(kv._client._ucx.stats.read), copies))
 
 
 def tier_table(master: str, data_uri: str, device: torch.device, layers: int) -> Table:
@@ -216,15 +223,19 @@ def tier_table(master: str, data_uri: str, device: torch.device, layers: int) ->
         realistic_kv(TOKENS, H, D, torch.bfloat16, seed=20 + i).to(device) for i in range(layers)
     ]
     with kvclient.SyncKVClient.connect(master, ns, timeout_s=60) as kv:
+        copies = copy_stats().extra_copies
         t0 = time.perf_counter()
         for layer, t in enumerate(kvs):
             kv.put_layer(tokens, layer, t)
-        put_s = time.perf_counter() - t0
+        put_s, put_copies = time.perf_counter() - t0, copy_stats().extra_copies - copies
+        ucx = kv._client._ucx
+        written = (ucx.stats.written_in_place, ucx.stats.written_copied)
+        staged_on = [str(d) for d in ucx.devices()]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_reader, args=(master, str(device), layers, RUN, queue))
     proc.start()
-    get_s, digests = queue.get(timeout=300)
+    get_s, digests, read_into, get_copies = queue.get(timeout=300)
     proc.join(60)
     refs = []
     keys = kvclient.block_hashes(ns, tokens)
@@ -248,6 +259,16 @@ def tier_table(master: str, data_uri: str, device: torch.device, layers: int) ->
     table.add("put_layer x layers, GB/s of KV", f"{kv_bytes / put_s / 1e9:.2f}")
     table.add("get_layer x layers (other process), GB/s of KV", f"{kv_bytes / get_s / 1e9:.2f}")
     table.add("every layer read back as encoded", "yes" if digests == refs else "NO")
+    chunks, here = layers * (TOKENS // BLOCK), str(staging_device(device))
+    in_place, copied = written
+    table.add("put: chunks WRITE'd in place / copied into staging first", f"{in_place} / {copied}")
+    table.add("put: registered staging on", ", ".join(staged_on) or "none (no ucx://)")
+    table.add("get: chunks READ into staging, by device", str(read_into or "none (no ucx://)"))
+    table.add("codec copies beyond the transfer (put, get)", f"{put_copies}, {get_copies}")
+    if nixl_available():  # the node serves ucx://: the GPU-direct checks apply
+        direct = written == (chunks, 0) and here in staged_on and read_into == {here: chunks}
+        table.add(f"{device.type} chunks moved straight from and into {here} staging",
+                  "yes" if direct and put_copies == get_copies == 0 else "NO")  # fmt: skip
     table.add("pool tiers (kvctl stats)", tiers)
     table.add("node", data_uri)
     return table
@@ -276,7 +297,8 @@ def main() -> int:
     device = torch.device(args.device)
     reps, layers = (3, 2) if args.quick else (20, 8)
     sections: list[Table] = []
-    gpu = ["--transport", "ucx", "--gpu-mem", "2GiB"] if device.type == "cuda" else []
+    gpu = ["--transport", "ucx"] if nixl_available() else []
+    gpu += ["--gpu-mem", "2GiB"] if device.type == "cuda" else []
     with progress() as bar:
         task = bar.add_task("device check", total=5)
         table, _ = device_table(device, reps)

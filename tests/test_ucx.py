@@ -225,6 +225,36 @@ async def test_get_reads_committed_slots_without_asking_the_node(master: Server)
     assert rc == 0, out
 
 
+async def test_chunks_move_from_and_into_staging_on_the_kvs_own_device(master: Server) -> None:
+    """The GPU-direct path on host tensors (the same code): a put's chunks are encoded
+    straight into registered staging on the KV's device and WRITE'd from there, a get READs
+    into staging on ``out``'s device; a put too big for one staging extent is encoded into
+    new rows and copied through staging in parts, and still reads back byte for byte."""
+    node = ucx_node(master)
+    n = 4 * 256
+    tokens, big = _tokens(13, n), _tokens(14, n)
+    t = realistic_kv(n, H, D, torch.bfloat16, seed=31)
+    try:
+        async with await kvclient.KVClient.connect(master.grpc, _ns()) as kv:
+            assert await kv.put_layer(tokens, 0, t) == n
+            stats = kv._ucx.stats
+            assert (stats.written_in_place, stats.written_copied) == (4, 0)
+            out = torch.empty_like(t)
+            got = await kv.get_layer(tokens, 0, out=out)
+            assert got.shape[1] == n and stats.read == {"cpu": 4}
+            assert kv._ucx.devices() == [torch.device("cpu")]
+        small = 2 * 2**20  # half of it (1 MiB) holds one 534,600-byte chunk, not four
+        async with await kvclient.KVClient.connect(master.grpc, _ns(), staging_bytes=small) as kv:
+            assert await kv.put_layer(big, 0, t) == n
+            assert (kv._ucx.stats.written_in_place, kv._ucx.stats.written_copied) == (0, 4)
+        async with await kvclient.KVClient.connect(master.grpc, _ns(), ucx=False) as tcp:
+            assert torch.equal(await tcp.get_layer(big, 0), await tcp.get_layer(tokens, 0))
+            assert torch.equal(await tcp.get_layer(tokens, 0), out)
+    finally:
+        rc, out_ = node.stop()
+    assert rc == 0, out_
+
+
 async def test_a_stale_or_bogus_location_falls_back_to_the_node(master: Server) -> None:
     """A location from before an eviction (the slot since reused by other blocks), or one
     outside the node's memory, costs one more exchange — the leased read through the node

@@ -62,7 +62,7 @@ from .pool import ConnectionPool
 from .reads import ChunkReader, LayerRead, NodeEntry, batches
 from .routing import RoutingOps
 from .stream import StreamOps
-from .ucx import DEFAULT_STAGING_BYTES, Grants, UcxPath, prefer_ucx
+from .ucx import DEFAULT_STAGING_BYTES, Grants, UcxPath, prefer_ucx, staging_device
 
 __all__ = ["DEFAULT_MAX_OBJECT_BYTES", "ClientCore", "KVClient"]
 
@@ -92,6 +92,17 @@ _PUT_DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("kvclient_
 _WAIT_SHARE = 0.5
 """Share of a put's remaining time it may spend waiting on a node for another writer's
 transfer of the same chunk; the rest is left for storing the chunk itself."""
+
+
+def _host(chunk: torch.Tensor) -> Any:
+    """A chunk's bytes as a host numpy array for a ``tcp://`` send (a device chunk is
+    copied to the host: the one copy a GPU chunk takes to a node without ``ucx://``)."""
+    return (chunk if chunk.device.type == "cpu" else chunk.cpu()).numpy()
+
+
+def _device(t: KV) -> torch.device:
+    """The device a ``[2, T, H, D]`` tensor or a (K, V) pair lives on."""
+    return kv_halves(t)[0].device
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -438,16 +449,19 @@ class ClientCore:
         keys = [ChunkKey(h, layer, shard) for h in hashes]
         B, quant = self.ns.block_tokens, self.ns.quant
         encode = lambda out: encode_blocks(t, B, keys, quant, out=out)  # noqa: E731
-        return launch(kv_halves(t)[0].is_cuda, encode, self._run_codec)
+        return launch(kv_halves(t)[0].device, encode, self._run_codec)
 
     async def _put_encoded(self, hashes: list[bytes], index: int, encoded: Encoded) -> set[int]:
-        """Encode and send: into registered staging when a ``ucx://`` node may take the
-        chunks (so the one-sided WRITE needs no extra copy), else into a new buffer."""
+        """Encode and send: into registered staging on the KV's device (host memory or the
+        GPU's own) when a ``ucx://`` node may take the chunks, so the one-sided WRITE needs
+        no extra copy; else into new rows there."""
         nodes = await self._live_nodes()
         rows = len(hashes)
         use_staging = any(n.ucx for n in nodes) and self._ucx.fits(rows, self._chunk_bytes)
         buffer = (
-            self._ucx.staging(rows, self._chunk_bytes) if use_staging else contextlib.nullcontext()
+            self._ucx.staging(rows, self._chunk_bytes, encoded.device)
+            if use_staging
+            else contextlib.nullcontext()
         )
         async with buffer as staged:
             return await self._send_chunks(hashes, index, await encoded(staged))
@@ -579,7 +593,7 @@ class ClientCore:
                 )
             self._grants.keep(granter, blocks, ack.grants, ack.grant_s)
         else:
-            ack = await peer.put(self._ns_raw, spec, [chunks[i].numpy() for i in idx], wait_s)
+            ack = await peer.put(self._ns_raw, spec, [_host(chunks[i]) for i in idx], wait_s)
         # Failed a check, or busy (another writer's transfer did not end in time): not stored.
         return set(idx) - {idx[k] for k in ack.not_stored()}
 
@@ -589,16 +603,18 @@ class ClientCore:
         peer = await self._ucx.peer(node.nixl_metadata, node.host)
         if all(self._ucx.holds(c) for c in chunks):  # encoded straight into staging
             await self._ucx.write(peer, spans, chunks, self.timeout_s)
+            self._ucx.stats.written_in_place += len(chunks)
             return
         step = self._ucx.rows_per_transfer(self._chunk_bytes)
         for lo in range(0, len(chunks), step):
             part = chunks[lo : lo + step]
-            async with self._ucx.staging(len(part), self._chunk_bytes) as rows:
+            async with self._ucx.staging(len(part), self._chunk_bytes, part[0].device) as rows:
                 for row, chunk in zip(rows.unbind(0), part, strict=True):
                     row.copy_(chunk)
                 await self._ucx.write(
                     peer, spans[lo : lo + step], list(rows.unbind(0)), self.timeout_s
                 )
+                self._ucx.stats.written_copied += len(part)
 
     async def _abort(self, hashes: list[bytes], reason: str) -> None:
         """Tell watchers that this writer gave up (best effort, short deadline)."""
@@ -645,7 +661,8 @@ class ClientCore:
                 n = len(located)
                 shape = (2, n * B, self.ns.num_kv_heads, self.ns.head_dim)
                 target = torch.empty(shape, dtype=self._dtype, device=device)
-            loaded = await self._fetch(hashes, layer, shard, located, self._into(target))
+            into = self._into(target)
+            loaded = await self._fetch(hashes, layer, shard, located, into, _device(target))
             return kv_span(target, 0, prefix_len(loaded, len(located)) * B)
 
         return await self._deadline(get(), timeout, "get_layer")
@@ -695,14 +712,18 @@ class ClientCore:
         shard: int,
         located: dict[int, list[Holder]],
         sink: Callable[[int, torch.Tensor, ChunkKey], None],
+        device: torch.device | None = None,
     ) -> set[int]:
         """Read the located chunks and hand each intact one to ``sink`` on the codec
-        thread; the block indices loaded. ``located[i]``: block ``i``'s holders in the order
-        to try them. Each round reads every block still missing from its next holder, one
-        read per node per batch (:class:`~kvclient.reads.ChunkReader`); a block whose
-        holder failed, passed its per-node deadline or lacked it goes to the next one in
-        the next round, within the call's deadline."""
-        want = LayerRead(hashes, layer, shard, layer * self.ns.tp_size + shard)
+        thread; the block indices loaded. ``device``: where ``sink`` decodes to (default the
+        host), so ``ucx://`` reads land in that device's staging. ``located[i]``: block
+        ``i``'s holders in the order to try them. Each round reads every block still
+        missing from its next holder, one read per node per batch
+        (:class:`~kvclient.reads.ChunkReader`); a block whose holder failed, passed its
+        per-node deadline or lacked it goes to the next one in the next round, within the
+        call's deadline."""
+        chunk = layer * self.ns.tp_size + shard
+        want = LayerRead(hashes, layer, shard, chunk, staging_device(device))
         todo = {i: list(hs) for i, hs in located.items() if hs}
         loaded: set[int] = set()
         while todo:

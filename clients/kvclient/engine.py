@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstore.core.codec import KV, ChunkKey
+from kvstore.core.codec import KV, ChunkKey, kv_halves
 from kvstore.errors import BadShape, InvalidArgument
 
 from . import args
@@ -75,9 +75,11 @@ class EngineOps(_Base):
         first = self._first_block(skip_tokens, len(hashes), exact=True)
         first = max(first, self._held_prefix(hashes))  # pinned for us: stored already
         rest, views = hashes[first:], views[first:]
+        if not rest:
+            return hashes, lambda: all_of(first)
         keys = [ChunkKey(h, layer, shard) for h in rest]
         encoded = launch(
-            cache.is_cuda,
+            cache.device,
             lambda out: encode_paged(views, keys, self.ns.quant, out=out),
             self._run_codec,
         )
@@ -86,8 +88,6 @@ class EngineOps(_Base):
             stored = await self._put_encoded(rest, index, encoded)
             return {first + i for i in stored} | set(range(first))
 
-        if not rest:
-            return hashes, lambda: all_of(first)
         return hashes, lambda: self._tracked_put(put, rest, timeout, what)
 
     def _first_block(self, skip_tokens: Any, n_blocks: int, *, exact: bool) -> int:
@@ -172,7 +172,8 @@ class EngineOps(_Base):
             located = await self._locate(
                 hashes, index, load_all=load_all, start=first, lookup=lookup
             )
-            return await self._fetch(hashes, layer, shard, located, sink) | set(range(first))
+            loaded = await self._fetch(hashes, layer, shard, located, sink, cache.device)
+            return loaded | set(range(first))
 
         return hashes, lambda: self._deadline(get(), timeout, "get_layer_paged")
 
@@ -290,7 +291,8 @@ class EngineOps(_Base):
 
         async def get() -> set[int]:
             located = await self._locate(hashes, index, load_all=True)
-            return await self._fetch(hashes, layer, shard, located, self._into(out))
+            device = kv_halves(out)[0].device
+            return await self._fetch(hashes, layer, shard, located, self._into(out), device)
 
         return self._result_handle(
             lambda: self._deadline(get(), timeout, "start_get_layer"), len(every), layer
@@ -342,7 +344,7 @@ class EngineOps(_Base):
             def put(i: int, buf: torch.Tensor, key: ChunkKey) -> None:
                 decode_into(buf, layer_views[i], expect_key=key)
 
-            return LayerSink(put, lambda: n_tokens)
+            return LayerSink(put, lambda: n_tokens, caches[0].device)
 
         sinks = [sink(v) for v in views]
         stream = self._stream(hashes, timeout, shard, sinks.__getitem__)

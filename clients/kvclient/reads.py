@@ -35,7 +35,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from kvstore.control.records import Holder
-from kvstore.core.codec import ChunkKey, ChunkSpec, check_header
+from kvstore.core.codec import HEADER_NBYTES, ChunkKey, ChunkSpec, check_header
 from kvstore.dataplane import ChunkRef, NodeClient
 from kvstore.dataplane.location import SlotLocation
 from kvstore.dataplane.messages import MAX_CHUNKS_PER_REQUEST
@@ -86,12 +86,14 @@ class NodeEntry:
 
 class LayerRead(NamedTuple):
     """Which chunks a read is after: chunk index ``chunk`` (``layer * tp_size + shard``) of
-    the blocks ``hashes``."""
+    the blocks ``hashes``, to be decoded on ``device`` (where ``ucx://`` reads land: the
+    staging of that device, so a GPU reader's chunks never pass through host memory)."""
 
     hashes: list[bytes]
     layer: int
     shard: int
     chunk: int
+    device: torch.device = torch.device("cpu")
 
     def key(self, i: int) -> ChunkKey:
         """What block ``i``'s chunk must be."""
@@ -266,7 +268,7 @@ class ChunkReader:
         """READ each slot at its location into staging, then verify and decode; the
         blocks loaded. Failures are left to the caller's leased retry, never reported."""
         peer = await self._ucx.peer(node.nixl_metadata, node.host)
-        async with self._ucx.staging(len(idx), self._chunk_bytes) as rows:
+        async with self._ucx.staging(len(idx), self._chunk_bytes, want.device) as rows:
             try:
                 await self._ucx.read(peer, spans, list(rows.unbind(0)), self._timeout_s)
             except TransportError as exc:
@@ -287,7 +289,7 @@ class ChunkReader:
         spec = [want.ref(i) for i in idx]
         peer = await self._ucx.peer(node.nixl_metadata, node.host)
         lease = self._node(node.data_uri).lease(self._ns_id, spec, self._timeout_s)
-        async with self._ucx.staging(len(idx), self._chunk_bytes) as rows:
+        async with self._ucx.staging(len(idx), self._chunk_bytes, want.device) as rows:
             async with lease as (found, leased):
                 have = [idx[k] for k in found]
                 if have:
@@ -314,17 +316,25 @@ class ChunkReader:
         bad where they are stored — not those of a reused slot, which carry another key)."""
         ok: set[int] = set()
         bad: list[int] = []
-        for k, i in enumerate(have):
-            key = want.key(i)
-            try:
-                check_header(bufs[k], key, self._spec)
-                sink(i, bufs[k], key)
-                ok.add(i)
-            except ChunkKeyMismatch as exc:
-                logger.debug("chunk %d is stale: %s", i, exc)
-            except ChunkError as exc:
-                logger.log(level, "chunk %d rejected: %s", i, exc)
-                bad.append(i)
+        # Device rows: every header comes to the host in one copy, not one sync per chunk.
+        heads = bufs[: len(have), :HEADER_NBYTES].cpu() if bufs.device.type != "cpu" else bufs
+        try:
+            for k, i in enumerate(have):
+                key = want.key(i)
+                try:
+                    check_header(heads[k], key, self._spec, nbytes=bufs.shape[1])
+                    sink(i, bufs[k], key)
+                    ok.add(i)
+                except ChunkKeyMismatch as exc:
+                    logger.debug("chunk %d is stale: %s", i, exc)
+                except ChunkError as exc:
+                    logger.log(level, "chunk %d rejected: %s", i, exc)
+                    bad.append(i)
+        finally:
+            if want.device.type == "cuda":
+                # The decode kernels read ``bufs`` (staging, reused once this returns) and
+                # write ``out``, which the caller may read on any stream: done before both.
+                torch.cuda.current_stream(want.device).synchronize()
         return ok, bad
 
     def _report_bad(self, uri: str, want: LayerRead, bad: list[int]) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import torch
 
 from kvstore.control.records import Holder
-from kvstore.core.codec import KV, ChunkKey, kv_span
+from kvstore.core.codec import KV, ChunkKey, kv_halves, kv_span
 from kvstore.errors import BadShape, Miss
 
 from . import args
@@ -120,6 +120,8 @@ class LayerSink(NamedTuple):
 
     put: Callable[[int, torch.Tensor, ChunkKey], None]
     value: Callable[[], Any]
+    device: torch.device = torch.device("cpu")
+    """Where ``put`` decodes to."""
 
 
 class StreamOps(_Base):
@@ -179,7 +181,9 @@ class StreamOps(_Base):
 
     def _tensor_sink(self, target: KV, n_blocks: int) -> LayerSink:
         return LayerSink(
-            self._into(target), lambda: kv_span(target, 0, n_blocks * self.ns.block_tokens)
+            self._into(target),
+            lambda: kv_span(target, 0, n_blocks * self.ns.block_tokens),
+            kv_halves(target)[0].device,
         )
 
     async def _stream(
@@ -235,10 +239,10 @@ class StreamOps(_Base):
         loaded: set[int] = set()
         if located is not None:
             located = {i: self._reads.ranked(hs) for i, hs in located.items()}
-            loaded = await self._fetch(hashes, layer, shard, located, sink.put)
+            loaded = await self._fetch(hashes, layer, shard, located, sink.put, sink.device)
             if len(loaded) == n:
                 return True
         again = await self._locate(hashes, chunk, load_all=True)
         again = {i: hs for i, hs in again.items() if i not in loaded}
-        loaded |= await self._fetch(hashes, layer, shard, again, sink.put)
+        loaded |= await self._fetch(hashes, layer, shard, again, sink.put, sink.device)
         return prefix_len(loaded, n) == n

@@ -1,19 +1,22 @@
-"""The client's ``ucx://`` path: one NIXL agent, one registered staging arena, per-peer choice.
+"""The client's ``ucx://`` path: one NIXL agent, registered staging per device, per-peer choice.
 
 Bulk bytes to and from nodes that serve ``ucx`` move by one-sided NIXL WRITE (put) and READ
 (get) between the client's registered staging memory and the node's registered arena; the
 small control messages (reserve / landed, lease / release) stay on the node's ``tcp://``
 connection (see :mod:`kvstore.dataplane.messages`).
 
-Staging: one contiguous arena registered once (registration pins memory on RDMA NICs and
-is too slow per call), carved into extents per transfer and bounded
-(``staging_bytes``, default 256 MiB); a transfer waits for room within its deadline. An
-extent whose transfer timed out or was cancelled may still be written or read by UCX, so it
-is kept out of use for a grace period before it is freed.
+Staging: per device the KV lives on (the host, each CUDA device), one contiguous arena of
+``staging_bytes`` (default 256 MiB), registered once when that device is first used (host
+memory as NIXL ``DRAM``, CUDA memory as ``VRAM``: registration pins and maps memory and is
+too slow per call), carved into extents per transfer; a transfer waits for room within its
+deadline. An extent whose transfer timed out or was cancelled may still be written or read
+by UCX, so it is kept out of use for a grace period before it is freed.
 
-Copies a chunk takes: put — quantized into a per-call buffer, copied once into staging
-(memcpy, ~10 GB/s), then one kernel copy by UCX (CMA) into the node's slot; get — one
-kernel copy from the slot into staging, then dequantized straight into ``out``.
+Copies a chunk takes, the same on the host and on a GPU (GPU-direct: a CUDA chunk never
+passes through host memory): put — quantized straight into staging on the KV's device,
+then one transfer by UCX (CMA on one host, RDMA between hosts) into the node's slot; get —
+one transfer from the slot into staging on ``out``'s device, then verified and dequantized
+there straight into ``out``.
 
 Per-peer choice (:func:`prefer_ucx`): same host (CMA/shared memory) or an RDMA NIC present
 → ``ucx``; otherwise our ``tcp://``, which beats UCX's TCP emulation (measured: READ
@@ -30,6 +33,7 @@ import socket
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -39,7 +43,15 @@ from kvstore.dataplane.location import SlotLocation
 from kvstore.errors import CapacityError, Closed
 from kvstore.transport.nixl import NixlAgent, Registration, Span
 
-__all__ = ["DEFAULT_STAGING_BYTES", "Grants", "UcxPath", "nixl_available", "prefer_ucx"]
+__all__ = [
+    "DEFAULT_STAGING_BYTES",
+    "Grants",
+    "UcxPath",
+    "UcxStats",
+    "nixl_available",
+    "prefer_ucx",
+    "staging_device",
+]
 
 logger = logging.getLogger("kvclient.ucx")
 
@@ -104,32 +116,74 @@ def prefer_ucx(transport: str, host: str, metadata: bytes) -> bool:
     return _is_local(host) or _rdma_present()
 
 
+def staging_device(device: torch.device | str | None) -> torch.device:
+    """The device whose staging a transfer for tensors on ``device`` uses: the host, or
+    the CUDA device itself (``"cuda"`` means the current one)."""
+    dev = torch.device("cpu" if device is None else device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev if dev.type == "cuda" else torch.device("cpu")
+
+
+@dataclass
+class UcxStats:
+    """What a client's ``ucx://`` transfers did, in chunks (monotonic)."""
+
+    written_in_place: int = 0
+    """Chunks WRITE'd from the registered staging they were encoded into: no copy."""
+    written_copied: int = 0
+    """Chunks copied into staging first (the put's chunks did not fit one extent)."""
+    read: dict[str, int] = field(default_factory=dict)
+    """Chunks READ into staging, by the staging's device (``"cpu"``, ``"cuda:0"``)."""
+
+
 class UcxPath:
-    """A client's NIXL agent and staging arena, created on first use; owned by one loop."""
+    """A client's NIXL agent and per-device staging arenas, created on first use; owned by
+    one loop."""
 
     def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        self.stats = UcxStats()
         self._staging_bytes = staging_bytes
         self._agent: NixlAgent | None = None
-        self._arena: Arena | None = None
-        self._reg: Registration | None = None
+        self._arenas: dict[torch.device, Arena] = {}
+        self._regs: list[Registration] = []
         self._peers: dict[bytes, str] = {}
         self._room = asyncio.Condition()
         self._lock = asyncio.Lock()
         self._closed = False
 
     async def _ensure(self, host: str | None = None) -> NixlAgent:
-        """The agent, created on first use; UCX's interfaces follow the first peer's host
-        (loopback for a node on this host), like a node's follow its ``--host``."""
+        """The agent, created on first use with the host's staging; UCX's interfaces follow
+        the first peer's host (loopback for a node on this host), like a node's follow its
+        ``--host``."""
         async with self._lock:
             if self._closed:
                 raise Closed("client is closed")
             if self._agent is None:
                 agent = NixlAgent(f"kvclient-{uuid.uuid4().hex[:12]}", host=host)
                 await agent.start()
-                self._arena = Arena(self._staging_bytes, device="cpu")
-                self._reg = await agent.register(self._arena.tensor)
                 self._agent = agent
+                await self._add_arena(torch.device("cpu"))
             return self._agent
+
+    async def _add_arena(self, device: torch.device) -> Arena:
+        """Allocate and register ``device``'s staging (holding ``_lock``)."""
+        assert self._agent is not None
+        arena = Arena(self._staging_bytes, device=device)
+        self._regs.append(await self._agent.register(arena.tensor))
+        self._arenas[device] = arena
+        return arena
+
+    async def _arena(self, device: torch.device) -> Arena:
+        """``device``'s staging arena, registered on first use."""
+        await self._ensure()
+        arena = self._arenas.get(device)
+        if arena is None:
+            async with self._lock:
+                if self._closed:
+                    raise Closed("client is closed")
+                arena = self._arenas.get(device) or await self._add_arena(device)
+        return arena
 
     async def peer(self, metadata: bytes, host: str | None = None) -> str:
         """The agent name of the node whose NIXL metadata this is (loaded once)."""
@@ -148,23 +202,27 @@ class UcxPath:
         """How many rows of ``row_bytes`` one staging extent may hold."""
         return max(1, (self._staging_bytes // 4) // max(1, row_bytes))
 
+    def devices(self) -> list[torch.device]:
+        """The devices whose staging is registered so far."""
+        return list(self._arenas)
+
     def holds(self, t: torch.Tensor) -> bool:
-        """Whether ``t``'s bytes lie inside the registered staging memory."""
-        reg = self._reg
-        return reg is not None and reg.covers(t.data_ptr(), t.numel() * t.element_size())
+        """Whether ``t``'s bytes lie inside registered staging memory (of any device)."""
+        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        return any(reg.covers(ptr, nbytes) for reg in self._regs)
 
     @asynccontextmanager
-    async def staging(self, rows: int, row_bytes: int) -> AsyncIterator[torch.Tensor]:
-        """A ``[rows, row_bytes]`` uint8 view of registered memory for one transfer.
+    async def staging(
+        self, rows: int, row_bytes: int, device: torch.device | str | None = None
+    ) -> AsyncIterator[torch.Tensor]:
+        """A ``[rows, row_bytes]`` uint8 view of registered memory on ``device`` (default the
+        host; see :func:`staging_device`) for one transfer.
 
         Waits for room (the caller's deadline bounds the wait). Raises
         :class:`CapacityError` when the request can never fit. If the body raises, the
         extent is freed only after a grace period (UCX may still touch it).
         """
-        await self._ensure()
-        arena = self._arena
-        if arena is None:
-            raise Closed("client is closed")
+        arena = await self._arena(staging_device(device))
         nbytes = max(1, rows * row_bytes)
         if nbytes > arena.capacity_bytes // 2:
             raise CapacityError(
@@ -180,17 +238,17 @@ class UcxPath:
             ok = True
         finally:
             if ok:
-                await self._free(offset)
+                await self._free(arena, offset)
             else:
                 asyncio.get_running_loop().call_later(
-                    _GRACE_S, lambda: asyncio.ensure_future(self._free(offset))
+                    _GRACE_S, lambda: asyncio.ensure_future(self._free(arena, offset))
                 )
 
-    async def _free(self, offset: int) -> None:
-        if self._arena is None:
-            return
+    async def _free(self, arena: Arena, offset: int) -> None:
+        if self._arenas.get(arena.device) is not arena:
+            return  # closed meanwhile
         async with self._room:
-            self._arena.free_extent(offset)
+            arena.free_extent(offset)
             self._room.notify_all()
 
     async def write(self, peer: str, spans: list[list[int]], local: list[torch.Tensor],
@@ -203,13 +261,18 @@ class UcxPath:
                    timeout: float) -> int:  # fmt: skip
         """One-sided READ of the node's ``spans[i]`` into ``local[i]``; bytes moved."""
         agent = await self._ensure()
-        return await agent.read(peer, [_span(s) for s in spans], local, timeout=timeout)
+        moved = await agent.read(peer, [_span(s) for s in spans], local, timeout=timeout)
+        if local:
+            where = str(local[0].device)
+            self.stats.read[where] = self.stats.read.get(where, 0) + len(local)
+        return moved
 
     async def close(self) -> None:
         """Close the agent (bounded); idempotent."""
         async with self._lock:
             self._closed = True
             agent, self._agent = self._agent, None
+            self._arenas, self._regs = {}, []
         if agent is not None:
             await agent.close()
 
