@@ -18,9 +18,9 @@ Sections, each a Markdown table (progress on stderr):
 4. **A node with a GPU tier** (``kvstore serve --transport ucx --gpu-mem``): a writer
    process puts CUDA KV, a reader process gets it into CUDA tensors; every byte is
    checked, GB/s of KV reported, and the node's stats say which tier holds the blocks.
-   GPU-direct: the writer's chunks must be WRITE'd from the registered device staging they
-   were encoded into (none copied, none through the host), the reader's READ into its
-   device's staging, with no codec copy beyond the transfer on either side.
+   GPU-direct: the writer's chunks must be WRITE'd from the registered staging on its device
+   (none through the host), the reader's READ into its device's staging, with no codec copy
+   beyond the transfer on either side.
 5. **The tests that skip without CUDA** (the CUDA cases of ``tests/test_node_tiers.py``),
    run with pytest; their summary line.
 

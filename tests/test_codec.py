@@ -905,23 +905,3 @@ def test_mulsum64_misses_the_top_bit_flipped_in_two_words() -> None:
                 verify_chunk(bytes(buf))
         else:
             assert verify_chunk(bytes(buf)).checksum == "mulsum64"
-
-
-def test_check_header_of_the_first_bytes_alone() -> None:
-    """``check_header(..., nbytes=)`` checks a chunk from its first bytes alone (a reader's
-    device rows send only their headers to the host): the same header, key and spec checks
-    as of the whole chunk; a length that is not the chunk's, or too few bytes, is refused."""
-    kv = realistic_kv(16, 2, 16, torch.bfloat16, seed=5)
-    chunk = encode_chunk(kv, "int8", KEY)
-    spec = ChunkSpec(16, 2, 16, torch.bfloat16, "int8")
-    head = chunk[:HEADER_NBYTES].clone()
-    assert codec.check_header(head, KEY, spec, nbytes=chunk.numel()) == read_header(chunk)
-    with pytest.raises(ChunkKeyMismatch):
-        codec.check_header(head, ChunkKey(bytes(16), 7, 1), spec, nbytes=chunk.numel())
-    with pytest.raises(codec.ChunkSpecMismatch):
-        codec.check_header(head, KEY, spec._replace(heads=4), nbytes=chunk.numel())
-    with pytest.raises(ChunkFormatError):
-        codec.check_header(head, KEY, spec, nbytes=chunk.numel() - 8)
-    for short in (chunk[: HEADER_NBYTES - 1], chunk):
-        with pytest.raises(InvalidArgument):
-            codec.check_header(short, KEY, spec, nbytes=chunk.numel() - 1)

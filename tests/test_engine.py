@@ -228,6 +228,13 @@ def test_paged_round_trip_equals_contiguous(server: Server, layout: str, engine_
         assert torch.equal(dst2, dst)
         with pytest.raises(BadShape):
             kv.put_layer_paged(tokens, 2, src[..., :64], ids, layout=layout)
+        # The blocking puts start their encode on this thread and bind their arguments
+        # as the async methods do (keywords, defaults, and a TypeError for a bad call).
+        again = paged_from(layer_kv)
+        assert kv.put_layer_paged(tokens, 2, again, ids, layout, shard=0, timeout=30) == 1024
+        assert kv.put_layer(tokens[:1024], 2, tokens_of(again, 1024), timeout=30) == 1024
+        with pytest.raises(TypeError):
+            kv.put_layer(tokens[:1024], 2, tokens_of(again, 1024), unknown=1)
 
 
 def test_closing_a_writer_with_puts_in_flight_aborts_streams(server: Server) -> None:

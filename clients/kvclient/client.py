@@ -54,7 +54,7 @@ from kvstore.errors import (
 )
 
 from . import args
-from .encoding import Encoded, launch
+from .encoding import Encoded, copy_rows, launch
 from .engine import EngineOps
 from .handles import all_of, prefix_len
 from .objects import ObjectOps
@@ -92,12 +92,6 @@ _PUT_DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("kvclient_
 _WAIT_SHARE = 0.5
 """Share of a put's remaining time it may spend waiting on a node for another writer's
 transfer of the same chunk; the rest is left for storing the chunk itself."""
-
-
-def _host(chunk: torch.Tensor) -> Any:
-    """A chunk's bytes as a host numpy array for a ``tcp://`` send (a device chunk is
-    copied to the host: the one copy a GPU chunk takes to a node without ``ucx://``)."""
-    return (chunk if chunk.device.type == "cpu" else chunk.cpu()).numpy()
 
 
 def _device(t: KV) -> torch.device:
@@ -514,8 +508,12 @@ class ClientCore:
                 by_id[node.node_id] = node
                 placed[i] += 1
         parts = [(nid, part) for nid, idx in groups.items() for part in batches(idx)]
+        host = chunks
+        if chunks and chunks[0].device.type != "cpu" and not all(n.ucx for n in by_id.values()):
+            # A device chunk bound for a tcp:// node: copied to the host once, off the loop.
+            host = await self._run_codec(lambda: [c.cpu() for c in chunks])
         pending = {
-            asyncio.ensure_future(self._put_to_node(by_id[nid], part, hashes, index, chunks))
+            asyncio.ensure_future(self._put_to_node(by_id[nid], part, hashes, index, chunks, host))
             for nid, part in parts
         }
         # Stored: on min_replicas of its nodes (on all of them, when fewer are placeable).
@@ -565,9 +563,11 @@ class ClientCore:
         hashes: list[bytes],
         index: int,
         chunks: Sequence[torch.Tensor],
+        host: Sequence[torch.Tensor],
     ) -> set[int]:
-        """One put exchange: ``put`` → READY → data → ack over ``tcp://``, or ``reserve``
-        → spans → one-sided WRITE → ``landed`` → ack over ``ucx://``."""
+        """One put exchange: ``put`` → READY → data → ack over ``tcp://`` (sending
+        ``host``, the chunks in host memory), or ``reserve`` → spans → one-sided WRITE →
+        ``landed`` → ack over ``ucx://`` (from ``chunks``, wherever they are)."""
         spec = [PutChunk(hashes[i], hashes[i - 1] if i else None, index, self._chunk_bytes)
                 for i in idx]  # fmt: skip
         now = asyncio.get_running_loop().time()
@@ -593,7 +593,7 @@ class ClientCore:
                 )
             self._grants.keep(granter, blocks, ack.grants, ack.grant_s)
         else:
-            ack = await peer.put(self._ns_raw, spec, [_host(chunks[i]) for i in idx], wait_s)
+            ack = await peer.put(self._ns_raw, spec, [host[i].numpy() for i in idx], wait_s)
         # Failed a check, or busy (another writer's transfer did not end in time): not stored.
         return set(idx) - {idx[k] for k in ack.not_stored()}
 
@@ -609,11 +609,8 @@ class ClientCore:
         for lo in range(0, len(chunks), step):
             part = chunks[lo : lo + step]
             async with self._ucx.staging(len(part), self._chunk_bytes, part[0].device) as rows:
-                for row, chunk in zip(rows.unbind(0), part, strict=True):
-                    row.copy_(chunk)
-                await self._ucx.write(
-                    peer, spans[lo : lo + step], list(rows.unbind(0)), self.timeout_s
-                )
+                staged = await self._run_codec(copy_rows, rows, part)  # done before the WRITE
+                await self._ucx.write(peer, spans[lo : lo + step], staged, self.timeout_s)
                 self._ucx.stats.written_copied += len(part)
 
     async def _abort(self, hashes: list[bytes], reason: str) -> None:

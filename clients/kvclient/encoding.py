@@ -1,20 +1,19 @@
 """Starting a put's quantization so that it overlaps the caller and the network.
 
-:func:`launch` returns an :class:`Encoded`: awaited with the rows to encode into (registered
-``ucx://`` staging on the KV's own device, so a CUDA chunk is written from device memory
-and never passes through the host) or None, it yields the chunks. The host and a GPU run
-the same code; only the stream ordering below is CUDA's.
+:func:`launch` returns an :class:`Encoded`: awaited with the rows the chunks must end in
+(registered ``ucx://`` staging, on the KV's own device where it could be registered: a
+CUDA chunk then never passes through the host) or None, it yields the chunks.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["Encoded", "launch"]
+__all__ = ["Encoded", "copy_rows", "launch"]
 
 Encode = Callable[[torch.Tensor | None], list[torch.Tensor]]
 """Quantizes into the ``[N, chunk_bytes]`` rows it is given (or new ones) on the KV's
@@ -22,15 +21,17 @@ device; returns the N chunks."""
 
 
 class Encoded:
-    """A started encode of KV on ``device``: ``await encoded(rows)`` runs it into ``rows``
-    (None: new rows on ``device``) and yields the chunks, on ``device``.
+    """A started encode of KV on ``device``: ``await encoded(rows)`` yields the chunks, in
+    ``rows`` when given (None: wherever the encode put them, on ``device``).
 
-    CUDA: at :func:`launch` an event is recorded on the caller's current stream, from the
-    caller's thread, so the encode reads the KV only once every kernel the caller queued
-    before the put has run; the encode runs on the client's codec thread on a side stream
-    that waits for that event (never a device-wide sync), and the chunks are returned once
-    its own event has completed, before any transfer reads them. The caller must not queue
-    writes of the KV until the put ends (as on the host).
+    Host KV: the encode runs when awaited, on the client's codec thread, straight into
+    ``rows``. CUDA KV: the kernels are queued at :func:`launch`, from the caller's thread on
+    its current stream, into new device rows, and an event is recorded after them; so the
+    encode reads the KV after every kernel the caller queued before the put and before any
+    it queues after (the cache blocks may be reused at once: a preempted request's are).
+    Awaited, the chunks are copied into ``rows`` on a side stream that waits for that event
+    (a device-to-device copy when ``rows`` is the GPU's registered staging), and returned
+    once it completed, before any transfer reads them; never a device-wide sync.
     """
 
     def __init__(
@@ -39,25 +40,45 @@ class Encoded:
         self.device = device
         self._encode = encode
         self._run_codec = run_codec
-        self._ready: Any = None
+        self._chunks: list[torch.Tensor] | None = None
+        self._event: Any = None
         if device.type == "cuda":
-            self._ready = torch.cuda.Event()
-            self._ready.record(torch.cuda.current_stream(device))
+            self._chunks = encode(None)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(device))
 
     async def __call__(self, rows: torch.Tensor | None) -> list[torch.Tensor]:
         return await self._run_codec(self._run, rows)  # type: ignore[no-any-return]
 
     def _run(self, rows: torch.Tensor | None) -> list[torch.Tensor]:
-        if self._ready is None:
+        if self._chunks is None:
             return self._encode(rows)
-        stream = _side_stream(self.device)
-        with torch.cuda.stream(stream):
-            stream.wait_event(self._ready)
-            chunks = self._encode(rows)
-            done = torch.cuda.Event()
-            done.record(stream)
-        done.synchronize()
-        return chunks
+        if rows is None:
+            self._event.synchronize()
+            return self._chunks
+        return copy_rows(rows, self._chunks, self._event)
+
+
+def copy_rows(
+    rows: torch.Tensor, chunks: Sequence[torch.Tensor], after: Any = None
+) -> list[torch.Tensor]:
+    """Copy ``chunks[i]`` into ``rows[i]`` (any devices) and return the rows once the copies
+    are done, so a transfer may read them; on CUDA on a side stream of the calling thread
+    that first waits for the event ``after`` (if given). Runs on the codec thread."""
+    out = list(rows.unbind(0))
+    cuda = [t.device for t in (rows, chunks[0]) if t.device.type == "cuda"]
+    if not cuda:
+        for row, chunk in zip(out, chunks, strict=True):
+            row.copy_(chunk)
+        return out
+    stream = _side_stream(cuda[0])
+    with torch.cuda.stream(stream):
+        if after is not None:
+            stream.wait_event(after)
+        for row, chunk in zip(out, chunks, strict=True):
+            row.copy_(chunk, non_blocking=True)
+    stream.synchronize()
+    return out
 
 
 _local = threading.local()

@@ -340,13 +340,13 @@ class EngineOps(_Base):
         ]
         n_tokens = len(hashes) * self.ns.block_tokens
 
-        def sink(layer_views: list[ChunkView]) -> LayerSink:
+        def sink(layer_views: list[ChunkView], device: torch.device) -> LayerSink:
             def put(i: int, buf: torch.Tensor, key: ChunkKey) -> None:
                 decode_into(buf, layer_views[i], expect_key=key)
 
-            return LayerSink(put, lambda: n_tokens, caches[0].device)
+            return LayerSink(put, lambda: n_tokens, device)
 
-        sinks = [sink(v) for v in views]
+        sinks = [sink(v, c.device) for v, c in zip(views, caches, strict=True)]
         stream = self._stream(hashes, timeout, shard, sinks.__getitem__)
         return self._stream_handle(stream, n_tokens)
 

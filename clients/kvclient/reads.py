@@ -35,7 +35,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from kvstore.control.records import Holder
-from kvstore.core.codec import HEADER_NBYTES, ChunkKey, ChunkSpec, check_header
+from kvstore.core.codec import ChunkKey, ChunkSpec, check_header
 from kvstore.dataplane import ChunkRef, NodeClient
 from kvstore.dataplane.location import SlotLocation
 from kvstore.dataplane.messages import MAX_CHUNKS_PER_REQUEST
@@ -316,13 +316,11 @@ class ChunkReader:
         bad where they are stored — not those of a reused slot, which carry another key)."""
         ok: set[int] = set()
         bad: list[int] = []
-        # Device rows: every header comes to the host in one copy, not one sync per chunk.
-        heads = bufs[: len(have), :HEADER_NBYTES].cpu() if bufs.device.type != "cpu" else bufs
         try:
             for k, i in enumerate(have):
                 key = want.key(i)
                 try:
-                    check_header(heads[k], key, self._spec, nbytes=bufs.shape[1])
+                    check_header(bufs[k], key, self._spec)
                     sink(i, bufs[k], key)
                     ok.add(i)
                 except ChunkKeyMismatch as exc:

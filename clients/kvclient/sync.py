@@ -14,6 +14,7 @@ called from any thread) and return handles at once.
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -22,7 +23,7 @@ from kvstore.core.hashing import Namespace
 from kvstore.errors import Miss
 
 from .client import KVClient
-from .handles import LoopThread, shared_loop
+from .handles import LoopThread, prefix_len, shared_loop
 
 __all__ = ["SyncKVClient"]
 
@@ -33,9 +34,7 @@ _BLOCKING = (
     "match_prefix",
     "release",
     "route",
-    "put_layer",
     "get_layer",
-    "put_layer_paged",
     "get_layer_paged",
     "put_object",
     "get_object",
@@ -122,6 +121,29 @@ class SyncKVClient:
             self._runner.run(agen.aclose(), _GRACE_S)
 
 
+def _put(name: str) -> Callable[..., Any]:
+    """A blocking put whose encode starts on the calling thread, as a ``start_put`` does:
+    on CUDA its kernels go onto the caller's current stream, after the kernels that wrote
+    the KV (run on the loop thread they would go onto that thread's stream instead)."""
+    method = getattr(KVClient, name)
+    starts = {"put_layer": "_put_contiguous", "put_layer_paged": "_put_paged"}
+    start = getattr(KVClient, starts[name])
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def call(self: SyncKVClient, *args: Any, **kwargs: Any) -> int:
+        bound = signature.bind(self._client, *args, **kwargs)  # (TypeError as the method)
+        bound.apply_defaults()
+        given = dict(bound.arguments)
+        timeout = given.pop("timeout")
+        hashes, run = start(*given.values(), timeout=timeout, what=name)
+        done = self._runner.run(run(), self._client._limit(timeout) + _GRACE_S)
+        return prefix_len(done, len(hashes)) * self._client.ns.block_tokens
+
+    call.__doc__ = f"Blocking twin of :meth:`KVClient.{name}`.\n\n{method.__doc__ or ''}"
+    return call
+
+
 def _blocking(name: str) -> Callable[..., Any]:
     method = getattr(KVClient, name)
 
@@ -146,5 +168,7 @@ def _direct(name: str) -> Callable[..., Any]:
 
 for _name in _BLOCKING:
     setattr(SyncKVClient, _name, _blocking(_name))
+for _name in ("put_layer", "put_layer_paged"):
+    setattr(SyncKVClient, _name, _put(_name))
 for _name in _DIRECT:
     setattr(SyncKVClient, _name, _direct(_name))

@@ -12,11 +12,14 @@ too slow per call), carved into extents per transfer; a transfer waits for room 
 deadline. An extent whose transfer timed out or was cancelled may still be written or read
 by UCX, so it is kept out of use for a grace period before it is freed.
 
-Copies a chunk takes, the same on the host and on a GPU (GPU-direct: a CUDA chunk never
-passes through host memory): put — quantized straight into staging on the KV's device,
-then one transfer by UCX (CMA on one host, RDMA between hosts) into the node's slot; get —
-one transfer from the slot into staging on ``out``'s device, then verified and dequantized
-there straight into ``out``.
+Copies a chunk takes. Host KV: put — quantized straight into staging, then one transfer
+by UCX (CMA on one host, RDMA between hosts) into the node's slot; get — one transfer from
+the slot into staging, then verified and dequantized straight into ``out``. CUDA KV
+(GPU-direct: a chunk never passes through host memory): put — quantized on the caller's
+stream when the put is called, copied on the device into the GPU's registered staging when
+it is sent (:mod:`kvclient.encoding`), one transfer; get — one transfer into the GPU's
+staging, verified and dequantized there. Where a GPU's memory cannot be registered, its
+chunks go through host staging instead (one more copy each way).
 
 Per-peer choice (:func:`prefer_ucx`): same host (CMA/shared memory) or an RDMA NIC present
 → ``ucx``; otherwise our ``tcp://``, which beats UCX's TCP emulation (measured: READ
@@ -40,7 +43,7 @@ import torch
 
 from kvstore.core.arena import Arena
 from kvstore.dataplane.location import SlotLocation
-from kvstore.errors import CapacityError, Closed
+from kvstore.errors import CapacityError, Closed, KVStoreError
 from kvstore.transport.nixl import NixlAgent, Registration, Span
 
 __all__ = [
@@ -130,9 +133,11 @@ class UcxStats:
     """What a client's ``ucx://`` transfers did, in chunks (monotonic)."""
 
     written_in_place: int = 0
-    """Chunks WRITE'd from the registered staging they were encoded into: no copy."""
+    """Chunks WRITE'd from the staging the put's encode left them in (host KV: encoded
+    there; CUDA KV: copied there on the device after the encode)."""
     written_copied: int = 0
-    """Chunks copied into staging first (the put's chunks did not fit one extent)."""
+    """Chunks copied into staging at the WRITE instead (the put's chunks did not fit one
+    extent)."""
     read: dict[str, int] = field(default_factory=dict)
     """Chunks READ into staging, by the staging's device (``"cpu"``, ``"cuda:0"``)."""
 
@@ -146,6 +151,7 @@ class UcxPath:
         self._staging_bytes = staging_bytes
         self._agent: NixlAgent | None = None
         self._arenas: dict[torch.device, Arena] = {}
+        self._no_staging: set[torch.device] = set()
         self._regs: list[Registration] = []
         self._peers: dict[bytes, str] = {}
         self._room = asyncio.Condition()
@@ -156,6 +162,8 @@ class UcxPath:
         """The agent, created on first use with the host's staging; UCX's interfaces follow
         the first peer's host (loopback for a node on this host), like a node's follow its
         ``--host``."""
+        if self._agent is not None and not self._closed:
+            return self._agent  # (no lock: a device's registration must not stall transfers)
         async with self._lock:
             if self._closed:
                 raise Closed("client is closed")
@@ -175,15 +183,28 @@ class UcxPath:
         return arena
 
     async def _arena(self, device: torch.device) -> Arena:
-        """``device``'s staging arena, registered on first use."""
+        """``device``'s staging arena, registered on first use; the host's where a device's
+        cannot be had (no memory for it, or NIXL/UCX refuses device memory: e.g. UCX built
+        without CUDA, or a second GPU on one agent), remembered so it is tried once."""
+        host = torch.device("cpu")
         await self._ensure()
-        arena = self._arenas.get(device)
-        if arena is None:
-            async with self._lock:
-                if self._closed:
-                    raise Closed("client is closed")
-                arena = self._arenas.get(device) or await self._add_arena(device)
-        return arena
+        arena = self._arenas.get(device) or self._arenas.get(host)
+        if device in self._arenas or device in self._no_staging or arena is None:
+            if arena is None:
+                raise Closed("client is closed")
+            return arena
+        async with self._lock:
+            if self._closed:
+                raise Closed("client is closed")
+            if device in self._arenas:
+                return self._arenas[device]
+            try:
+                return await self._add_arena(device)
+            except (KVStoreError, RuntimeError) as exc:  # (torch's out-of-memory included)
+                self._no_staging.add(device)
+                logger.warning("no ucx:// staging on %s (%s): its chunks pass through host "
+                               "staging", device, exc)  # fmt: skip
+                return self._arenas[host]
 
     async def peer(self, metadata: bytes, host: str | None = None) -> str:
         """The agent name of the node whose NIXL metadata this is (loaded once)."""
@@ -216,7 +237,8 @@ class UcxPath:
         self, rows: int, row_bytes: int, device: torch.device | str | None = None
     ) -> AsyncIterator[torch.Tensor]:
         """A ``[rows, row_bytes]`` uint8 view of registered memory on ``device`` (default the
-        host; see :func:`staging_device`) for one transfer.
+        host; see :func:`staging_device`), or on the host where that device has no staging
+        (see :meth:`_arena`), for one transfer.
 
         Waits for room (the caller's deadline bounds the wait). Raises
         :class:`CapacityError` when the request can never fit. If the body raises, the

@@ -768,28 +768,15 @@ def _check_expected(
 
 
 def check_header(
-    buf: Any,
-    expect_key: ChunkKey | None = None,
-    expect_spec: ChunkSpec | None = None,
-    *,
-    nbytes: int | None = None,
+    buf: Any, expect_key: ChunkKey | None = None, expect_spec: ChunkSpec | None = None
 ) -> ChunkHeader:
     """Validate a chunk's header, its key and its spec without reading the payload (64
     bytes: what a node checks before acking a put); return the header.
 
-    ``nbytes``: the whole chunk's length, when ``buf`` holds only its first bytes (at least
-    :data:`HEADER_NBYTES`: e.g. the headers of device rows copied to the host together).
     Raises as :func:`read_header`, plus :class:`ChunkKeyMismatch` if ``expect_key`` differs
     and :class:`ChunkSpecMismatch` if shape, dtype or quantization is not ``expect_spec``.
     """
-    if nbytes is None:
-        header = read_header(buf)
-    else:
-        t = _as_bytes_tensor(buf)
-        if t.numel() < HEADER_NBYTES or t.numel() > nbytes:
-            raise InvalidArgument(f"{t.numel()} header bytes of a {nbytes}-byte chunk")
-        raw = t[:HEADER_NBYTES] if t.device.type == "cpu" else t[:HEADER_NBYTES].cpu()
-        header = _parse_header(raw.numpy().tobytes(), nbytes)[0]
+    header = read_header(buf)
     _check_expected(header, expect_key, expect_spec)
     return header
 
