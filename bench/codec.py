@@ -125,14 +125,21 @@ def _encode_layer(layer: torch.Tensor, block: int, keys: list[Any], rows: torch.
 
 
 def _in_mode(mode: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with the codec path ``mode`` (one of :data:`CODECS`)."""
+
     def run() -> object:
-        fused.set_mode(mode)
+        fused.set_mode("native" if mode.startswith("native") else mode)
+        if native.available():
+            native.set_isa("avx2" if mode == "native-avx2" else "auto")
         return fn()
 
     return run
 
 
-CODECS = ("eager", "native", "fused")  # kvstore.core.fused's modes, measured in turn
+# kvstore.core.fused's modes, measured in turn; where decode has AVX-512, the C kernels
+# also with decode held to AVX2 (side by side: what the wider rows bring)
+CODECS = ("eager", "native", *(("native-avx2",) if native.isa() == "avx512" else ()), "fused")
+_LABEL = {"eager": "eager", "native": "native", "native-avx2": "native avx2", "fused": "fused"}
 
 
 def _fused_shape(name: str, block: int, n: int, calls: int, speed: Table, first: Table) -> None:
@@ -176,8 +183,8 @@ def fused_tables(quick: bool) -> list[Table]:
     speed = Table(
         "Eager vs C (native) vs fused codec vs torch copy_ (one thread, bf16 H=8 D=128, "
         "default int8)",
-        ["layer", "operation", "eager ms", "native ms", "fused ms", "copy_ ms",
-         "eager / copy_", "native / copy_", "fused / copy_", "bytes identical"],
+        ["layer", "operation", *(f"{_LABEL[m]} ms" for m in CODECS), "copy_ ms",
+         *(f"{_LABEL[m]} / copy_" for m in CODECS), "bytes identical"],
     )  # fmt: skip
     first = Table("First calls (compile included; later calls: the table above)",
                   ["layer", "call", "eager ms", "fused first-call s"])  # fmt: skip
@@ -186,6 +193,11 @@ def fused_tables(quick: bool) -> list[Table]:
     for name, block, n in FUSED_SHAPES:
         _fused_shape(name, block, n, 5 if quick else 15, speed, first)
     fused.set_mode(None)
+    if native.available():
+        native.set_isa("auto")
+    if "native-avx2" in CODECS:
+        speed.notes.append("native: decode in AVX-512 rows (this CPU has AVX-512 BF16); "
+                           "native avx2: the same kernels with decode held to AVX2")  # fmt: skip
     speed.notes.append("x / copy_: the codec's speed as a fraction of copy_'s on the same KV bytes")
     speed.notes.append("decode: each chunk into its slice of a layer (what get_layer does)")
     first.notes.append("fused graphs compiled: " + "; ".join(

@@ -1,6 +1,7 @@
 """The codec's C kernels (kvstore.core.native): the eager codec's bytes and decoded bits on
 every INT8 scheme, dtype and odd shape, refusals where they do not apply, and bad KV
-refused as the eager path refuses it."""
+refused as the eager path refuses it. Every test runs once per instruction set decode can
+use (AVX2, and AVX-512 where the CPU has it)."""
 
 from __future__ import annotations
 
@@ -34,15 +35,29 @@ def _cpu_can() -> bool:
     return all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
 
 
+def _cpu_has_avx512_bf16() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    need = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
+    return _cpu_can() and all(f" {flag}" in flags for flag in need)
+
+
 BUILT_TEST = "test_built_wherever_the_cpu_can_run_them"
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, params=native.ISAS)
 def _restore_mode(request: pytest.FixtureRequest) -> Iterator[None]:
-    if not native.available() and request.node.name != BUILT_TEST:
+    if not native.available():
+        if request.node.originalname == BUILT_TEST and request.param == "avx2":
+            yield  # (runs once, to fail where the build lost the kernels)
+            return
         pytest.skip("codec C kernels not built here")
-    yield
-    fused.set_mode(None)
+    if native.set_isa(request.param) != request.param:
+        pytest.skip(f"this CPU has no {request.param}")
+    try:
+        yield
+    finally:
+        fused.set_mode(None)
+        native.set_isa("auto")
 
 
 def test_built_wherever_the_cpu_can_run_them() -> None:
@@ -50,6 +65,8 @@ def test_built_wherever_the_cpu_can_run_them() -> None:
     if not _cpu_can():
         pytest.skip("not an x86-64 CPU with AVX2, FMA and F16C")
     assert native.available()
+    # and decode takes AVX-512 exactly where the CPU has it
+    assert native.set_isa("auto") == ("avx512" if _cpu_has_avx512_bf16() else "avx2")
 
 
 def _keys(n: int) -> list[ChunkKey]:
@@ -204,14 +221,20 @@ def test_a_big_layer_runs_k_and_v_on_two_threads_with_the_same_bytes() -> None:
 @pytest.mark.parametrize("quant", INT8)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [0x7E00, 0x7C00, 0xFC00])  # NaN, inf, -inf
+@pytest.mark.parametrize(("d", "which"), [(24, "each"), (32, "each"), (32, "token")])
 def test_a_crafted_chunk_with_a_non_finite_scale_decodes_as_eager_does(
-    quant: str, dtype: torch.dtype, bits: int
+    quant: str, dtype: torch.dtype, bits: int, d: int, which: str
 ) -> None:
-    # any writer can seal such a chunk with a valid checksum: NaN and inf decode as eager's
-    x = realistic_kv(16, 2, 24, dtype, seed=12)
+    # any writer can seal such a chunk with a valid checksum: NaN and inf decode as eager's.
+    # "each": one scale in each of the chunk's scale tensors; "token": only in the
+    # per-token ones (the channels stay finite: D=32 then takes AVX-512 rows where it can,
+    # but for the rows with that scale)
+    x = realistic_kv(16, 2, d, dtype, seed=12)
     chunk = encode_chunk(x, quant, key=_keys(1)[0]).numpy().copy()
-    layout = codec._layout(16, 2, 24, dtype, codec.SCHEMES[quant])
-    for _, _, _, at in layout.scale_slots:  # one scale in each of the chunk's scale tensors
+    layout = codec._layout(16, 2, d, dtype, codec.SCHEMES[quant])
+    for _, dims, _, at in layout.scale_slots:
+        if which == "token" and dims[-1] != 1:
+            continue  # a per-channel scale tensor
         struct.pack_into("<H", chunk, codec.HEADER_NBYTES + 2 * (at + 1), bits)
     end = layout.checksum_offset
     struct.pack_into("<Q", chunk, end, xxhash.xxh3_64_intdigest(chunk[:end].data))

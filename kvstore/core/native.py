@@ -19,6 +19,10 @@ here reads the input twice (statistics, then codes; the second read hits cache) 
 each code once, with no scratch. The GIL is released while a kernel runs, so codec calls
 on several threads run in parallel, and a big layer's K and V run on two threads
 (:data:`PARALLEL_BYTES`).
+
+Decoding into float16 or bfloat16 takes 512-bit rows where the CPU has AVX-512 with BF16
+(the same bytes; ``KVSTORE_CODEC_ISA=avx2`` keeps it on AVX2, :func:`set_isa` switches it
+at run time); everything else runs AVX2.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from torch import Tensor
 
 from kvstore.core import fused
 
-__all__ = ["available", "dequantize", "quantize"]
+__all__ = ["ISAS", "available", "dequantize", "isa", "quantize", "set_isa"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,36 @@ def _load() -> ModuleType | None:
 
 
 _lib = _load()
+
+ISAS = ("avx2", "avx512")
+"""The instruction sets decode can use, in order: the C kernels' codes for them."""
+
+
+def set_isa(name: str) -> str:
+    """Decode with ``name`` (one of :data:`ISAS`, or ``"auto"``: the best this CPU has;
+    one it lacks falls back to the best it has); returns the one in use. Raises
+    :class:`ValueError` for another name or where the kernels are not available."""
+    if name not in (*ISAS, "auto"):
+        raise ValueError(f"unknown ISA {name!r}; expected one of {[*ISAS, 'auto']}")
+    global _isa
+    if _lib is None:
+        raise ValueError("the codec's C kernels are not available here")
+    _isa = ISAS[_lib.set_isa(ISAS.index(name) if name in ISAS else -1)]
+    return _isa
+
+
+def isa() -> str | None:
+    """The instruction set decode uses (None where the kernels are not available)."""
+    return _isa
+
+
+_isa: str | None = None
+if _lib is not None:
+    _asked = os.environ.get("KVSTORE_CODEC_ISA", "auto").strip().lower() or "auto"
+    if _asked not in (*ISAS, "auto"):
+        log.warning("KVSTORE_CODEC_ISA=%r is not one of %s: using the best", _asked, ISAS)
+        _asked = "auto"
+    set_isa(_asked)
 
 
 def available() -> bool:
