@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kvclient
-from kvclient.errors import ChunkError, KVStoreError
+from kvclient.errors import ChunkError, InvalidArgument, KVStoreError
 from kvclient.ucx import nixl_available
 from kvstore.core.codec import ChunkKey, chunk_nbytes, decode_chunk
 from kvstore.core.kvgen import realistic_kv
@@ -330,3 +330,18 @@ async def test_layers_after_the_first_are_written_in_one_round_trip(master: Serv
     finally:
         rc, out = node.stop()
     assert rc == 0 and "pinned_slots=0" in out, out
+
+
+async def test_a_first_use_that_fails_midway_fails_the_same_way_next_time() -> None:
+    """The first ``ucx://`` call starts the client's agent and registers its host staging;
+    when that fails after the agent started (here: a staging size no arena can have), the
+    agent is closed and the next call starts afresh and says why again — it never finds an
+    agent without staging and answers "client is closed", as every later call once did."""
+    ucx = kvclient.ucx.UcxPath(staging_bytes=0)
+    try:
+        for _ in range(2):
+            with pytest.raises(InvalidArgument, match="smaller than one page"):
+                async with ucx.staging(1, 4096):
+                    pass
+    finally:
+        await ucx.close()

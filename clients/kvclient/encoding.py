@@ -31,7 +31,9 @@ class Encoded:
     it queues after (the cache blocks may be reused at once: a preempted request's are).
     Awaited, the chunks are copied into ``rows`` on a side stream that waits for that event
     (a device-to-device copy when ``rows`` is the GPU's registered staging), and returned
-    once it completed, before any transfer reads them; never a device-wide sync.
+    once it completed, before any transfer reads them; never a device-wide sync. (The
+    launch returns once the caller's stream reached the encode: the codec reads one flag
+    back to refuse non-finite KV.)
     """
 
     def __init__(
@@ -40,7 +42,7 @@ class Encoded:
         self.device = device
         self._encode = encode
         self._run_codec = run_codec
-        self._chunks: list[torch.Tensor] | None = None
+        self._chunks: list[torch.Tensor] = []
         self._event: Any = None
         if device.type == "cuda":
             self._chunks = encode(None)
@@ -51,12 +53,13 @@ class Encoded:
         return await self._run_codec(self._run, rows)  # type: ignore[no-any-return]
 
     def _run(self, rows: torch.Tensor | None) -> list[torch.Tensor]:
-        if self._chunks is None:
+        if self._event is None:
             return self._encode(rows)
+        chunks, self._chunks = self._chunks, []  # (the device rows go once copied)
         if rows is None:
             self._event.synchronize()
-            return self._chunks
-        return copy_rows(rows, self._chunks, self._event)
+            return chunks
+        return copy_rows(rows, chunks, self._event)
 
 
 def copy_rows(

@@ -169,16 +169,19 @@ class UcxPath:
                 raise Closed("client is closed")
             if self._agent is None:
                 agent = NixlAgent(f"kvclient-{uuid.uuid4().hex[:12]}", host=host)
-                await agent.start()
-                self._agent = agent
-                await self._add_arena(torch.device("cpu"))
+                try:
+                    await agent.start()
+                    await self._add_arena(agent, torch.device("cpu"))
+                except BaseException:  # (failed or cancelled: the next call starts afresh)
+                    await asyncio.shield(agent.close())
+                    raise
+                self._agent = agent  # only with its host staging registered
             return self._agent
 
-    async def _add_arena(self, device: torch.device) -> Arena:
-        """Allocate and register ``device``'s staging (holding ``_lock``)."""
-        assert self._agent is not None
+    async def _add_arena(self, agent: NixlAgent, device: torch.device) -> Arena:
+        """Allocate and register ``device``'s staging with ``agent`` (holding ``_lock``)."""
         arena = Arena(self._staging_bytes, device=device)
-        self._regs.append(await self._agent.register(arena.tensor))
+        self._regs.append(await agent.register(arena.tensor))
         self._arenas[device] = arena
         return arena
 
@@ -198,8 +201,9 @@ class UcxPath:
                 raise Closed("client is closed")
             if device in self._arenas:
                 return self._arenas[device]
+            assert self._agent is not None
             try:
-                return await self._add_arena(device)
+                return await self._add_arena(self._agent, device)
             except (KVStoreError, RuntimeError) as exc:  # (torch's out-of-memory included)
                 self._no_staging.add(device)
                 logger.warning("no ucx:// staging on %s (%s): its chunks pass through host "
