@@ -345,3 +345,21 @@ async def test_a_first_use_that_fails_midway_fails_the_same_way_next_time() -> N
                     pass
     finally:
         await ucx.close()
+
+
+async def test_a_device_whose_memory_cannot_be_registered_uses_host_staging() -> None:
+    """Staging on a device whose memory NIXL cannot register (here the ``meta`` device,
+    which has no memory at all; on a GPU: no room, UCX without CUDA, a second GPU on one
+    agent) falls back to the host's registered staging, tried once: a transfer for that
+    device still gets registered memory instead of failing."""
+    ucx = kvclient.ucx.UcxPath(staging_bytes=4 * 2**20)
+    meta = torch.device("meta")
+    try:
+        for _ in range(2):  # the second time without trying again
+            arena = await ucx._arena(meta)
+            assert arena.device == torch.device("cpu") and ucx.devices() == [arena.device]
+            assert meta in ucx._no_staging
+        async with ucx.staging(1, 4096) as rows:
+            assert ucx.holds(rows[0])
+    finally:
+        await ucx.close()
