@@ -27,6 +27,7 @@ from kvstore.core.codec import (
     decode_chunk,
     encode_blocks,
     encode_chunk,
+    header_form,
     read_header,
     verify_chunk,
     verify_host_bytes,
@@ -905,3 +906,23 @@ def test_mulsum64_misses_the_top_bit_flipped_in_two_words() -> None:
                 verify_chunk(bytes(buf))
         else:
             assert verify_chunk(bytes(buf)).checksum == "mulsum64"
+
+
+def test_header_form_is_what_a_check_depends_on_less_the_key() -> None:
+    """Chunks of one shape, dtype and scheme under other keys share a form; another dtype,
+    a broken header check or another key than the one named gives another form or None."""
+    kv = torch.randn(2, 16, 2, 8)
+    other = ChunkKey(bytes(16), 3, 0)
+    a = encode_chunk(kv.half(), quant="int8", key=KEY).numpy()
+    b = encode_chunk(kv.half() * 2, quant="int8", key=other).numpy()
+    c = encode_chunk(kv.bfloat16(), quant="int8", key=KEY).numpy()
+    form = header_form(a[:HEADER_NBYTES].tobytes(), a.size, KEY)
+    assert form is not None
+    assert header_form(b[:HEADER_NBYTES].tobytes(), b.size, other) == form
+    assert header_form(c[:HEADER_NBYTES].tobytes(), c.size, KEY) not in (None, form)
+    assert header_form(a[:HEADER_NBYTES].tobytes(), a.size + 1, KEY) != form  # (size counts)
+    assert header_form(a[:HEADER_NBYTES].tobytes(), a.size, other) is None
+    broken = bytearray(a[:HEADER_NBYTES].tobytes())
+    broken[36] ^= 1  # a shape byte, the header check left as it was
+    assert header_form(bytes(broken), a.size, KEY) is None
+    assert header_form(a[: HEADER_NBYTES - 1].tobytes(), a.size, KEY) is None

@@ -298,6 +298,40 @@ async def test_a_ucx_chunk_is_acked_on_its_header_and_scrubbed_for_the_rest(rig:
         await conn.close()
 
 
+def test_header_checks_of_a_known_form_still_refuse_another_key_or_spec(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once a namespace's header form passed, later headers of that form are compared, not
+    parsed again: a chunk of that form under another key, a chunk of another dtype and a
+    corrupted header are still refused, each alone; honest chunks pass."""
+    tiers = Tiers(8 * 2**20)
+    keys = blocks(5)
+    slots = [tiers.host.table.allocate((NS.id, k), 2 * CHUNK_BYTES, CHUNK_BYTES, 2, None).slot
+             for k in keys]  # fmt: skip
+    views = [tiers.host.table.chunk_view(s, 0) for s in slots]
+    rows = chunks(keys)
+    for view, row in zip(views, rows, strict=True):
+        view.copy_(row)
+    views[1].copy_(chunks([keys[0]])[0])  # an honest chunk of another block, in block 1's slot
+    kv = torch.randn(2, TOKENS, H, D)
+    views[2].copy_(encode_blocks(kv.half(), TOKENS, [ChunkKey(keys[2], 0, 0)], "none")[0])
+    views[3][24] ^= 0x01  # the header's layer field: its check no longer holds
+    items = [
+        checks.LandedChunk(i, k, 0, v) for i, (k, v) in enumerate(zip(keys, views, strict=True))
+    ]
+    parsed: list[int] = []
+    full_check = checks.check_header
+    monkeypatch.setattr(checks, "check_header", lambda v, *a: parsed.append(1) or full_check(v, *a))
+    checks_ = checks.ChunkChecks(threads=1)
+    try:
+        assert checks_.headers("test", NS, items[:1]) == []  # the form is known from here
+        assert checks_.headers("test", NS, items) == [1, 2, 3]
+        assert checks_.headers("test", NS, items[4:]) == []
+        assert len(parsed) == 4, "the first chunk and the three refused ones are parsed"
+    finally:
+        checks_.close()
+
+
 async def test_the_scrub_gives_way_to_exchanges_but_not_past_its_age_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

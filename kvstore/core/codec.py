@@ -122,6 +122,7 @@ __all__ = [
     "encode_blocks",
     "encode_chunk",
     "group_size",
+    "header_form",
     "kv_halves",
     "kv_span",
     "read_header",
@@ -779,6 +780,21 @@ def check_header(
     header = read_header(buf)
     _check_expected(header, expect_key, expect_spec)
     return header
+
+
+def header_form(raw: bytes, size: int, key: ChunkKey) -> tuple[Any, ...] | None:
+    """What decides whether a chunk of ``size`` bytes whose 64-byte header is ``raw`` passes
+    :func:`check_header` against a key and a spec, less the key: the header's fields other
+    than the key and its check, and ``size``. None when the header check fails or ``raw``
+    names another key than ``key``. Two chunks of one form pass or fail against one spec
+    alike, so a node checks a form once with :func:`check_header` and later chunks of it
+    with this alone (~1 µs against ~16 for :func:`check_header` of a host chunk)."""
+    if len(raw) != HEADER_NBYTES:
+        return None
+    fields = _HEADER.unpack(raw)
+    if fields[3:6] != key or fields[15] != xxhash.xxh3_64_intdigest(raw[:_CHECKED]) & 0xFFFFFFFF:
+        return None
+    return (*fields[:3], *fields[6:15], size)
 
 
 def verify_chunk(

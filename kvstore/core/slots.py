@@ -78,6 +78,7 @@ class Slot:
         "heap_stamp",
         "key",
         "landed_mask",
+        "location",
         "num_chunks",
         "offset",
         "owner",
@@ -115,6 +116,9 @@ class Slot:
         self.alive = True
         self.stamp = 0
         self.heap_stamp = -1
+        self.location = b""
+        """Where the slot lies, packed for readers, as its holder computed it once (empty:
+        not yet). The slot's memory never moves while it lives, so it stays true."""
 
     @property
     def ns_id(self) -> bytes:

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import ssl
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -39,10 +38,10 @@ import torch
 
 from kvstore.control.client import MasterClient
 from kvstore.control.records import BlockAdd, ObjectAdd
-from kvstore.control.tls import TlsFiles, data_context
+from kvstore.control.tls import data_context
 from kvstore.core.codec import chunk_nbytes
 from kvstore.core.hashing import Namespace
-from kvstore.core.slots import Lease, ObjectStore, Slot, SlotKey, TierStats
+from kvstore.core.slots import Lease, ObjectStore, Slot, SlotKey
 from kvstore.core.tenancy import TenantScope
 from kvstore.dataplane.handshake import (
     OPEN,
@@ -101,11 +100,12 @@ from kvstore.errors import (
 )
 from kvstore.metrics import Metrics
 from kvstore.node.checks import ChunkChecks, LandedChunk
+from kvstore.node.config import NodeConfig
 from kvstore.node.master_link import MasterLink, NodeIdentity
 from kvstore.node.migrate import Migration
 from kvstore.node.puts import Puts, count_transfer
-from kvstore.node.scrub import MAX_PENDING_BYTES, Scrub
-from kvstore.node.tiers import Tiers, host_copy
+from kvstore.node.scrub import Scrub
+from kvstore.node.tiers import Tiers, host_copy, tier_stats
 from kvstore.transport import FrameLimits, listen
 from kvstore.transport.base import Connection, Listener
 from kvstore.transport.nixl import NixlAgent
@@ -119,58 +119,6 @@ _UCX_OPS = frozenset({"reserve", "write", "lease"})
 """Requests of the ``ucx://`` exchanges (control over this port, bytes one-sided)."""
 _MAX_HOLDS = 65536
 _MAX_MOVES_PER_WAKE = 256
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    """A storage node's settings (validated by :class:`StorageNode`)."""
-
-    master: str
-    host: str = "127.0.0.1"
-    data_port: int = 50052
-    node_id: str = ""
-    host_mem: int = 512 * 2**20
-    gpu_mem: int = 0
-    """Bytes of the GPU tier (0: none): ``ucx://`` puts land there, in device memory."""
-    gpu_device: str = "cuda"
-    """The GPU tier's torch device (tests run the same code on ``"cpu"``)."""
-    transport: str = "tcp"
-    io_timeout_s: float = 30.0
-    """Deadline of each step of a data-plane exchange (one header, one payload)."""
-    scrub_bytes: int = MAX_PENDING_BYTES
-    """``ucx://`` chunk bytes whose checksum may wait for the scrub after the ack (their
-    headers are checked before it); 0: every byte is checked before the ack."""
-    max_object_bytes: int = 64 * 2**20
-    max_hold_s: float = 600.0
-    sweep_s: float = 0.5
-    max_connections: int = 1024
-    """Data-port connections served at once (lowered at start to fit the file descriptor
-    limit, after raising its soft value toward the hard one). One more displaces a
-    connection that sent nothing within ``header_timeout_s`` of connecting, or is refused
-    with a ``capacity`` error frame: its client raises CapacityError naming the limit."""
-    idle_timeout_s: float = 60.0
-    """A connection that carries no request for this long is closed. Client pools retire a
-    connection after 30 s and dial anew when the node closed one (``kvclient.pool``)."""
-    header_timeout_s: float = 5.0
-    """Once a frame's first byte has arrived, its whole prefix must arrive within this long,
-    else the connection is closed: a trickle cannot hold one (the largest, ~370 KB, takes
-    3 ms at 1 Gbit/s)."""
-    token: str = ""
-    """The cluster secret (``--auth-file``): sent with every master call, and the root of
-    the data port's tickets (:mod:`kvstore.dataplane.handshake`: every connection then
-    authenticates at its start); empty: none, the data port serves every connection."""
-    data_tls: ssl.SSLContext | None = None
-    """With a server context (``--data-tls``: the node's ``--tls-cert``/``--tls-key``), the
-    data port speaks ``tls://`` only (:mod:`kvstore.transport.tls`)."""
-    tls: TlsFiles | None = None
-    """TLS to the master (``--tls-ca``, and ``--tls-cert``/``--tls-key`` as the node's
-    client certificate); None: plaintext."""
-    register_wait_s: float = 60.0
-    """How long a starting node waits for an older live registration of its id (its own,
-    before a restart) to end before it gives up with NodeIdTaken."""
-    max_header_bytes: int = 512 * 2**10
-    """Longest frame header read. The largest request, a put naming 4096 chunks, measured
-    337 KiB (a 126-layer, TP-8 namespace) and 364 KiB with every field at its widest."""
 
 
 @dataclass
@@ -841,18 +789,8 @@ class StorageNode:
                 "objects": len(self.objects),
                 "capacity_bytes": sum(st.capacity_bytes for _, st in stats),
                 "used_bytes": sum(st.used_bytes for _, st in stats),
-                "tiers": [_tier_stats(name, st) for name, st in stats],
+                "tiers": [tier_stats(name, st) for name, st in stats],
                 "tenants": self._tenant_stats(peer),
                 **self.migration.counters(),
             }
         )
-
-
-def _tier_stats(name: str, st: TierStats) -> dict[str, Any]:
-    return {
-        "name": name,
-        "slots": st.slots,
-        "pinned_slots": st.pinned_slots,
-        "capacity_bytes": st.capacity_bytes,
-        "used_bytes": st.used_bytes,
-    }

@@ -19,19 +19,28 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvstore.control.records import BlockAdd, Tier
 from kvstore.core.arena import Arena
-from kvstore.core.slots import Slot, SlotKey, SlotTable
+from kvstore.core.slots import Slot, SlotKey, SlotTable, TierStats
 from kvstore.dataplane.location import SlotLocation
 from kvstore.errors import InvalidArgument, KVStoreError, ProtocolError
 from kvstore.metrics import Metrics
 from kvstore.transport.nixl import Registration
 
-__all__ = ["FREE_SHARE", "MAX_PROMOTIONS", "MemoryTier", "Tiers", "gpu_device", "host_copy",
-           "landed_bits"]  # fmt: skip
+__all__ = [
+    "FREE_SHARE",
+    "MAX_PROMOTIONS",
+    "MemoryTier",
+    "Tiers",
+    "gpu_device",
+    "host_copy",
+    "landed_bits",
+    "tier_stats",
+]  # fmt: skip
 
 logger = logging.getLogger("kvstore.node")
 
@@ -163,12 +172,16 @@ class Tiers:
         """``slot``'s packed :class:`SlotLocation` in its tier's NIXL registration (``tier``:
         the tier it lives in, when the caller knows), for readers that READ it directly;
         empty when that tier is not registered (no ``ucx://``) or the slot is gone."""
+        if slot.location and slot.alive:
+            return slot.location  # (computed in the tier it lives in: a slot never moves)
         tier = tier or self.owner(slot)
         if tier is None or tier.reg is None:
             return b""
         span = tier.reg.span(slot.offset, slot.slot_bytes)
         mem = span.to_wire()[3]
-        return SlotLocation(span.addr, slot.chunk_bytes, slot.num_chunks, span.dev_id, mem).pack()
+        where = SlotLocation(span.addr, slot.chunk_bytes, slot.num_chunks, span.dev_id, mem)
+        slot.location = where.pack()
+        return slot.location
 
     def add_of(
         self, slot: Slot, chunks: tuple[int, ...] | None = None, tier: MemoryTier | None = None
@@ -387,3 +400,14 @@ def gpu_device(name: str) -> torch.device:
 def landed_bits(mask: int) -> list[int]:
     """The chunk indices set in a landed bitmask."""
     return [i for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+def tier_stats(name: str, st: TierStats) -> dict[str, Any]:
+    """One tier's entry of the node's ``stats`` answer."""
+    return {
+        "name": name,
+        "slots": st.slots,
+        "pinned_slots": st.pinned_slots,
+        "capacity_bytes": st.capacity_bytes,
+        "used_bytes": st.used_bytes,
+    }
