@@ -88,7 +88,7 @@ from kvstore.dataplane.location import SlotLocation
 from kvstore.dataplane.messages import Ack, Message, Put, Ready
 from kvstore.dataplane.messages import expect as answer_as
 from kvstore.transport import Connection, as_byte_view, connect
-from kvstore.transport.nixl import NixlAgent, Span
+from kvstore.transport.nixl import ALONE_INLINE_BYTES, NixlAgent, Span
 
 KiB, MiB = 1 << 10, 1 << 20
 H, D = 8, 128
@@ -259,7 +259,8 @@ def job_init(setup: Setup, role: str) -> None:
 
 async def _init(setup: Setup, role: str) -> None:
     region = torch.zeros(REGION, dtype=torch.uint8)  # touched: no page faults while timed
-    agent = await NixlAgent(f"bench-{role}-{uuid.uuid4().hex[:8]}").start()
+    name = f"bench-{role}-{uuid.uuid4().hex[:8]}"  # (set up as kvclient sets up its agent)
+    agent = await NixlAgent(name, alone_inline_bytes=ALONE_INLINE_BYTES).start()
     await agent.register(region)
     lanes = range(max(setup.depths))
     raws = [raw_socket_connect(setup.raw_addr, IO_TIMEOUT_S) for _ in lanes]

@@ -305,6 +305,41 @@ async def test_small_calls_post_on_the_loop_and_large_ones_on_the_worker(
     assert peer.ask("sha", 0, small + large) == sha(payload)
 
 
+async def test_an_agent_alone_posts_calls_up_to_its_cap_on_the_loop(peer: Peer) -> None:
+    """With ``alone_inline_bytes``, a call up to it is posted on the loop while no other
+    transfer of the agent is in flight, a larger one on the worker, and one made while
+    another is in flight on the worker too; every byte lands either way."""
+    agent = NixlAgent("test-alone", alone_inline_bytes=4 * MiB)
+    buf = torch.randint(0, 256, (LOCAL_BYTES,), dtype=torch.uint8)
+    async with agent:
+        await agent.register(buf)
+        name = await agent.add_peer(peer.metadata)
+        me = threading.current_thread().name
+        with recording(agent) as rec:
+            await agent.write(name, [(peer.span.addr, 3 * MiB)], [buf[: 3 * MiB]])
+            await agent.write(name, [(peer.span.addr, 5 * MiB)], [buf[: 5 * MiB]])
+        assert rec.posted_on[0] == me
+        assert rec.posted_on[1].startswith(f"nixl-{agent.name}")
+        for _ in range(20):  # (until the small call is made while the big one is live)
+            with recording(agent) as rec:
+                big = asyncio.ensure_future(
+                    agent.write(name, [(peer.span.addr, 12 * MiB)], [buf[: 12 * MiB]])
+                )
+                for _ in range(10_000):
+                    if agent._live or big.done():
+                        break
+                    await asyncio.sleep(0)
+                overlapped = bool(agent._live)
+                await agent.write(name, [(peer.span.addr + 12 * MiB, 2 * MiB)],
+                                  [buf[12 * MiB : 14 * MiB]])  # fmt: skip
+                await big
+            if overlapped:
+                break
+        assert overlapped, "the big write never was in flight when the small one was made"
+        assert all(t.startswith(f"nixl-{agent.name}") for t in rec.posted_on)
+    assert peer.ask("sha", 0, 14 * MiB) == sha(buf[: 14 * MiB])
+
+
 async def test_inline_and_threaded_transfers_interleave(peer: Peer, initiator: Initiator) -> None:
     agent, buf = initiator.agent, initiator.buf
     name = await agent.add_peer(peer.metadata)

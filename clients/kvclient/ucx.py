@@ -44,7 +44,7 @@ import torch
 from kvstore.core.arena import Arena
 from kvstore.dataplane.location import SlotLocation
 from kvstore.errors import CapacityError, Closed, KVStoreError
-from kvstore.transport.nixl import NixlAgent, Registration, Span
+from kvstore.transport.nixl import ALONE_INLINE_BYTES, NixlAgent, Registration, Span
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
@@ -168,7 +168,8 @@ class UcxPath:
             if self._closed:
                 raise Closed("client is closed")
             if self._agent is None:
-                agent = NixlAgent(f"kvclient-{uuid.uuid4().hex[:12]}", host=host)
+                name = f"kvclient-{uuid.uuid4().hex[:12]}"
+                agent = NixlAgent(name, host=host, alone_inline_bytes=ALONE_INLINE_BYTES)
                 try:
                     await agent.start()
                     await self._add_arena(agent, torch.device("cpu"))
