@@ -77,12 +77,12 @@ from kvstore.core.arena import parse_size
 from kvstore.core.codec import (
     ChunkKey,
     ChunkSpec,
-    check_header,
     chunk_nbytes,
     encode_blocks,
     verify_chunk,
 )
 from kvstore.core.hashing import Namespace
+from kvstore.core.headers import HeaderChecks
 from kvstore.dataplane import SEND, ChunkRef, NodeClient, PutChunk
 from kvstore.dataplane.location import SlotLocation
 from kvstore.dataplane.messages import Ack, Message, Put, Ready
@@ -500,9 +500,9 @@ async def get_ucx(lane: int, ns_id: bytes, keys: list[bytes], rows: Rows) -> Pha
     t1 = time.perf_counter()
     await _STATE["agent"].read(_STATE["peer"], spans, list(rows.unbind(0)), timeout=IO_TIMEOUT_S)
     t2 = time.perf_counter()
-    spec = _STATE["spec"]
+    check = _STATE["headers"].check  # (as a reader checks them: kvclient.reads)
     for k, row in zip(keys, rows, strict=True):
-        check_header(row, ChunkKey(k, 0, 0), spec)
+        check(row, ChunkKey(k, 0, 0))
     return {"control": t1 - t0, "move": t2 - t1, "after": time.perf_counter() - t2}
 
 
@@ -612,7 +612,7 @@ async def _locate(setup: Setup, point: Point, hashes: list[bytes]) -> None:
                 loc = SlotLocation.unpack(block[0].location) if block else None
                 expect(loc is not None, "a block put over ucx:// has no slot location")
                 locs[h] = loc  # type: ignore[assignment]
-    _STATE.update(locs=locs, spec=ChunkSpec.of(ns))
+    _STATE.update(locs=locs, headers=HeaderChecks(ChunkSpec.of(ns)))
 
 
 def job_raw(setup: Setup, point: Point, op: str, depth: int) -> Measured:

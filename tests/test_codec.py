@@ -32,6 +32,7 @@ from kvstore.core.codec import (
     verify_chunk,
     verify_host_bytes,
 )
+from kvstore.core.headers import HeaderChecks
 from kvstore.core.kvgen import attention_error, compare_schemes, realistic_kv
 from kvstore.errors import (
     BadShape,
@@ -926,3 +927,27 @@ def test_header_form_is_what_a_check_depends_on_less_the_key() -> None:
     broken[36] ^= 1  # a shape byte, the header check left as it was
     assert header_form(bytes(broken), a.size, KEY) is None
     assert header_form(a[: HEADER_NBYTES - 1].tobytes(), a.size, KEY) is None
+
+
+def test_header_checks_parse_a_form_once_and_refuse_alike_after() -> None:
+    """HeaderChecks answers as check_header on tensors, numpy arrays and bytes: the first
+    chunk of a form parsed (its header returned), later ones only compared (None), and a
+    wrong key, a wrong spec or a corrupted header raise as check_header does."""
+    kv = torch.randn(2, 16, 2, 8).half()
+    spec = ChunkSpec(16, 2, 8, torch.float16, "int8")
+    checks = HeaderChecks(spec)
+    first = encode_chunk(kv, quant="int8", key=KEY)
+    assert checks.check(first, KEY) == codec.check_header(first, KEY, spec)
+    other = ChunkKey(bytes(16), 2, 0)
+    buf = encode_chunk(kv * 2, quant="int8", key=other)
+    assert checks.check(buf, other) is None
+    assert checks.check(buf.numpy(), other) is None
+    assert checks.check(buf.numpy().tobytes(), other) is None
+    with pytest.raises(ChunkKeyMismatch):
+        checks.check(buf, KEY)
+    with pytest.raises(ChunkError):  # another dtype than the spec's
+        checks.check(encode_chunk(kv.bfloat16(), quant="int8", key=KEY), KEY)
+    broken = first.clone()
+    broken[40] ^= 1  # the head dim, under an unchanged header check
+    with pytest.raises(ChecksumError):
+        checks.check(broken, KEY)

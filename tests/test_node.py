@@ -14,6 +14,7 @@ import pytest
 import torch
 import xxhash
 
+from kvstore.core import headers
 from kvstore.core.codec import ChunkKey, chunk_nbytes, encode_blocks
 from kvstore.core.hashing import Namespace
 from kvstore.dataplane import NodeClient
@@ -320,8 +321,10 @@ def test_header_checks_of_a_known_form_still_refuse_another_key_or_spec(
         checks.LandedChunk(i, k, 0, v) for i, (k, v) in enumerate(zip(keys, views, strict=True))
     ]
     parsed: list[int] = []
-    full_check = checks.check_header
-    monkeypatch.setattr(checks, "check_header", lambda v, *a: parsed.append(1) or full_check(v, *a))
+    full_check = headers.check_header
+    monkeypatch.setattr(
+        headers, "check_header", lambda v, *a: parsed.append(1) or full_check(v, *a)
+    )
     checks_ = checks.ChunkChecks(threads=1)
     try:
         assert checks_.headers("test", NS, items[:1]) == []  # the form is known from here

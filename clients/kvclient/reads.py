@@ -35,7 +35,8 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from kvstore.control.records import Holder
-from kvstore.core.codec import ChunkKey, ChunkSpec, check_header
+from kvstore.core.codec import ChunkKey, ChunkSpec
+from kvstore.core.headers import HeaderChecks
 from kvstore.dataplane import ChunkRef, NodeClient
 from kvstore.dataplane.location import SlotLocation
 from kvstore.dataplane.messages import MAX_CHUNKS_PER_REQUEST
@@ -149,7 +150,7 @@ class ChunkReader:
     ) -> None:
         self.stats = ReadStats()
         self._ns_id = ns_id
-        self._spec = spec
+        self._headers = HeaderChecks(spec)
         self._chunk_bytes = chunk_bytes
         self._timeout_s = timeout_s
         self._node_timeout_s = node_timeout_s
@@ -320,7 +321,7 @@ class ChunkReader:
             for k, i in enumerate(have):
                 key = want.key(i)
                 try:
-                    check_header(bufs[k], key, self._spec)
+                    self._headers.check(bufs[k], key)
                     sink(i, bufs[k], key)
                     ok.add(i)
                 except ChunkKeyMismatch as exc:

@@ -22,16 +22,14 @@ import numpy as np
 import torch
 
 from kvstore.core.codec import (
-    HEADER_NBYTES,
     ChunkKey,
     ChunkSpec,
     ChunkVerifier,
-    check_header,
-    header_form,
     verify_chunk,
     verify_host_bytes,
 )
 from kvstore.core.hashing import Namespace
+from kvstore.core.headers import HeaderChecks
 from kvstore.errors import ChunkError
 from kvstore.transport.base import Connection
 
@@ -49,8 +47,6 @@ SMALL_CHUNK_BYTES = 64 * 2**10
 
 _MAX_VERIFY_THREADS = 4
 _MAX_SPECS = 1024
-_MAX_FORMS = 16
-"""Header forms kept per namespace (a writer's checksum kind and scheme: a few)."""
 
 
 class LandedChunk(NamedTuple):
@@ -69,8 +65,7 @@ class ChunkChecks:
         self.threads = threads or max(1, min(_MAX_VERIFY_THREADS, os.cpu_count() or 1))
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvstore-verify")
         self._specs: dict[bytes, ChunkSpec] = {}
-        self._forms: dict[bytes, set[tuple[object, ...]]] = {}
-        """Per namespace, the header forms (:func:`header_form`) that passed its spec."""
+        self._headers: dict[bytes, HeaderChecks] = {}
 
     def close(self) -> None:
         """Stop the verifier threads (waits for checks in flight)."""
@@ -82,7 +77,7 @@ class ChunkChecks:
         if spec is None:
             if len(self._specs) >= _MAX_SPECS:
                 self._specs.clear()
-                self._forms.clear()
+                self._headers.clear()
             spec = self._specs[ns.id] = ChunkSpec.of(ns)
         return spec
 
@@ -93,28 +88,26 @@ class ChunkChecks:
         return self._each(peer, ns, part, _verify)
 
     def headers(self, peer: str, ns: Namespace, items: list[LandedChunk]) -> list[int]:
-        """Check the header, key and spec of each chunk in host memory (64 bytes each: what
-        a ``ucx://`` put's ack waits for; the checksum is the scrub's); the positions that
-        failed. A header of a form this namespace passed before is only compared
-        (:func:`~kvstore.core.codec.header_form`); any other gets :func:`check_header`."""
-        spec = self.spec(ns)
-        forms = self._forms.setdefault(ns.id, set())
+        """Check the header, key and spec of each chunk (64 bytes each: what a ``ucx://``
+        put's ack waits for; the checksum is the scrub's); the positions that failed.
+        Headers of a form this namespace passed before are only compared
+        (:class:`~kvstore.core.headers.HeaderChecks`)."""
+        check = self.header_checks(ns).check
         bad = []
         for item in items:
-            key = ChunkKey(item.block, *divmod(item.chunk, ns.tp_size))
-            view = item.view
-            form = header_form(view.numpy()[:HEADER_NBYTES].tobytes(), view.numel(), key)
-            if form is not None and form in forms:
-                continue
             try:
-                check_header(view, key, spec)
+                check(item.view, ChunkKey(item.block, *divmod(item.chunk, ns.tp_size)))
             except ChunkError as exc:
                 logger.warning("rejected chunk from %s: %s", peer, exc)
                 bad.append(item.position)
-                continue
-            if form is not None and len(forms) < _MAX_FORMS:
-                forms.add(form)
         return bad
+
+    def header_checks(self, ns: Namespace) -> HeaderChecks:
+        """The header checks of ``ns`` (kept per namespace, as its spec)."""
+        checks = self._headers.get(ns.id)
+        if checks is None:
+            checks = self._headers[ns.id] = HeaderChecks(self.spec(ns))
+        return checks
 
     def _each(
         self,
