@@ -26,6 +26,7 @@ __all__ = [
     "IDLE_TARGET",
     "PUT_PATHS",
     "RATIO_SIZES",
+    "STATS_PROBE",
     "TARGETS",
     "baseline_table",
     "cpu_table",
@@ -46,6 +47,8 @@ TARGETS = {
 }
 """kvstore ÷ baseline GB/s targets by chunk size (exchanges of 8 chunks, one in flight):
 ``ucx://`` ÷ raw NIXL, ``tcp://`` ÷ raw asyncio."""
+STATS_PROBE = "kvstore tcp://: stats frame and answer"
+"""Section 1b's framed round trip on the node's data port (the floor under a control step)."""
 IDLE_TARGET = 0.15
 """Most idle CPU of the node, in cores."""
 PUT_PATHS = ("kv tcp put", "kv ucx put", "kv ucx layers put", "raw asyncio put", "raw NIXL WRITE")
@@ -231,7 +234,8 @@ def ratio_table(res: Results) -> Table:
         f"get ≥ {small['ucx get']} of raw NIXL, tcp:// put ≥ {small['tcp put']} and get ≥ "
         f"{small['tcp get']} of raw asyncio; at 4 MiB ≥ {big['ucx put']} on all",
         ["chunk", "chunks", "depth", "put ucx ÷ NIXL WRITE", "put ucx layers ÷ NIXL WRITE",
-         "get ucx ÷ NIXL READ", "put tcp ÷ asyncio", "get tcp ÷ asyncio"],
+         "floor of a one-round-trip ucx put ÷ NIXL WRITE", "get ucx ÷ NIXL READ",
+         "put tcp ÷ asyncio", "get tcp ÷ asyncio"],
     )  # fmt: skip
     pairs = [("kv ucx put", "raw NIXL WRITE", "ucx put"),
              ("kv ucx layers put", "raw NIXL WRITE", "ucx put"),
@@ -243,13 +247,29 @@ def ratio_table(res: Results) -> Table:
         for d in res.setup.depths:
             cells = [_ratio(res.by.get((p.name, a, d)), res.by.get((p.name, b, d)), goal[t])
                      for a, b, t in pairs]  # fmt: skip
-            table.add(p.label, p.batch, d, *cells)
-    table.notes.append(
+            floor = _floor(res, p, d)
+            table.add(p.label, p.batch, d, *cells[:2], floor, *cells[2:])
+    table.notes += [
         "Each ratio compares kvstore at depth D with its baseline at the same depth D, the "
         "baseline measured right after it (GB/s as in section 1; - where the depth was "
-        "skipped)."
-    )
+        "skipped).",
+        "Floor: what a put of one WRITE and one round trip could reach if the node did no "
+        "work for it (no header checks, commit or grants): the exchange's bytes over the "
+        "median of the layered put's WRITE (section 1, move) plus the median framed round "
+        "trip of section 1b (stats), both measured in this run; depth 1 only.",
+    ]
     return table
+
+
+def _floor(res: Results, point: Point, depth: int) -> str:
+    """The floor of a one-round-trip ``ucx://`` put ÷ raw NIXL WRITE (ratio_table's note)."""
+    layers = res.by.get((point.name, "kv ucx layers put", depth))
+    raw = res.by.get((point.name, "raw NIXL WRITE", depth))
+    rt = res.probes.get(STATS_PROBE)
+    if depth != 1 or layers is None or raw is None or rt is None or "move" not in layers.phases:
+        return "-"
+    seconds = statistics.median(layers.phases["move"]) + rt["p50"]
+    return f"{point.exchange_bytes / seconds / 1e9 / raw.gbps:.2f}"
 
 
 def e2e_table(res: Results) -> Table:

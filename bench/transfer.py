@@ -59,6 +59,7 @@ from _common import (
     window_cpu,
 )
 from _transfer_report import (
+    STATS_PROBE,
     baseline_table,
     cpu_table,
     e2e_table,
@@ -724,7 +725,7 @@ async def _probes(setup: Setup) -> dict[str, dict[str, float]]:
     view = as_byte_view(tiny, writable=True)
     calls = {
         "raw socket: 9 B request, 64 B answer": lambda: raw_socket_get(_STATE["raws"][0], [view]),
-        "kvstore tcp://: stats frame and answer": stats,
+        STATS_PROBE: stats,
         "raw NIXL WRITE of 64 B (binding, spinning)": raw_nixl,
         "NixlAgent.write of 64 B (kvstore's layer)": lambda: agent.write(
             peer, [(remote, 64)], [tiny]
