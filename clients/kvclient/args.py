@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvstore.core.codec import KV, kv_halves
 from kvstore.errors import BadShape, InvalidArgument
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "device",
     "flag",
     "index",
+    "kv_device",
     "nonneg_int",
     "number",
     "seconds",
@@ -103,6 +105,11 @@ def text(value: Any, name: str, max_bytes: int = MAX_TAG_LEN, *, empty: bool = T
         least = "" if empty else "non-empty, "
         raise InvalidArgument(f"{name} must be {least}at most {max_bytes} bytes, got {n}")
     return value
+
+
+def kv_device(t: KV) -> torch.device:
+    """The device a ``[2, T, H, D]`` layer tensor or a (K, V) pair lives on."""
+    return kv_halves(t)[0].device
 
 
 def device(value: Any, name: str = "device") -> torch.device | None:

@@ -94,11 +94,6 @@ _WAIT_SHARE = 0.5
 transfer of the same chunk; the rest is left for storing the chunk itself."""
 
 
-def _device(t: KV) -> torch.device:
-    """The device a ``[2, T, H, D]`` tensor or a (K, V) pair lives on."""
-    return kv_halves(t)[0].device
-
-
 def _torch_dtype(name: str) -> torch.dtype:
     return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
@@ -443,7 +438,7 @@ class ClientCore:
         keys = [ChunkKey(h, layer, shard) for h in hashes]
         B, quant = self.ns.block_tokens, self.ns.quant
         encode = lambda out: encode_blocks(t, B, keys, quant, out=out)  # noqa: E731
-        return launch(kv_halves(t)[0].device, encode, self._run_codec)
+        return launch(args.kv_device(t), encode, self._run_codec)
 
     async def _put_encoded(self, hashes: list[bytes], index: int, encoded: Encoded) -> set[int]:
         """Encode and send: into registered staging on the KV's device (host memory or the
@@ -659,7 +654,7 @@ class ClientCore:
                 shape = (2, n * B, self.ns.num_kv_heads, self.ns.head_dim)
                 target = torch.empty(shape, dtype=self._dtype, device=device)
             into = self._into(target)
-            loaded = await self._fetch(hashes, layer, shard, located, into, _device(target))
+            loaded = await self._fetch(hashes, layer, shard, located, into, args.kv_device(target))
             return kv_span(target, 0, prefix_len(loaded, len(located)) * B)
 
         return await self._deadline(get(), timeout, "get_layer")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstore.core.codec import KV, ChunkKey, kv_halves
+from kvstore.core.codec import KV, ChunkKey
 from kvstore.errors import BadShape, InvalidArgument
 
 from . import args
@@ -291,7 +291,7 @@ class EngineOps(_Base):
 
         async def get() -> set[int]:
             located = await self._locate(hashes, index, load_all=True)
-            device = kv_halves(out)[0].device
+            device = args.kv_device(out)
             return await self._fetch(hashes, layer, shard, located, self._into(out), device)
 
         return self._result_handle(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import torch
 
 from kvstore.control.records import Holder
-from kvstore.core.codec import KV, ChunkKey, kv_halves, kv_span
+from kvstore.core.codec import KV, ChunkKey, kv_span
 from kvstore.errors import BadShape, Miss
 
 from . import args
@@ -183,7 +183,7 @@ class StreamOps(_Base):
         return LayerSink(
             self._into(target),
             lambda: kv_span(target, 0, n_blocks * self.ns.block_tokens),
-            kv_halves(target)[0].device,
+            args.kv_device(target),
         )
 
     async def _stream(
