@@ -13,7 +13,7 @@ import xxhash
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvstore.core import checksum, codec, fused, hashing, kernels
+from kvstore.core import checksum, codec, fused, hashing, headers, kernels
 from kvstore.core.codec import (
     DEFAULT_INT8,
     HEADER_NBYTES,
@@ -951,3 +951,73 @@ def test_header_checks_parse_a_form_once_and_refuse_alike_after() -> None:
     broken[40] ^= 1  # the head dim, under an unchanged header check
     with pytest.raises(ChecksumError):
         checks.check(broken, KEY)
+
+
+def _resealed(chunk: torch.Tensor, at: int, bit: int) -> torch.Tensor:
+    """``chunk`` with header byte ``at`` changed by ``bit`` and its header check redone, so
+    only the changed field can refuse it."""
+    out = chunk.clone()
+    out[at] ^= bit
+    head = out[:60].numpy().tobytes()
+    out[60:64] = torch.frombuffer(
+        bytearray(struct.pack("<I", xxhash.xxh3_64_intdigest(head) & 0xFFFFFFFF)),
+        dtype=torch.uint8,
+    )
+    return out
+
+
+def test_header_checks_refuse_exactly_what_check_header_refuses() -> None:
+    """With the form cache warm, every header field but the key changed (and the header
+    check redone), another block, layer or shard, and a buffer 8 bytes short or long: each
+    passes HeaderChecks exactly when it passes check_header, raising the same, and a refused
+    chunk is refused again (its form is never remembered)."""
+    spec = ChunkSpec(16, 2, 8, torch.float16, "int8")
+    key = ChunkKey(bytes(range(16)), 3, 1)
+    honest = encode_chunk(torch.randn(2, 16, 2, 8).half(), quant="int8", key=key)
+    checks = HeaderChecks(spec)
+    checks.check(honest, key)
+    cases = [(_resealed(honest, at, bit), key) for at in [*range(8), *range(32, 60)]
+             for bit in (0x01, 0x80)]  # fmt: skip
+    cases += [(honest, key._replace(block_hash=bytes(16))), (honest, key._replace(layer=2)),
+              (honest, key._replace(shard=0)), (honest[:-8].clone(), key),
+              (torch.cat([honest, torch.zeros(8, dtype=torch.uint8)]), key)]  # fmt: skip
+    refused = 0
+    for buf, k in cases:
+        try:
+            codec.check_header(buf, k, spec)
+        except ChunkError as exc:
+            refused += 1
+            for _ in range(2):
+                with pytest.raises(type(exc)):
+                    checks.check(buf, k)
+        else:
+            checks.check(buf, k)
+    assert refused >= len(cases) - 8, "nearly every changed field refuses the chunk"
+    assert checks.check(honest, key) is None
+
+
+def test_a_header_changed_while_it_is_checked_is_judged_on_what_was_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer may still WRITE a slot while the node checks it: a header that changes from a
+    wrong dtype to the right one between the two steps of a check is refused on the bytes
+    read, and its form is not remembered (a later chunk of it is refused too)."""
+    spec = ChunkSpec(16, 2, 8, torch.float16, "int8")
+    kv = torch.randn(2, 16, 2, 8)
+    good = encode_chunk(kv.half(), quant="int8", key=KEY)
+    slot = encode_chunk(kv.bfloat16(), quant="int8", key=KEY)  # same size, wrong dtype
+    real = headers.header_form
+
+    def racing(raw: bytes, size: int, key: ChunkKey) -> Any:
+        form = real(raw, size, key)
+        slot[:HEADER_NBYTES] = good[:HEADER_NBYTES]  # the peer's WRITE lands meanwhile
+        return form
+
+    checks = HeaderChecks(spec)
+    monkeypatch.setattr(headers, "header_form", racing)
+    with pytest.raises(ChunkError):
+        checks.check(slot, KEY)
+    monkeypatch.setattr(headers, "header_form", real)
+    other = ChunkKey(bytes(16), 0, 0)
+    with pytest.raises(ChunkError):
+        checks.check(encode_chunk(kv.bfloat16(), quant="int8", key=other), other)

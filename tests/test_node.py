@@ -321,9 +321,9 @@ def test_header_checks_of_a_known_form_still_refuse_another_key_or_spec(
         checks.LandedChunk(i, k, 0, v) for i, (k, v) in enumerate(zip(keys, views, strict=True))
     ]
     parsed: list[int] = []
-    full_check = headers.check_header
+    full_check = headers.check_header_bytes
     monkeypatch.setattr(
-        headers, "check_header", lambda v, *a: parsed.append(1) or full_check(v, *a)
+        headers, "check_header_bytes", lambda v, *a: parsed.append(1) or full_check(v, *a)
     )
     checks_ = checks.ChunkChecks(threads=1)
     try:

@@ -782,6 +782,18 @@ def check_header(
     return header
 
 
+def check_header_bytes(
+    raw: bytes, size: int, expect_key: ChunkKey | None = None, expect_spec: ChunkSpec | None = None
+) -> ChunkHeader:
+    """:func:`check_header` of a chunk of ``size`` bytes whose first 64 bytes are ``raw``,
+    already read (so the verdict is on those bytes, whatever the buffer holds by now)."""
+    if size >= HEADER_NBYTES and len(raw) != HEADER_NBYTES:
+        raise ChunkFormatError(f"a chunk header is {HEADER_NBYTES} bytes, got {len(raw)}")
+    header, _ = _parse_header(raw, size)  # (a size under 64 raises "truncated" first)
+    _check_expected(header, expect_key, expect_spec)
+    return header
+
+
 def header_form(raw: bytes, size: int, key: ChunkKey) -> tuple[Any, ...] | None:
     """What decides whether a chunk of ``size`` bytes whose 64-byte header is ``raw`` passes
     :func:`check_header` against a key and a spec, less the key: the header's fields other

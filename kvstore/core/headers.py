@@ -21,6 +21,7 @@ from kvstore.core.codec import (
     ChunkKey,
     ChunkSpec,
     check_header,
+    check_header_bytes,
     header_form,
 )
 
@@ -41,14 +42,17 @@ class HeaderChecks:
 
     def check(self, buf: Any, key: ChunkKey) -> ChunkHeader | None:
         """Check ``buf``'s header, key and spec (``buf`` as for ``check_header``): None for a
-        header of a known form, else the parsed header. Raises as ``check_header``."""
-        form = None
+        header of a known form, else the parsed header. Raises as ``check_header``. The
+        header is read once: the form and the verdict are of the same bytes, even if
+        another writer changes the buffer meanwhile (a slot a peer can still WRITE)."""
         head = _head(buf)
-        if head is not None:
-            form = header_form(head, len(buf), key)
-            if form is not None and form in self._forms:
-                return None
-        header = check_header(buf, key, self.spec)
+        if head is None:
+            return check_header(buf, key, self.spec)
+        size = len(buf)
+        form = header_form(head, size, key)
+        if form is not None and form in self._forms:
+            return None
+        header = check_header_bytes(head, size, key, self.spec)
         if form is not None and len(self._forms) < MAX_FORMS:
             self._forms.add(form)
         return header

@@ -229,7 +229,7 @@ class ChunkChecks:
 def _verify(view: torch.Tensor, key: ChunkKey, spec: ChunkSpec) -> object:
     """:func:`verify_chunk`; for a host chunk :func:`verify_host_bytes` (measured: 25 µs
     against 41 for a 256 KiB chunk in cache)."""
-    if view.device.type == "cpu":
+    if view.device.type == "cpu" and view.is_contiguous():
         return verify_host_bytes(view.numpy(), key, spec)
     return verify_chunk(view, key, spec)
 

@@ -238,7 +238,8 @@ class NixlAgent:
     interfaces), ``net_devices`` overrides it. A target (storage node) passes
     ``progress_thread=True``; an initiator leaves it off. ``alone_inline_bytes``: the
     largest call posted on the loop while no other transfer of this agent is in flight
-    (default :data:`INLINE_BYTES`, the cap for every call; see :data:`ALONE_INLINE_BYTES`).
+    (default :data:`INLINE_BYTES`, the cap for every call, which also applies below it;
+    see :data:`ALONE_INLINE_BYTES`).
     Owned by one event loop.
     """
 
