@@ -116,6 +116,7 @@ __all__ = [
     "ChunkVerifier",
     "CopyStats",
     "check_header",
+    "check_header_bytes",
     "chunk_nbytes",
     "copy_stats",
     "decode_chunk",

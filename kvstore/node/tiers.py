@@ -40,7 +40,7 @@ __all__ = [
     "host_copy",
     "landed_bits",
     "tier_stats",
-]  # fmt: skip
+]
 
 logger = logging.getLogger("kvstore.node")
 
