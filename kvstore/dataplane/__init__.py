@@ -1,5 +1,6 @@
 """The node's data-plane protocol in one place: typed messages
-(:mod:`kvstore.dataplane.messages`) and :class:`NodeClient`, one method per exchange
+(:mod:`kvstore.dataplane.messages`, their limits and checked field readers in
+:mod:`kvstore.dataplane.fields`) and :class:`NodeClient`, one method per exchange
 (:mod:`kvstore.dataplane.client`). Cheap to import: no torch, no NIXL."""
 
 from kvstore.dataplane.client import Connections, Dial, NodeClient

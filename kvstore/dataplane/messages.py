@@ -66,6 +66,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, Self, TypeVar
 
+from kvstore.dataplane.fields import (
+    MAX_CHUNKS_PER_REQUEST,
+    MAX_GRANT_CHUNKS,
+    MAX_KEY_LEN,
+    MAX_NS_HEX,
+    MAX_WRITER_LEN,
+)
+from kvstore.dataplane.fields import count_of as _count
+from kvstore.dataplane.fields import field_of as _field
+from kvstore.dataplane.fields import hex16 as _hex16
+from kvstore.dataplane.fields import ints_of as _ints
+from kvstore.dataplane.fields import list_of as _list
+from kvstore.dataplane.fields import number_of as _number
+from kvstore.dataplane.fields import object_key_of as _key
+from kvstore.dataplane.fields import spans_of as _spans
+from kvstore.dataplane.fields import tenant_of as _tenant
 from kvstore.errors import (
     BadShape,
     CapacityError,
@@ -119,25 +135,6 @@ __all__ = [
     "parse_request",
 ]
 
-MAX_CHUNKS_PER_REQUEST = 4096
-"""Most chunks one request may name (fits the frame limits: 4096 buffers); clients split
-larger batches."""
-
-MAX_KEY_LEN = 1024
-"""Longest object key, in UTF-8 bytes."""
-
-MAX_TENANT_LEN = 128
-"""Longest tenant name a request may carry."""
-
-MAX_NS_HEX = 8192
-"""Longest canonical namespace, in hex digits."""
-
-MAX_WRITER_LEN = 64
-"""Longest writer id."""
-
-MAX_GRANT_CHUNKS = 64
-"""Most chunk indices per block a put may ask to be granted."""
-
 STORED = 0
 """``accept`` value: the chunk is landed and checked on this node already; not sent."""
 SEND = 1
@@ -158,87 +155,6 @@ _CODES: dict[str, type[KVStoreError]] = {
 }
 
 M = TypeVar("M", bound="Message")
-
-
-# ----------------------------------------------------------------------------- fields
-
-
-def _field(header: dict[str, Any], name: str, kind: type, default: Any = ...) -> Any:
-    value = header.get(name, default)
-    if (
-        value is ...
-        or not isinstance(value, kind)
-        or (kind is not bool and isinstance(value, bool))
-    ):
-        got = "nothing" if value is ... else type(value).__name__
-        want = getattr(kind, "__name__", str(kind))  # (``int | float`` has no __name__)
-        raise ProtocolError(f"field {name!r} must be {want}, got {got}")
-    return value
-
-
-def _number(header: dict[str, Any], name: str, default: Any = ...) -> float:
-    value = _field(header, name, int | float, default)  # type: ignore[arg-type]
-    if not value >= 0:
-        raise ProtocolError(f"field {name!r} must be >= 0, got {value!r}")
-    return float(value)
-
-
-def _count(header: dict[str, Any], name: str) -> int:
-    value = _field(header, name, int)
-    if value < 0:
-        raise ProtocolError(f"field {name!r} must be >= 0, got {value}")
-    return int(value)
-
-
-def _hex16(value: Any, what: str = "block hash") -> bytes:
-    """A 16-byte id sent as 32 hex digits; ProtocolError otherwise."""
-    if not isinstance(value, str) or len(value) != 32:
-        raise ProtocolError(f"{what} must be 32 hex digits")
-    try:
-        return bytes.fromhex(value)
-    except ValueError as exc:
-        raise ProtocolError(f"{what} is not hex: {value[:40]!r}") from exc
-
-
-def _list(header: dict[str, Any], name: str, *, empty: bool = False) -> list[Any]:
-    items = _field(header, name, list)
-    if len(items) > MAX_CHUNKS_PER_REQUEST or (not items and not empty):
-        raise ProtocolError(f"field {name!r} names 1..{MAX_CHUNKS_PER_REQUEST} items")
-    return items
-
-
-def _ints(header: dict[str, Any], name: str) -> tuple[int, ...]:
-    items = _list(header, name, empty=True)
-    if not all(type(v) is int for v in items):
-        raise ProtocolError(f"field {name!r} must be a list of ints")
-    return tuple(items)
-
-
-def _spans(header: dict[str, Any]) -> tuple[tuple[int, ...], ...]:
-    items = _list(header, "spans", empty=True)
-    if not all(isinstance(s, list) and all(type(v) is int for v in s) for s in items):
-        raise ProtocolError("field 'spans' must be a list of int lists")
-    return tuple(tuple(s) for s in items)
-
-
-def _key(header: dict[str, Any]) -> str:
-    key = _field(header, "key", str)
-    if not key:
-        raise InvalidArgument("object key must not be empty")
-    try:
-        size = len(key.encode())
-    except UnicodeEncodeError as exc:
-        raise InvalidArgument("object key is not valid UTF-8") from exc
-    if size > MAX_KEY_LEN:
-        raise InvalidArgument(f"object key must be 1..{MAX_KEY_LEN} bytes")
-    return key
-
-
-def _tenant(header: dict[str, Any]) -> str:
-    tenant = _field(header, "tenant", str, "")
-    if len(tenant) > MAX_TENANT_LEN:
-        raise ProtocolError(f"field 'tenant' is longer than {MAX_TENANT_LEN}")
-    return tenant
 
 
 # ----------------------------------------------------------------------------- messages
