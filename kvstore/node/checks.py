@@ -93,14 +93,7 @@ class ChunkChecks:
         Headers of a form this namespace passed before are only compared
         (:class:`~kvstore.core.headers.HeaderChecks`)."""
         check = self.header_checks(ns).check
-        bad = []
-        for item in items:
-            try:
-                check(item.view, ChunkKey(item.block, *divmod(item.chunk, ns.tp_size)))
-            except ChunkError as exc:
-                logger.warning("rejected chunk from %s: %s", peer, exc)
-                bad.append(item.position)
-        return bad
+        return self._each(peer, ns, items, lambda view, key, _: check(view, key))
 
     def header_checks(self, ns: Namespace) -> HeaderChecks:
         """The header checks of ``ns`` (kept per namespace, as its spec)."""
