@@ -79,7 +79,7 @@ class EngineOps(_Base):
             return hashes, lambda: all_of(first)
         keys = [ChunkKey(h, layer, shard) for h in rest]
         encoded = launch(
-            cache.device,
+            cache.device,  # a Tensor or a PagedCache
             lambda out: encode_paged(views, keys, self.ns.quant, out=out),
             self._run_codec,
         )

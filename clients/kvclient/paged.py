@@ -1,10 +1,16 @@
 """Paged-KV adapters: encode chunks from, and decode them into, an engine's paged cache.
 
 Pure tensor logic, no I/O. Engines keep one layer's KV in pages ("engine blocks") of
-``block_size`` tokens, in one of two layouts (logical shapes; any strides work)::
+``block_size`` tokens, in one of three layouts (logical shapes; any strides work)::
 
-    "blocks_first"  [num_blocks, 2, block_size, H, D]     e.g. vLLM's FlashInfer backend
-    "kv_first"      [2, num_blocks, block_size, H, D]     e.g. vLLM's FlashAttention backend
+    "blocks_first"  [num_blocks, 2, block_size, H, D]     e.g. vLLM's FlashInfer backend (<0.32)
+    "kv_first"      [2, num_blocks, block_size, H, D]     e.g. vLLM's FlashAttention backend (<0.32)
+    "kv_pair"       (K, V), each [num_blocks, block_size, H, D], strides of their own
+
+The last is what :mod:`kvclient.layouts` makes of an engine's page form (vLLM's CPU pages
+hold each head's K transposed, ``[D, block_size]``, and its V as ``[block_size, D]``: two
+strided views with different strides). Whatever the form, a chunk holds the namespace's
+canonical KV: per token, K and V of every KV head.
 
 A request owns ``block_ids``: its token ``t`` lives in engine block
 ``block_ids[t // block_size]`` at offset ``t % block_size``. Our chunk ``j`` is the request's
@@ -66,7 +72,7 @@ __all__ = [
     "scatter_chunk",
 ]
 
-LAYOUTS: tuple[str, ...] = ("blocks_first", "kv_first")
+LAYOUTS: tuple[str, ...] = ("blocks_first", "kv_first", "kv_pair")
 """Accepted ``layout`` values (see the module docstring)."""
 
 DEFAULT_STAGING_BYTES = 4 << 20
@@ -128,24 +134,31 @@ class Piece(NamedTuple):
 
 @dataclass(frozen=True, eq=False)
 class PagedCache:
-    """One layer's paged KV cache of an engine, validated, with a ``kv_first`` view.
+    """One layer's paged KV cache of an engine, validated, as K and V views.
 
-    ``PagedCache(tensor, layout)`` raises :class:`InvalidArgument` for a non-tensor or an
-    unknown layout and :class:`BadShape` for a tensor that is not 5-D with 2 (K, V) in the
-    layout's place or whose dtype the codec cannot encode. Holds no copy of the data.
+    ``tensor``: a 5-D tensor in ``layout`` (``"blocks_first"`` or ``"kv_first"``), or, with
+    ``layout="kv_pair"``, a ``(K, V)`` pair of ``[num_blocks, block_size, H, D]`` views
+    of any strides (what :mod:`kvclient.layouts` makes of an engine's own page form, where
+    K and V need not share strides: vLLM's CPU pages hold K transposed). Raises
+    :class:`InvalidArgument` for a non-tensor or an unknown layout and :class:`BadShape`
+    for a tensor that is not 5-D with 2 (K, V) in the layout's place, halves that differ,
+    or a dtype the codec cannot encode. Holds no copy of the data.
     """
 
-    tensor: Tensor
+    tensor: Tensor | tuple[Tensor, Tensor]
     layout: str = "blocks_first"
-    kv: Tensor = field(init=False, repr=False)
-    """``[2, num_blocks, block_size, H, D]`` view of ``tensor``, whatever the layout."""
+    kv: tuple[Tensor, Tensor] = field(init=False, repr=False)
+    """K and V, each a ``[num_blocks, block_size, H, D]`` view of ``tensor``."""
 
     def __post_init__(self) -> None:
         t = self.tensor
-        if not isinstance(t, Tensor):
-            raise InvalidArgument(f"paged cache must be a Tensor, got {type(t).__name__}")
         if self.layout not in LAYOUTS:
             raise InvalidArgument(f"unknown layout {self.layout!r}; expected one of {LAYOUTS}")
+        if self.layout == "kv_pair":
+            object.__setattr__(self, "kv", _pair_halves(t))
+            return
+        if not isinstance(t, Tensor):
+            raise InvalidArgument(f"paged cache must be a Tensor, got {type(t).__name__}")
         want = "[num_blocks, 2, block_size, H, D]"
         if self.layout == "kv_first":
             want = "[2, num_blocks, block_size, H, D]"
@@ -154,33 +167,44 @@ class PagedCache:
             raise BadShape(f"{self.layout} paged cache must be {want}, got {tuple(t.shape)}")
         if t.dtype not in _KV_DTYPES:
             raise BadShape(f"paged cache dtype {t.dtype} is not float16, bfloat16 or float32")
-        object.__setattr__(self, "kv", t.transpose(0, 1) if kv_dim == 1 else t)
+        kv = t.transpose(0, 1) if kv_dim == 1 else t
+        object.__setattr__(self, "kv", (kv[0], kv[1]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The cache's dtype."""
+        return self.kv[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The cache's device."""
+        return self.kv[0].device
 
     @property
     def num_blocks(self) -> int:
         """Engine blocks in the cache."""
-        return int(self.kv.shape[1])
+        return int(self.kv[0].shape[0])
 
     @property
     def block_size(self) -> int:
         """Tokens per engine block."""
-        return int(self.kv.shape[2])
+        return int(self.kv[0].shape[1])
 
     @property
     def num_kv_heads(self) -> int:
         """``H``."""
-        return int(self.kv.shape[3])
+        return int(self.kv[0].shape[2])
 
     @property
     def head_dim(self) -> int:
         """``D``."""
-        return int(self.kv.shape[4])
+        return int(self.kv[0].shape[3])
 
     @property
     def mergeable(self) -> bool:
         """Whether block ``b + 1`` starts in memory right where block ``b`` ends."""
-        kv = self.kv
-        return self.num_blocks == 1 or kv.stride(1) == self.block_size * kv.stride(2)
+        bs = self.block_size
+        return self.num_blocks == 1 or all(h.stride(0) == bs * h.stride(1) for h in self.kv)
 
     def expect(
         self, num_kv_heads: int | None = None, head_dim: int | None = None, dtype: Any = None
@@ -196,12 +220,12 @@ class PagedCache:
         ):
             if want is not None and want != have:
                 raise BadShape(f"paged cache has {name}={have}, expected {want}")
-        if dtype is not None and dtype_name(dtype) != dtype_name(self.tensor.dtype):
-            raise BadShape(f"paged cache is {self.tensor.dtype}, expected {dtype_name(dtype)}")
+        if dtype is not None and dtype_name(dtype) != dtype_name(self.dtype):
+            raise BadShape(f"paged cache is {self.dtype}, expected {dtype_name(dtype)}")
         return self
 
-    def span(self, piece: Piece) -> Tensor:
-        """The ``[2, length, H, D]`` view of ``piece`` (no copy).
+    def span(self, piece: Piece) -> tuple[Tensor, Tensor]:
+        """The K and V ``[length, H, D]`` views of ``piece`` (no copy).
 
         Raises :class:`InvalidArgument` if the piece leaves the cache, or crosses into
         the next block where blocks are not adjacent in memory.
@@ -211,12 +235,35 @@ class PagedCache:
         if not (0 <= block < self.num_blocks and 0 <= start < bs and length > 0):
             raise InvalidArgument(f"{piece} is outside a cache of {self.num_blocks}x{bs} tokens")
         if start + length <= bs:
-            return self.kv[:, block, start : start + length]
+            return self.kv[0][block, start : start + length], self.kv[1][
+                block, start : start + length
+            ]
         if not self.mergeable or block * bs + start + length > self.num_blocks * bs:
             raise InvalidArgument(f"{piece} crosses engine blocks that are not one view")
         first = block * bs + start
-        flat = self.kv.view(2, self.num_blocks * bs, self.num_kv_heads, self.head_dim)
-        return flat[:, first : first + length]
+        shape = (self.num_blocks * bs, self.num_kv_heads, self.head_dim)
+        k, v = (h.view(shape)[first : first + length] for h in self.kv)
+        return k, v
+
+
+def _pair_halves(t: Any) -> tuple[Tensor, Tensor]:
+    """A ``kv_pair`` cache's (K, V), checked: two ``[num_blocks, block_size, H, D]`` views of
+    one shape, dtype and device."""
+    if not (isinstance(t, (tuple, list)) and len(t) == 2 and all(isinstance(x, Tensor) for x in t)):
+        raise InvalidArgument(
+            f"a kv_pair paged cache must be a (K, V) pair, got {type(t).__name__}"
+        )
+    k, v = t
+    if k.dim() != 4 or k.shape != v.shape or 0 in k.shape:
+        raise BadShape(
+            "a kv_pair paged cache must be two [num_blocks, block_size, H, D] views of one "
+            f"shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k.dtype != v.dtype or k.device != v.device:
+        raise BadShape(f"K is {k.dtype} on {k.device}, V {v.dtype} on {v.device}")
+    if k.dtype not in _KV_DTYPES:
+        raise BadShape(f"paged cache dtype {k.dtype} is not float16, bfloat16 or float32")
+    return k, v
 
 
 # ----------------------------------------------------------------------------- chunk views
@@ -246,18 +293,19 @@ class ChunkView:
         return len(self.pieces) == 1
 
     @property
-    def tensor(self) -> Tensor | None:
-        """The chunk's ``[2, block_tokens, H, D]`` view of the cache if direct, else None."""
+    def tensor(self) -> tuple[Tensor, Tensor] | None:
+        """The chunk's K and V ``[block_tokens, H, D]`` views of the cache if direct, else
+        None."""
         return self.paged.span(self.pieces[0]) if self.direct else None
 
     @property
     def nbytes(self) -> int:
         """KV bytes of the chunk (what one gather or scatter copies)."""
         p = self.paged
-        return 2 * self.block_tokens * p.num_kv_heads * p.head_dim * p.tensor.element_size()
+        return 2 * self.block_tokens * p.num_kv_heads * p.head_dim * p.kv[0].element_size()
 
-    def piece_tensors(self) -> list[Tensor]:
-        """The ``[2, length, H, D]`` views of the pieces, in token order (no copy)."""
+    def piece_tensors(self) -> list[tuple[Tensor, Tensor]]:
+        """The K and V ``[length, H, D]`` views of the pieces, in token order (no copy)."""
         return [self.paged.span(p) for p in self.pieces]
 
 
@@ -415,7 +463,7 @@ def _pieces(
 
 
 def _index_tensor(block_ids: Any, ids: np.ndarray, paged: PagedCache) -> Tensor:
-    device = paged.tensor.device
+    device = paged.device
     reusable = isinstance(block_ids, Tensor) and block_ids.dtype == torch.int64
     if reusable and block_ids.device == device:
         # A copy: engines update block tables in place, and the views may outlive this call.
@@ -431,12 +479,10 @@ def _check_chunk_tensor(t: Any, view: ChunkView, name: str) -> Tensor:
     want = (2, view.block_tokens, p.num_kv_heads, p.head_dim)
     if not isinstance(t, Tensor):
         raise InvalidArgument(f"{name} must be a Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != want or t.dtype != p.tensor.dtype:
-        raise BadShape(
-            f"{name} is {tuple(t.shape)} {t.dtype}; the chunk is {want} {p.tensor.dtype}"
-        )
-    if t.device != p.tensor.device:
-        raise InvalidArgument(f"{name} is on {t.device}, the paged cache on {p.tensor.device}")
+    if tuple(t.shape) != want or t.dtype != p.dtype:
+        raise BadShape(f"{name} is {tuple(t.shape)} {t.dtype}; the chunk is {want} {p.dtype}")
+    if t.device != p.device:
+        raise InvalidArgument(f"{name} is on {t.device}, the paged cache on {p.device}")
     return t
 
 
@@ -450,7 +496,8 @@ def _gather_into(view: ChunkView, dst: Tensor) -> None:
     else:
         offset = 0
         for piece in view.pieces:
-            dst[:, offset : offset + piece.length].copy_(view.paged.span(piece))
+            for half, src in enumerate(view.paged.span(piece)):
+                dst[half, offset : offset + piece.length].copy_(src)
             offset += piece.length
     _count(gathered_bytes=view.nbytes)
 
@@ -465,7 +512,8 @@ def _scatter_from(src: Tensor, view: ChunkView) -> None:
     else:
         offset = 0
         for piece in view.pieces:
-            view.paged.span(piece).copy_(src[:, offset : offset + piece.length])
+            for half, dst in enumerate(view.paged.span(piece)):
+                dst.copy_(src[half, offset : offset + piece.length])
             offset += piece.length
     _count(scattered_bytes=view.nbytes)
 
@@ -478,7 +526,8 @@ def _scatter_tail(src: Tensor, view: ChunkView, skip: int) -> None:
         if lo < piece.length:
             at = piece.start + lo
             part = Piece(piece.block + at // bs, at % bs, piece.length - lo)
-            view.paged.span(part).copy_(src[:, offset + lo : offset + piece.length])
+            for half, dst in enumerate(view.paged.span(part)):
+                dst.copy_(src[half, offset + lo : offset + piece.length])
         offset += piece.length
     _count(scattered_bytes=view.nbytes * (view.block_tokens - skip) // view.block_tokens)
 
@@ -531,13 +580,13 @@ def _check_staging(staging: Any, view: ChunkView) -> Tensor:
         raise InvalidArgument(f"staging must be a Tensor, got {type(staging).__name__}")
     ok = staging.dim() == 4 and staging.shape[0] == 2 and staging.shape[1] % B == 0
     ok = ok and staging.shape[1] > 0 and staging.shape[2:] == (p.num_kv_heads, p.head_dim)
-    if not ok or staging.dtype != p.tensor.dtype:
+    if not ok or staging.dtype != p.dtype:
         raise BadShape(
             f"staging is {tuple(staging.shape)} {staging.dtype}; expected "
-            f"[2, k*{B}, {p.num_kv_heads}, {p.head_dim}] {p.tensor.dtype}"
+            f"[2, k*{B}, {p.num_kv_heads}, {p.head_dim}] {p.dtype}"
         )
-    if staging.device != p.tensor.device or not staging.is_contiguous():
-        raise InvalidArgument(f"staging must be contiguous and on {p.tensor.device}")
+    if staging.device != p.device or not staging.is_contiguous():
+        raise InvalidArgument(f"staging must be contiguous and on {p.device}")
     return staging
 
 
@@ -626,17 +675,19 @@ def _check_views(views: Sequence[ChunkView], keys: Sequence[Any]) -> PagedCache:
 def _new_staging(view: ChunkView, chunks: int) -> Tensor:
     p = view.paged
     shape = (2, chunks * view.block_tokens, p.num_kv_heads, p.head_dim)
-    return torch.empty(shape, dtype=p.tensor.dtype, device=p.tensor.device)
+    return torch.empty(shape, dtype=p.dtype, device=p.device)
 
 
-def _direct_source(views: Sequence[ChunkView], start: int, stop: int) -> Tensor:
-    """The one ``[2, m*B, H, D]`` view of the cache that direct chunks ``start:stop`` are."""
+def _direct_source(views: Sequence[ChunkView], start: int, stop: int) -> tuple[Tensor, Tensor]:
+    """The K and V ``[m*B, H, D]`` views of the cache that direct chunks ``start:stop`` are."""
     first, m = views[start].pieces[0], stop - start
     _count(direct_chunks=m)
     return views[start].paged.span(Piece(first.block, first.start, m * views[start].block_tokens))
 
 
-def _staged_source(views: Sequence[ChunkView], start: int, stop: int, stage: Tensor) -> Tensor:
+def _staged_source(
+    views: Sequence[ChunkView], start: int, stop: int, stage: Tensor
+) -> Tensor | tuple[Tensor, Tensor]:
     """Gather staged chunks ``start:stop`` into the front of ``stage``; return that part."""
     B, m = views[start].block_tokens, stop - start
     src = stage.narrow(1, 0, m * B)
@@ -672,9 +723,9 @@ def encode_paged(
         return []
     paged = _check_views(views, keys)
     B = views[0].block_tokens
-    nbytes = chunk_nbytes(B, paged.num_kv_heads, paged.head_dim, paged.tensor.dtype, quant)
+    nbytes = chunk_nbytes(B, paged.num_kv_heads, paged.head_dim, paged.dtype, quant)
     if out is None:
-        out = torch.empty(len(views), nbytes, dtype=torch.uint8, device=paged.tensor.device)
+        out = torch.empty(len(views), nbytes, dtype=torch.uint8, device=paged.device)
     elif not isinstance(out, Tensor) or tuple(out.shape) != (len(views), nbytes):
         raise InvalidArgument(f"out must be a [{len(views)}, {nbytes}] uint8 tensor")
     group = max(1, DEFAULT_STAGING_BYTES // views[0].nbytes)
@@ -684,6 +735,7 @@ def encode_paged(
     widest = max((stop - start for d, start, stop in segments if not d), default=0)
     stage = staging
     for direct, start, stop in segments:
+        src: Tensor | tuple[Tensor, Tensor]
         if direct:
             src = _direct_source(views, start, stop)
         else:
