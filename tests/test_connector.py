@@ -22,15 +22,16 @@ from typing import Any
 import pytest
 import torch
 
-from kvclient.vllm_connector import KVStoreConnector, kv_first_view
+from kvclient.vllm_connector import KVStoreConnector
 from kvstore.dataplane import NodeClient
-from tests import cluster
+from tests import cluster, pageforms
 from tests.cluster import TRANSPORTS, Server, rpc_count, serving
 
 pytestmark = pytest.mark.slow
 
 L, H, D, B, BS = 3, 2, 16, 16, 4  # layers, KV heads, head dim, our block, engine block
 NUM_BLOCKS = 96
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
 SENTINEL = -3.0
 
 
@@ -43,7 +44,20 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
 # ----------------------------------------------------------------------------- vLLM's side
 
 
-def vllm_config(master: str, kv_role: str, model: str) -> SimpleNamespace:
+def attention_layer(form: str) -> SimpleNamespace:
+    """A vLLM attention layer as the connector reads it: its backend's name, the CPU
+    backend's ISA, and the impl's cache write (the engine's own indexing)."""
+    write = pageforms.writer(form)
+    backend = pageforms.BACKEND[form]
+    return SimpleNamespace(
+        attn_backend=SimpleNamespace(get_name=lambda: backend),
+        isa="vec" if backend == "CPU_ATTN" else None,
+        impl=SimpleNamespace(do_kv_cache_update=lambda layer, k, v, cache, slots: write(
+            k, v, cache, slots)),
+    )  # fmt: skip
+
+
+def vllm_config(master: str, kv_role: str, model: str, form: str = "kv_first") -> SimpleNamespace:
     model_config = SimpleNamespace(
         model=model, revision="r1", dtype=torch.bfloat16,
         get_num_layers=lambda parallel: L, get_num_kv_heads=lambda parallel: H,
@@ -53,6 +67,9 @@ def vllm_config(master: str, kv_role: str, model: str) -> SimpleNamespace:
         model_config=model_config,
         parallel_config=SimpleNamespace(tensor_parallel_size=1, rank=0),
         cache_config=SimpleNamespace(block_size=BS),
+        compilation_config=SimpleNamespace(
+            static_forward_context={name: attention_layer(form) for name in LAYER_NAMES}
+        ),
         kv_transfer_config=SimpleNamespace(
             kv_role=kv_role,
             kv_connector_extra_config={
@@ -118,15 +135,19 @@ def layer_kv(tokens: list[int], layer: int) -> torch.Tensor:
 
 
 class Engine:
-    """One engine instance: a paged cache per layer (kv_first, like FlashAttention) and the
-    worker-side connector, stepped the way vLLM's model runner steps it."""
+    """One engine instance: a paged cache per layer in page form ``form`` and the
+    worker-side connector, stepped the way vLLM's model runner steps it. The "model"
+    writes and the test reads each token through the engine's own indexing."""
 
-    def __init__(self, master: str, kv_role: str, model: str, layout: str = "kv_first") -> None:
-        cfg = vllm_config(master, kv_role, model)
+    def __init__(self, master: str, kv_role: str, model: str, form: str = "kv_first") -> None:
+        cfg = vllm_config(master, kv_role, model, form)
+        self.form = form
         self.sched = KVStoreConnector(cfg, SimpleNamespace(name="SCHEDULER"), None)
         self.work = KVStoreConnector(cfg, SimpleNamespace(name="WORKER"), None)
-        self.caches = {f"model.layers.{i}.self_attn.attn": _new_cache(layout) for i in range(L)}
-        self.views = [kv_first_view(c, D) for c in self.caches.values()]  # [2, nb, bs, H, D]
+        self.caches = {
+            name: pageforms.new(form, NUM_BLOCKS, BS, H, D, torch.bfloat16, SENTINEL)
+            for name in LAYER_NAMES
+        }
         self.work.register_kv_caches(self.caches)
 
     def step(
@@ -144,7 +165,8 @@ class Engine:
             for prompt, blocks, lo, hi in compute.values():
                 kv = layer_kv(prompt, i)
                 for t in range(lo, hi):
-                    self.views[i][:, blocks[t // BS], t % BS] = kv[:, t]
+                    slot = blocks[t // BS] * BS + t % BS
+                    pageforms.write(self.form, cache, slot, kv[0, t], kv[1, t])
             self.work.save_kv_layer(name, cache, None)
         self.work.wait_for_save()
         finished = self.work.get_finished(out.finished_req_ids)
@@ -153,24 +175,21 @@ class Engine:
         return meta, finished, errors
 
     def tokens(self, layer: int, blocks: list[int], n: int) -> torch.Tensor:
-        return torch.cat([self.views[layer][:, b] for b in blocks], dim=1)[:, :n]
+        """[2, n, H, D]: the first ``n`` tokens of ``blocks`` as the engine reads them."""
+        cache = self.caches[LAYER_NAMES[layer]]
+        pairs = [pageforms.read(self.form, cache, blocks[t // BS] * BS + t % BS) for t in range(n)]
+        return torch.stack([torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])])
 
     def fill(self, blocks: list[int]) -> None:
-        for view in self.views:
-            view[:, blocks] = SENTINEL
+        full = torch.full((H, D), SENTINEL, dtype=torch.bfloat16)
+        for cache in self.caches.values():
+            for b in blocks:
+                for n in range(BS):
+                    pageforms.write(self.form, cache, b * BS + n, full, full)
 
     def close(self) -> None:
         self.work.shutdown()
         self.sched.shutdown()
-
-
-def _new_cache(layout: str) -> torch.Tensor:
-    """One layer's cache as vLLM allocates it: FlashAttention's [2, nb, bs, H, D], or 0.33's
-    standardized [B, H, N, C] view (K then V along C) over a block-major buffer."""
-    if layout == "kv_first":
-        return torch.full((2, NUM_BLOCKS, BS, H, D), SENTINEL, dtype=torch.bfloat16)
-    backing = torch.full((NUM_BLOCKS, BS, H, 2 * D), SENTINEL, dtype=torch.bfloat16)
-    return backing.permute(0, 2, 1, 3)  # [B, H, N, C] over an NHD (LBNHC) buffer
 
 
 def drain_finished(engine: Engine, ids: set[str]) -> set[str]:
@@ -188,15 +207,22 @@ def drain_finished(engine: Engine, ids: set[str]) -> set[str]:
 # ----------------------------------------------------------------------------- the test
 
 
-@pytest.mark.parametrize("layout", ["kv_first", "bhnc"])
+@pytest.mark.parametrize(
+    ("pform", "dform"),
+    [("kv_first", "kv_first"), ("bhnc_nhd", "bhnc_nhd"), ("cpu_dn", "bhnc_hnd"),
+     ("bhnc_nhd", "cpu_dn")],
+)  # fmt: skip
 def test_vllm_call_sequence_prefill_decode_load_error_and_abort(
-    server: Server, layout: str
+    server: Server, pform: str, dform: str
 ) -> None:
+    """Prefill and decode may keep different page forms (another backend or CPU ISA):
+    the decode reads the prefill's K and V, token by token."""
+    layout = pform + dform
     prompt = [(7 * i + 3 + len(layout)) % 5000 for i in range(100)]  # 6 whole blocks of ours
     blocks = list(range(NUM_BLOCKS - 1, NUM_BLOCKS - 26, -1))  # 25 engine blocks, reversed
     model = f"connector-{server.data}"
-    prefill = Engine(server.grpc, "kv_producer", model, layout)
-    decode = Engine(server.grpc, "kv_consumer", model, layout)
+    prefill = Engine(server.grpc, "kv_producer", model, pform)
+    decode = Engine(server.grpc, "kv_consumer", model, dform)
     try:
         # --- prefill instance: a chunked prefill of 64, then 36 tokens, then finished.
         p1 = Request("p1", prompt)
@@ -276,24 +302,3 @@ def test_vllm_call_sequence_prefill_decode_load_error_and_abort(
     while (pinned := asyncio.run(cluster.node_stats(server.data))["pinned_slots"]) != 0:
         assert time.monotonic() < deadline, f"{pinned} slots still pinned"
         time.sleep(0.1)
-
-
-def test_kv_first_view_of_each_cache_layout_vllm_allocates() -> None:
-    """The views name K and V where vLLM's attention backends keep them (no copy)."""
-    fa = torch.randn(2, 5, BS, H, D)
-    assert kv_first_view(fa, D) is fa
-    fi = torch.randn(5, 2, BS, H, D)
-    assert torch.equal(kv_first_view(fi, D)[1, 3], fi[3, 1])
-    bhnc = _new_cache("bhnc")
-    bhnc.copy_(torch.randn(bhnc.shape))
-    view = kv_first_view(bhnc, D)
-    assert view.data_ptr() == bhnc.data_ptr() and view.shape == (2, NUM_BLOCKS, BS, H, D)
-    assert torch.equal(view[0, 7, 2, 1], bhnc[7, 1, 2, :D])  # K: the first D of C
-    assert torch.equal(view[1, 7, 2, 1], bhnc[7, 1, 2, D:])  # V: the last D
-    for bad in (
-        torch.zeros(5, BS, H, D),
-        torch.zeros(4, H, BS, D + 1),
-        torch.zeros(3, 3, BS, H, D),
-    ):
-        with pytest.raises(ValueError, match="supports"):
-            kv_first_view(bad, D)

@@ -16,6 +16,8 @@ import torch
 from kvstore.core.codec import KV, kv_halves
 from kvstore.errors import BadShape, InvalidArgument
 
+from .paged import PagedCache
+
 __all__ = [
     "MAX_SECONDS",
     "MAX_TAG_LEN",
@@ -140,12 +142,13 @@ def sequence(value: Any, name: str) -> list[Any]:
     return list(value)
 
 
-def tensors(value: Any, name: str) -> list[torch.Tensor]:
-    """``value`` as a list of tensors (one per layer: an engine's caches)."""
+def tensors(value: Any, name: str) -> list[Any]:
+    """``value`` as a list of tensors or :class:`~kvclient.paged.PagedCache` objects (one
+    per layer: an engine's caches)."""
     if isinstance(value, torch.Tensor) or not isinstance(value, Sequence):
         raise BadShape(f"{name} must be a sequence of tensors, got {type(value).__name__}")
     out = list(value)
     for i, t in enumerate(out):
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor | PagedCache):
             raise BadShape(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
     return out

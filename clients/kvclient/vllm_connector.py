@@ -17,10 +17,12 @@ layers, KV heads per TP shard, head size, dtype) plus ``block_tokens`` and ``qua
 ``cache_salt`` in the extra config separates tenants. The engine-neutral logic is
 :mod:`kvclient.connector`; this module only translates vLLM's objects.
 
-Supported caches: one tensor per layer in the ``[2, num_blocks, block_size, H, D]``
-(FlashAttention) or ``[num_blocks, 2, block_size, H, D]`` (FlashInfer) layout, or vLLM
-0.33's standardized ``[B, H, N, C]`` views (K then V along C): :func:`kv_first_view`.
-``register_kv_caches`` refuses others (e.g. MLA's) with a clear error.
+Caches: the pool holds canonical K and V, whatever the engine's pages look like.
+``register_kv_caches`` learns each layer's page form from its attention layer (backend,
+the CPU backend's ISA) and the tensor's shape and strides (:func:`page_form`), proves it
+by writing a probe through the backend's own ``do_kv_cache_update`` into a scratch cache
+(:func:`kvclient.layouts.certify`), and refuses anything it cannot map or prove (MLA,
+fp8 caches, the CPU backend's ``amx`` tiles) with :class:`~kvclient.layouts.LayoutError`.
 """
 
 from __future__ import annotations
@@ -38,9 +40,17 @@ from .connector import (
     SchedulerConnector,
     WorkerConnector,
 )
+from .layouts import FORMS, LayoutError, Writer, certify, halves
 from .sync import SyncKVClient
 
-__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "kv_first_view", "namespace_of"]
+__all__ = [
+    "KVStoreConnector",
+    "KVStoreConnectorMetadata",
+    "backend_of",
+    "namespace_of",
+    "page_form",
+    "writer_of",
+]
 
 logger = logging.getLogger("kvclient.vllm")
 
@@ -64,28 +74,90 @@ class KVStoreConnectorMetadata(_MetaBase):  # type: ignore[misc, valid-type]
         self.meta = meta
 
 
-def kv_first_view(t: torch.Tensor, head_dim: int, name: str = "KV cache") -> torch.Tensor:
-    """A layer's paged cache as a ``[2, num_blocks, block_size, H, D]`` view (no copy).
+_BHNC_BACKENDS = frozenset(
+    {"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION", "ROCM_ATTN", "ROCM_AITER_FA"}
+)
+"""Backends whose ``[B, H, N, 2*D]`` cache holds K in ``C[:D]`` and V in ``C[D:]`` (each
+splits it with ``kv_cache.transpose(1, 2).split(head_size, dim=-1)`` in vLLM 0.32)."""
 
-    Accepts ``[2, num_blocks, block_size, H, D]`` (FlashAttention), ``[num_blocks, 2,
-    block_size, H, D]`` (FlashInfer) and vLLM 0.33's standardized ``[B, H, N, C]`` views
-    whose C is K's head then V's (``C == 2 * head_dim``), in any physical order: V is K
-    shifted by ``head_dim`` along C, which one stride expresses. Raises ``ValueError`` for
-    anything else (MLA's latent caches among them).
-    """
-    if t.dim() == 5 and t.shape[0] == 2:
-        return t
-    if t.dim() == 5 and t.shape[1] == 2:
-        return t.transpose(0, 1)
-    if t.dim() == 4 and t.shape[-1] == 2 * head_dim:
-        B, H, N, _ = t.shape
-        s = t.stride()
-        strides = (head_dim * s[3], s[0], s[2], s[1], s[3])
-        return t.as_strided((2, B, N, H, head_dim), strides, t.storage_offset())
-    raise ValueError(
-        f"{name} is {tuple(t.shape)}: kvstore's connector supports [2, num_blocks, block_size, "
-        f"H, D], [num_blocks, 2, block_size, H, D] and [B, H, N, 2*D] (D={head_dim})"
+_CPU_DN_ISAS = frozenset({"vec", "vec16"})
+"""vLLM CPU backend ISAs whose pages hold K as ``[D, N]`` then V as ``[N, D]`` per head."""
+
+
+def backend_of(layer: Any) -> str:
+    """The attention backend's name of a vLLM attention layer ("" when it has none)."""
+    backend = getattr(layer, "attn_backend", None)
+    try:
+        return str(backend.get_name()) if backend is not None else ""
+    except Exception:  # a backend class that cannot name itself is not one we know
+        return ""
+
+
+def page_form(t: torch.Tensor, layer: Any, head_dim: int, name: str) -> tuple[str, str]:
+    """(page form, description) of layer ``name``'s cache ``t``, from its attention layer
+    (backend, and for vLLM's CPU backend the ISA its kernels were chosen for) and the
+    tensor's shape. Raises :class:`~kvclient.layouts.LayoutError` naming the backend and
+    shape for anything else: MLA's latent caches, quantized (fp8) caches, vLLM's CPU
+    pages in the ``amx`` ISA's tiled form, and a 4-D cache of a backend not known to keep
+    K in ``C[:D]``."""
+    backend = backend_of(layer)
+    isa = getattr(layer, "isa", None)
+    what = f"{name}: backend {backend or 'unknown'}{f' (isa {isa})' if isa else ''}, " + (
+        f"cache {tuple(t.shape)} {t.dtype} strides {tuple(t.stride())}"
     )
+    if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise LayoutError(f"{what}: kvstore stores float16, bfloat16 and float32 KV only")
+    if t.dim() == 5 and t.shape[0] == 2 and t.shape[1] == 2 and t.shape[-1] == head_dim:
+        raise LayoutError(f"{what}: 5-D with 2 at dims 0 and 1, K and V could be either")
+    if t.dim() == 5 and t.shape[-1] == head_dim and t.shape[0] == 2:
+        return "kv_first", what
+    if t.dim() == 5 and t.shape[-1] == head_dim and t.shape[1] == 2:
+        return "blocks_first", what
+    if t.dim() == 4 and t.shape[-1] == 2 * head_dim:
+        if backend == "CPU_ATTN" and isa in _CPU_DN_ISAS:
+            return "cpu_dn", what
+        if backend in _BHNC_BACKENDS:
+            return "bhnc", what
+        if backend == "CPU_ATTN":
+            raise LayoutError(
+                f"{what}: the CPU backend's {isa!r} kernels write pages kvstore does not map "
+                "(amx tiles K and V for AMX; float16 or float32 KV uses the vec kernels)"
+            )
+    raise LayoutError(
+        f"{what}: not a page form kvstore maps onto K and V ({FORMS}); see "
+        "docs/engine-integration.md, 'Layouts'"
+    )
+
+
+def writer_of(layer: Any) -> Writer | None:
+    """The engine's own cache write of ``layer`` (its attention impl's
+    ``do_kv_cache_update``), which :func:`~kvclient.layouts.certify` probes; None where the
+    backend has none."""
+    impl = getattr(layer, "impl", None)
+    update = getattr(impl, "do_kv_cache_update", None)
+    if update is None:
+        return None
+
+    def write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor
+              ) -> None:  # fmt: skip
+        update(layer, key, value, cache, slots)
+
+    return write
+
+
+def _forward_context(vllm_config: Any) -> dict[str, Any]:
+    """vLLM's attention layers by name (``compilation_config.static_forward_context``)."""
+    compilation = getattr(vllm_config, "compilation_config", None)
+    return dict(getattr(compilation, "static_forward_context", None) or {})
+
+
+def _kernel_ratio(block_size: int, k: torch.Tensor, head_dim: int) -> int:
+    """Kernel blocks per scheduler block: vLLM may split its ``block_size`` blocks into
+    the backend's smaller kernel blocks (block ``b`` is kernel blocks ``b*r .. b*r+r-1``)."""
+    n = int(k.shape[1])
+    if block_size % n:
+        raise LayoutError(f"cache blocks of {n} tokens do not divide block_size {block_size}")
+    return block_size // n
 
 
 def _role_name(role: Any) -> str:
@@ -116,6 +188,7 @@ class KVStoreConnector(_Base):  # type: ignore[misc, valid-type]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         if _HAVE_VLLM:  # pragma: no cover
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._vllm_config = vllm_config
         self._bound: ConnectorMetadata | None = None
         self._blocks: dict[str, list[int]] = {}  # running requests' blocks, as they grew
         transfer = vllm_config.kv_transfer_config
@@ -221,9 +294,32 @@ class KVStoreConnector(_Base):  # type: ignore[misc, valid-type]
         return self.worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Map each layer's cache onto K and V views (:func:`page_form`), certify each
+        distinct form once by a probe through the engine's own write (where the backend
+        has one), and hand the views to the worker. Raises
+        :class:`~kvclient.layouts.LayoutError` for a cache it cannot certify."""
         D = self._kv.ns.head_dim
-        views = {name: kv_first_view(t, D, name) for name, t in kv_caches.items()}
-        self._work().register_kv_caches(views, layout="kv_first")
+        layers = _forward_context(self._vllm_config)
+        pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        certified: set[tuple[Any, ...]] = set()
+        for name, t in kv_caches.items():
+            layer = layers.get(name)
+            form, what = page_form(t, layer, D, name)
+            pairs[name] = halves(t, form, D)
+            sig = (form, backend_of(layer), tuple(t.shape[1:]), t.stride(), t.dtype)
+            if sig in certified:
+                continue
+            write = writer_of(layer)
+            if write is None:
+                logger.info("%s: page form %s from the backend, no write path to probe", what, form)
+            else:
+                certify(t, form, D, write, what)
+            certified.add(sig)
+        bs = int(self._vllm_config.cache_config.block_size)
+        first = next(iter(pairs.values()))[0]
+        self._work().register_kv_caches(
+            pairs, layout="kv_pair", kernel_blocks_per_block=_kernel_ratio(bs, first, D)
+        )
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         self._bound = connector_metadata.meta

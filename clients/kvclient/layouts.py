@@ -1,0 +1,133 @@
+"""Engine page forms → the pool's canonical KV: per token, K and V of every KV head.
+
+An engine keeps one layer's KV in pages whose inner arrangement is the attention backend's
+business. The pool must not store those bytes: a chunk holds the namespace's canonical
+``[2, T, H, D]`` (K then V, token-major), so engines with another block size, another
+backend or another CPU ISA read the same K and V (docs/engine-integration.md, "Layouts").
+:func:`halves` maps a page form onto two strided ``[num_blocks, block_size, H, D]`` views,
+K and V (no copy), which :class:`~kvclient.paged.PagedCache` takes as ``"kv_pair"``; the
+codec reads and writes them in place, or through a per-chunk gather where they are not one
+view. The forms::
+
+    "kv_first"      [2, B, N, H, D]                 vLLM < 0.32 FlashAttention
+    "blocks_first"  [B, 2, N, H, D]                 vLLM < 0.32 FlashInfer
+    "bhnc"          [B, H, N, 2*D], K = C[:D], V = C[D:], any physical order
+                    (vLLM >= 0.32: FlashAttention, FlashInfer, Triton, FlexAttention;
+                    NHD = LBNHC and HND = LBHNC alike)
+    "cpu_dn"        [B, H, N, 2*D] whose memory is [B, H, 2N, D]: per head, K as
+                    [D, N] (transposed), then V as [N, D] (vLLM's CPU backend, ISAs
+                    vec and vec16)
+
+(B engine blocks, N tokens per block, H KV heads, D head size.) Never a guess:
+:func:`certify` writes a known K and V through the engine's own cache-write path into a
+two-block scratch cache shaped and strided like the real one, reads them back through the
+form's views and refuses the form unless every element matches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from kvstore.errors import KVStoreError
+
+__all__ = ["FORMS", "LayoutError", "Writer", "certify", "halves", "probe_kv", "scratch_like"]
+
+FORMS: tuple[str, ...] = ("kv_first", "blocks_first", "bhnc", "cpu_dn")
+"""Page forms :func:`halves` maps (see the module docstring)."""
+
+Writer = Callable[[Tensor, Tensor, Tensor, Tensor], None]
+"""An engine's cache write: ``(key [T, H, D], value [T, H, D], cache, slot_mapping [T])``
+stores token ``i`` at slot ``slot_mapping[i]`` (block ``s // N``, offset ``s % N``)."""
+
+
+class LayoutError(KVStoreError, ValueError):
+    """An engine cache whose page form kvstore cannot map onto canonical K and V."""
+
+
+def _block_dim(form: str) -> int:
+    return 1 if form == "kv_first" else 0
+
+
+def halves(t: Tensor, form: str, head_dim: int) -> tuple[Tensor, Tensor]:
+    """K and V of cache ``t`` in page form ``form``, each ``[B, N, H, D]`` (views, no copy).
+
+    Raises :class:`LayoutError` for an unknown form or a tensor whose shape or strides the
+    form does not describe.
+    """
+    D = head_dim
+    if form not in FORMS:
+        raise LayoutError(f"unknown page form {form!r}; expected one of {FORMS}")
+    if form in ("kv_first", "blocks_first"):
+        kv_dim = 0 if form == "kv_first" else 1
+        if t.dim() != 5 or t.shape[kv_dim] != 2 or t.shape[-1] != D:
+            raise LayoutError(f"a {form} cache is 5-D with K, V at dim {kv_dim}: {_fmt(t)}")
+        return t.select(kv_dim, 0), t.select(kv_dim, 1)
+    if t.dim() != 4 or t.shape[-1] != 2 * D:
+        raise LayoutError(f"a {form} cache is [B, H, N, 2*{D}]: {_fmt(t)}")
+    if form == "bhnc":
+        k, v = t[..., :D], t[..., D:]
+        return k.transpose(1, 2), v.transpose(1, 2)
+    B, H, N, _ = t.shape
+    s = t.stride()
+    if s[3] != 1 or s[2] != 2 * D:  # the kernel views each head's [N, 2D] as [2N, D]
+        raise LayoutError(f"a cpu_dn cache needs each head's [N, 2*D] contiguous: {_fmt(t)}")
+    off = t.storage_offset()
+    k = t.as_strided((B, N, H, D), (s[0], 1, s[1], N), off)
+    v = t.as_strided((B, N, H, D), (s[0], D, s[1], 1), off + N * D)
+    return k, v
+
+
+def scratch_like(t: Tensor, form: str, num_blocks: int = 2) -> Tensor:
+    """A new tensor like ``t`` (shape, dtype, device and stride order) with ``num_blocks``
+    engine blocks: what :func:`certify` writes its probe into."""
+    shape = list(t.shape)
+    shape[_block_dim(form)] = num_blocks
+    order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))  # outermost first
+    dense = torch.empty([shape[i] for i in order], dtype=t.dtype, device=t.device)
+    back = [order.index(i) for i in range(t.dim())]
+    return dense.permute(back).fill_(0)
+
+
+def probe_kv(tokens: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+             ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """A K and a V ``[tokens, H, D]`` whose every (token, head, channel) differs from its
+    neighbours along each axis and from the other half's, in small integers every KV
+    dtype holds exactly."""
+    t = torch.arange(tokens).view(-1, 1, 1)
+    h = torch.arange(heads).view(1, -1, 1)
+    d = torch.arange(head_dim).view(1, 1, -1)
+    k = (t * 5 + h * 11 + d * 3) % 61 - 30
+    v = (t * 7 + h * 13 + d * 2) % 59 + 31  # disjoint from K's values: [31, 89] vs [-30, 30]
+    return k.to(dtype=dtype, device=device), v.to(dtype=dtype, device=device)
+
+
+def certify(t: Tensor, form: str, head_dim: int, write: Writer, what: str) -> None:
+    """Prove that ``form`` reads what the engine's ``write`` stores: write a probe of two
+    blocks through it into :func:`scratch_like` ``t`` and compare every element read back
+    through :func:`halves`. Raises :class:`LayoutError`, naming ``what`` (the backend and
+    cache), on any difference or when the write itself fails."""
+    scratch = scratch_like(t, form)
+    k_view, v_view = halves(scratch, form, head_dim)
+    N, H = int(k_view.shape[1]), int(k_view.shape[2])
+    key, value = probe_kv(2 * N, H, head_dim, t.dtype, t.device)
+    slots = torch.arange(2 * N, dtype=torch.int64, device=t.device)
+    try:
+        write(key, value, scratch, slots)
+    except Exception as exc:
+        raise LayoutError(f"{what}: the engine's cache write failed on a probe: {exc}") from exc
+    got_k = k_view.reshape(2 * N, H, head_dim)
+    got_v = v_view.reshape(2 * N, H, head_dim)
+    if not (torch.equal(got_k, key) and torch.equal(got_v, value)):
+        bad = int((got_k != key).sum() + (got_v != value).sum())
+        raise LayoutError(
+            f"{what}: the engine writes K and V where page form {form!r} does not read them "
+            f"({bad} of {2 * key.numel()} probe values differ); kvstore refuses to store "
+            "this cache rather than store bytes that are not K and V"
+        )
+
+
+def _fmt(t: Tensor) -> str:
+    return f"shape {tuple(t.shape)}, strides {tuple(t.stride())}, {t.dtype}"
