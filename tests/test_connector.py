@@ -302,3 +302,92 @@ def test_vllm_call_sequence_prefill_decode_load_error_and_abort(
     while (pinned := asyncio.run(cluster.node_stats(server.data))["pinned_slots"]) != 0:
         assert time.monotonic() < deadline, f"{pinned} slots still pinned"
         time.sleep(0.1)
+
+
+def test_engine_starts_with_the_pool_down_and_uses_it_once_it_answers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The connector never takes its engine down: built while nothing listens at the
+    master's address, it warns once, matches nothing, saves nothing and reports the saves
+    done (the engine frees the blocks); once a pool answers there, a later request uses it.
+    The retry thread ends once connected, and closing leaves no thread behind."""
+    import socket
+    import threading
+
+    from kvclient.lazy import PoolLink
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    master = f"127.0.0.1:{port}"
+    threads_before = {t.name for t in threading.enumerate()}
+    caplog.set_level("WARNING", logger="kvclient")
+    cfg = vllm_config(master, "kv_both", f"down-{port}", "cpu_dn")
+    cfg.kv_transfer_config.kv_connector_extra_config.update(retry_s=0.2, max_retry_s=0.4)
+    sched = KVStoreConnector(cfg, SimpleNamespace(name="SCHEDULER"), None)
+    work = KVStoreConnector(cfg, SimpleNamespace(name="WORKER"), None)
+    caches = {n: pageforms.new("cpu_dn", NUM_BLOCKS, BS, H, D, torch.bfloat16) for n in LAYER_NAMES}
+    work.register_kv_caches(caches)  # registering needs no pool
+    prompt = [(5 * i + 1) % 5000 for i in range(40)]
+    blocks = list(range(10))
+    try:
+        assert isinstance(sched._kv, PoolLink) and not sched._kv.connected
+        warned = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(warned) == 2  # one per connector (scheduler and worker), none per request
+        r = Request("r1", prompt)
+        assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+        sched.update_state_after_alloc(r, Blocks(blocks), 0)
+        out = new_req(r, blocks, 0, 40)
+        work.bind_connector_metadata(sched.build_connector_meta(out))
+        work.start_load_kv(None)
+        for name in LAYER_NAMES:
+            work.wait_for_layer_load(name)
+            work.save_kv_layer(name, caches[name], None)  # pool down: not stored, no raise
+        work.wait_for_save()
+        assert sched.request_finished(r, blocks)[0] is True  # saves were scheduled ...
+        assert work.get_finished({"r1"}) == ({"r1"}, None)  # ... and end at once
+        assert work.get_block_ids_with_load_errors() == set()
+        work.clear_connector_metadata()
+        assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 2
+
+        srv = cluster.start_server("serve", "--grpc-port", str(port), "--data-port", "0",
+                                   "--metrics-port", "0", "--host-mem", "64MiB")  # fmt: skip
+        try:
+            deadline = time.monotonic() + 20
+            while not (sched._kv.connected and work._kv.connected):
+                assert time.monotonic() < deadline, "never connected to the pool"
+                time.sleep(0.1)
+            retrying = [t for t in threading.enumerate() if t.name == "kvclient-connect"]
+            for t in retrying:
+                t.join(timeout=5)
+            assert not any(t.is_alive() for t in retrying)  # the retry threads ended
+            r2 = Request("r2", prompt)
+            assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)  # pool empty
+            sched.update_state_after_alloc(r2, Blocks(blocks), 0)
+            work.bind_connector_metadata(sched.build_connector_meta(new_req(r2, blocks, 0, 40)))
+            work.start_load_kv(None)
+            for name in LAYER_NAMES:
+                work.wait_for_layer_load(name)
+                work.save_kv_layer(name, caches[name], None)
+            work.wait_for_save()
+            sched.request_finished(r2, blocks)
+            finished: set[str] = set()
+            for _ in range(100):
+                finished |= work.get_finished({"r2"} - finished)[0] or set()
+                if finished:
+                    break
+                time.sleep(0.05)
+            assert finished == {"r2"}
+            r3 = Request("r3", prompt)
+            assert sched.get_num_new_matched_tokens(r3, 0) == (32, False)  # stored this time
+            sched.request_finished(r3, blocks)
+        finally:
+            sched.shutdown()
+            work.shutdown()
+            rc, out = srv.stop()
+            assert rc == 0, out
+    finally:
+        sched.shutdown()
+        work.shutdown()
+    left = {t.name for t in threading.enumerate()} - threads_before
+    assert "kvclient-connect" not in left

@@ -45,6 +45,7 @@ import torch
 from kvstore.errors import KVStoreError
 
 from .handles import Handle
+from .lazy import NotConnected
 from .paged import PagedCache
 
 __all__ = [
@@ -192,6 +193,8 @@ class SchedulerConnector:
             return min(promised // B * B, (len(prompt) - 1) // bs * bs), False
         try:
             hit = self.kv.match_prefix(prompt, hold_s=self.hold_s, tag=request_id)
+        except NotConnected:  # warned once when the engine started: compute it
+            return 0, False
         except KVStoreError as exc:
             logger.warning("match_prefix for %s failed, computing it: %s", request_id, exc)
             return 0, False
@@ -368,17 +371,22 @@ class WorkerConnector:
         B = self.kv.ns.block_tokens
         for spec in meta.loads:
             n = -(-spec.end_tokens // B) * B  # the chunks holding the promised tokens
-            if spec.stream:  # one watch for every layer, read as the prefill saves it
-                handle = self.kv.start_stream_layers_paged(
+            try:
+                if spec.stream:  # one watch for every layer, read as the prefill saves it
+                    handle = self.kv.start_stream_layers_paged(
+                        spec.token_ids[:n], self._caches, self._cache_ids(spec), self._layout,
+                        self.stream_timeout_s, shard=self.shard,
+                    )  # fmt: skip
+                    self._streams.append((spec, handle))
+                    continue
+                handles = self.kv.start_get_layers_paged(  # one Lookup for every layer
                     spec.token_ids[:n], self._caches, self._cache_ids(spec), self._layout,
-                    self.stream_timeout_s, shard=self.shard,
+                    self.shard, timeout=self.timeout_s, skip_tokens=spec.skip_tokens,
                 )  # fmt: skip
-                self._streams.append((spec, handle))
+            except KVStoreError as exc:  # the pool went away since the match: recompute
+                logger.warning("load of %s not started: %s", spec.request_id, exc)
+                self._load_errors |= self._engine_blocks(spec, 0, spec.end_tokens)
                 continue
-            handles = self.kv.start_get_layers_paged(  # one Lookup for every layer
-                spec.token_ids[:n], self._caches, self._cache_ids(spec), self._layout, self.shard,
-                timeout=self.timeout_s, skip_tokens=spec.skip_tokens,
-            )  # fmt: skip
             for layer, handle in enumerate(handles):
                 self._loads.setdefault(layer, []).append((spec, handle))
 
@@ -422,11 +430,18 @@ class WorkerConnector:
         index = self.layer_index(layer)
         paged = self._caches[index] if cache is None else PagedCache(cache, self._layout)
         for spec in meta.saves:
-            handle = self.kv.start_put_layer_paged(
-                spec.token_ids, index, paged, self._cache_ids(spec), self._layout, self.shard,
-                timeout=self.timeout_s, skip_tokens=spec.skip_tokens,
-            )  # fmt: skip
-            self._saves.setdefault(spec.request_id, _Saves()).handles.append(handle)
+            saves = self._saves.setdefault(spec.request_id, _Saves())  # reported either way
+            try:
+                handle = self.kv.start_put_layer_paged(
+                    spec.token_ids, index, paged, self._cache_ids(spec), self._layout,
+                    self.shard, timeout=self.timeout_s, skip_tokens=spec.skip_tokens,
+                )  # fmt: skip
+            except NotConnected:
+                continue  # not stored: a cache, the next request computes it
+            except KVStoreError as exc:
+                logger.info("save of %s layer %d not started: %s", spec.request_id, index, exc)
+                continue
+            saves.handles.append(handle)
 
     def wait_for_save(self) -> None:
         """Saves are asynchronous: nothing to wait for here (see :meth:`get_finished`).

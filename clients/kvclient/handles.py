@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvstore.errors import Cancelled, InvalidArgument, KVStoreError, KVTimeout
+from kvstore.errors import Cancelled, Closed, InvalidArgument, KVStoreError, KVTimeout
 
 __all__ = [
     "Handle",
@@ -208,12 +208,20 @@ class LoopThread:
         if _in_loop(self.loop):
             coro.close()
             raise InvalidArgument("a sync client method was called on its own event-loop thread")
+        if not self.alive:  # stopped at exit: nothing would ever run it
+            coro.close()
+            raise Closed("the kvclient event loop has stopped (the interpreter is exiting)")
         cf = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return cf.result(timeout)
         except concurrent.futures.TimeoutError as exc:
             cf.cancel()
             raise KVTimeout(f"call did not complete within {timeout} s") from exc
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop still runs calls (False once stopped at exit)."""
+        return self._thread.is_alive() and not self.loop.is_closed()
 
     def stop(self) -> None:
         """Stop the loop and join the thread (at exit)."""

@@ -85,7 +85,8 @@ def scratch_like(t: Tensor, form: str, num_blocks: int = 2) -> Tensor:
     engine blocks: what :func:`certify` writes its probe into."""
     shape = list(t.shape)
     shape[_block_dim(form)] = num_blocks
-    order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))  # outermost first
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda i: (-strides[i], i))  # outermost first
     dense = torch.empty([shape[i] for i in order], dtype=t.dtype, device=t.device)
     back = [order.index(i) for i in range(t.dim())]
     return dense.permute(back).fill_(0)

@@ -79,7 +79,10 @@ class SyncKVClient:
         return self._client.timeout_s
 
     def close(self) -> None:
-        """Close the client (aborting puts in flight); idempotent."""
+        """Close the client (aborting puts in flight); idempotent. At interpreter exit, once
+        the loop thread has stopped, there is nothing left to close: returns at once."""
+        if not self._runner.alive:
+            return
         self._runner.run(self._client.close(), self._client.timeout_s + _GRACE_S)
 
     def __enter__(self) -> SyncKVClient:

@@ -41,7 +41,7 @@ from .connector import (
     WorkerConnector,
 )
 from .layouts import FORMS, LayoutError, Writer, certify, halves
-from .sync import SyncKVClient
+from .lazy import PoolLink
 
 __all__ = [
     "KVStoreConnector",
@@ -198,7 +198,11 @@ class KVStoreConnector(_Base):  # type: ignore[misc, valid-type]
         kv_role = str(getattr(transfer, "kv_role", "kv_both"))
         ns = namespace_of(vllm_config, extra)
         timeout_s = float(extra.get("timeout_s", 10.0))
-        kv = SyncKVClient.connect(str(extra["master"]), ns, timeout_s=timeout_s)
+        kv = PoolLink(  # never raises for a pool that is down: the engine must start
+            str(extra["master"]), ns, timeout_s=timeout_s,
+            retry_s=float(extra.get("retry_s", 1.0)),
+            max_retry_s=float(extra.get("max_retry_s", 30.0)),
+        )  # fmt: skip
         self._kv = kv
         self.is_scheduler = _role_name(role) == "SCHEDULER"
         self.scheduler: SchedulerConnector | None = None

@@ -1,0 +1,120 @@
+"""A pool client that lets its engine start while the pool is down (fail open).
+
+An engine's connector must never take the engine down: vLLM builds its connector while the
+engine starts, and a constructor that raises stops the engine. :class:`PoolLink` is a
+:class:`~kvclient.SyncKVClient` that is not there yet: it tries to connect once when made,
+and if the pool does not answer it logs one warning and keeps trying on a thread of its own
+(``kvclient-connect``), with backoff from ``retry_s`` doubling up to ``max_retry_s``, each
+try bounded by ``timeout_s``; the thread ends once connected or closed, so nothing outlives
+:meth:`close`. Until then every call raises :class:`NotConnected` (an
+:class:`~kvstore.errors.Unreachable`) at once, which the connector answers by computing:
+the scheduler matches nothing, the worker saves and loads nothing. The namespace is local
+(``link.ns``) and needs no pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.core.hashing import Namespace
+from kvstore.errors import KVStoreError, Unreachable
+
+from .sync import SyncKVClient
+
+__all__ = ["NotConnected", "PoolLink"]
+
+logger = logging.getLogger("kvclient.lazy")
+
+
+class NotConnected(Unreachable):
+    """The pool has not answered since the engine started; the call was not tried."""
+
+
+class PoolLink:
+    """A :class:`~kvclient.SyncKVClient` to ``master`` once the pool answers (see the
+    module docstring). ``options`` go to :meth:`SyncKVClient.connect`; each try, the one in
+    the constructor included, is bounded by its ``timeout_s`` (a refused connection fails
+    at once)."""
+
+    def __init__(
+        self,
+        master: str,
+        ns: Namespace,
+        *,
+        retry_s: float = 1.0,
+        max_retry_s: float = 30.0,
+        connect: Callable[..., SyncKVClient] = SyncKVClient.connect,
+        **options: Any,
+    ) -> None:
+        self.master, self.ns = master, ns
+        self._connect, self._options = connect, options
+        self._retry_s, self._max_retry_s = retry_s, max_retry_s
+        self._client: SyncKVClient | None = None
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.attempts = 0
+        try:
+            self._try()
+        except KVStoreError as exc:
+            logger.warning(
+                "kvstore pool at %s is unreachable (%s): the engine computes every prompt "
+                "until it answers; retrying in the background every %g-%g s",
+                master, exc, retry_s, max_retry_s,
+            )  # fmt: skip
+            self._thread = threading.Thread(
+                target=self._retry, name="kvclient-connect", daemon=True
+            )
+            self._thread.start()
+
+    @property
+    def connected(self) -> bool:
+        """Whether the pool has answered (calls now go to it)."""
+        return self._client is not None
+
+    def client(self) -> SyncKVClient:
+        """The connected client; raises :class:`NotConnected` before the pool answered."""
+        client = self._client
+        if client is None:
+            raise NotConnected(f"kvstore pool at {self.master} not connected yet (retrying)")
+        return client
+
+    def __getattr__(self, name: str) -> Any:  # the client's calls, once connected
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.client(), name)
+
+    def _try(self) -> None:
+        self.attempts += 1
+        client = self._connect(self.master, self.ns, **self._options)
+        with self._lock:
+            if self._closed.is_set():  # closed while connecting: nobody will use it
+                client.close()
+                return
+            self._client = client
+
+    def _retry(self) -> None:
+        delay = self._retry_s
+        while not self._closed.wait(delay):
+            try:
+                self._try()
+            except KVStoreError as exc:
+                logger.debug("kvstore pool at %s still unreachable: %s", self.master, exc)
+                delay = min(delay * 2, self._max_retry_s)
+                continue
+            if self._client is not None:
+                logger.warning("kvstore pool at %s answers: using it from now on", self.master)
+            return
+
+    def close(self) -> None:
+        """Stop trying and close the client, if any; idempotent."""
+        with self._lock:
+            self._closed.set()
+            client, self._client = self._client, None
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=float(self._options.get("timeout_s", 10.0)) + 5)
+        if client is not None:
+            client.close()
