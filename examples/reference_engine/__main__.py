@@ -6,24 +6,38 @@ prompt's KV from the pool layer by layer, compute the rest and print ``--max-new
 tokens. ``reference``: the same model in one process with transformers' own cache (no pool).
 Prompts come from ``--prompts`` (a JSON list of token lists). One JSON line per prompt:
 ``{"tokens": [...], "loaded_tokens": n, "recomputed_from": null, "logits": [[...], ...]}``.
+
+``--model`` is ``llama`` or ``qwen2`` (random weights from ``--seed``) or a local
+checkpoint directory, whose pool namespace is the one vLLM's connector derives for it
+(``--block-tokens`` and ``--quant`` as vLLM's ``kv_connector_extra_config``), so the two
+engines share a pool: either may prefill what the other decodes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import kvclient
 
 from . import Engine, Output, build_model, namespace, reference_generate
+from .model import MODELS
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.reference_engine")
     p.add_argument("role", choices=["prefill", "decode", "reference"])
     p.add_argument("--master", default="127.0.0.1:50051")
-    p.add_argument("--model", default="llama", choices=["llama", "qwen2"])
+    p.add_argument(
+        "--model",
+        default="llama",
+        help="llama | qwen2 (random weights from --seed) or a local checkpoint directory "
+        "(shares its pool namespace with vLLM serving the same directory)",
+    )
+    p.add_argument("--block-tokens", type=int, default=16, help="the namespace's block_tokens")
+    p.add_argument("--block-size", type=int, default=4, help="the engine's own page size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quant", default="int8", choices=["int8", "int4", "none"])
     p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
@@ -35,15 +49,18 @@ def main(argv: list[str] | None = None) -> int:
         help="decode: the prompts are being prefilled now; load each layer as it lands",
     )
     args = p.parse_args(argv)
+    if args.model not in MODELS and not os.path.isdir(args.model):
+        p.error(f"--model must be one of {MODELS} or a checkpoint directory, got {args.model!r}")
     prompts = json.loads(args.prompts)
     if args.role == "reference":
         for prompt in prompts:
             _emit(reference_generate(args.model, prompt, args.max_new, args.seed))
         return 0
-    ns = namespace(args.model, args.quant, args.seed)
+    ns = namespace(args.model, args.quant, args.seed, args.block_tokens)
     with kvclient.SyncKVClient.connect(args.master, ns, timeout_s=args.timeout) as kv:
         prefill = args.role == "prefill"
-        engine = Engine(build_model(args.model, args.seed), kv, load=True, save=prefill)
+        model = build_model(args.model, args.seed)
+        engine = Engine(model, kv, load=True, save=prefill, block_size=args.block_size)
         for prompt in prompts:
             if args.stream:  # tell whoever started us that the layers are awaited now
                 params = {"kvstore": {"stream": True, "prompt_tokens": len(prompt)}}

@@ -16,6 +16,7 @@ layers has landed. Batch 1, one request at a time: a reference, not a serving en
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-__all__ = ["MODELS", "PagedKV", "build_model"]
+__all__ = ["MODELS", "PagedKV", "build_model", "load_checkpoint"]
 
 MODELS = ("llama", "qwen2")
 
@@ -38,10 +39,24 @@ _CONFIG = {  # a small model: random weights from a fixed seed, nothing download
 }
 
 
+def load_checkpoint(path: str) -> Any:
+    """A local Hugging Face checkpoint directory's causal LM (float32, eval mode, SDPA
+    attention); nothing is downloaded."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
+    )
+    return model.eval()
+
+
 def build_model(kind: str = "llama", seed: int = 0, **sizes: int) -> Any:
     """``kind``'s causal LM with random weights from ``seed`` (float32, eval mode).
     ``sizes`` override the small default config (``num_hidden_layers``, ``hidden_size``,
-    ``num_attention_heads``, ``num_key_value_heads``, ...)."""
+    ``num_attention_heads``, ``num_key_value_heads``, ...). ``kind`` may also be a local
+    checkpoint directory (:func:`load_checkpoint`; ``seed`` and ``sizes`` then unused)."""
+    if os.path.isdir(kind):
+        return load_checkpoint(kind)
     if kind not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {kind!r}")
     torch.manual_seed(seed)

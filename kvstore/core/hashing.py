@@ -11,7 +11,7 @@ so a block hash names its whole prefix and its namespace. Digests are 16 bytes,
 big-endian (``xxhash.xxh3_128_digest``). The TP rank is not part of any hash: every
 shard of a block shares the block hash and is told apart by the chunk key's ``shard``.
 
-Canonical namespace bytes (version 2): the ASCII tag ``kvstore-ns/2`` followed by each
+Canonical namespace bytes (version 3): the ASCII tag ``kvstore-ns/3`` followed by each
 field, in the order of :data:`NAMESPACE_FIELDS`, as ``u16 name length, name, u32 value
 length, value`` (little-endian lengths, UTF-8 text; integers in decimal, absent optional
 fields as the empty string). ``cache_salt`` is written as its digest, 32 hex digits of
@@ -37,6 +37,7 @@ from kvstore.errors import InvalidArgument
 
 __all__ = [
     "DTYPES",
+    "KV_FORMAT",
     "NAMESPACE_FIELDS",
     "BlockHash",
     "Namespace",
@@ -68,10 +69,18 @@ NAMESPACE_FIELDS = (
     "block_tokens",
     "quant",
     "tp_size",
+    "kv_format",
 )
 """Fields in canonical order; changing any of them changes ``ns.id`` and every block hash."""
 
-_TAG = b"kvstore-ns/2"
+KV_FORMAT = 1
+"""What a chunk's payload means: 1 = per token, K of every KV head of the shard, then V
+(``[2, T, H, D]``, token-major), whatever page form the engine keeps (the connector converts;
+``kvclient.layouts``). A later meaning gets a new number, so its chunks live in other
+namespaces and are never read as this one. Version 2 namespaces (``kvstore-ns/2``) had no
+such field: the vLLM connector of that time stored its attention backend's page bytes."""
+
+_TAG = b"kvstore-ns/3"
 _SALT_HEX = 32
 _MAX_TOKEN = 2**32 - 1
 _U32_ITEMSIZE = array.array("I").itemsize
@@ -108,6 +117,7 @@ class Namespace:
     adapter: str | None = None
     cache_salt: str | None = None
     tp_size: int = 1
+    kv_format: int = KV_FORMAT
     id: bytes = field(init=False, repr=False, compare=False)
     salt_digest: str = field(init=False, repr=False)
     """What the canonical bytes hold for ``cache_salt`` (``""``: none); a namespace parsed
@@ -115,7 +125,8 @@ class Namespace:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "tp_size"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "tp_size",
+                     "kv_format"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidArgument(f"Namespace.{name} must be a positive int, got {value!r}")
@@ -159,7 +170,7 @@ class Namespace:
             raise InvalidArgument(f"truncated or invalid canonical namespace: {exc}") from exc
         if set(values) != set(NAMESPACE_FIELDS):
             raise InvalidArgument(f"canonical namespace has fields {sorted(values)}")
-        ints = ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "tp_size")
+        ints = ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "tp_size", "kv_format")
         kwargs: dict[str, Any] = {k: int(values[k]) if k in ints else values[k] for k in values}
         kwargs["adapter"] = kwargs["adapter"] or None
         digest = kwargs.pop("cache_salt")

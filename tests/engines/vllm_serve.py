@@ -7,7 +7,9 @@ vLLM's ``kv_transfer_config`` (without it the instance is a plain vLLM). Once th
 up it prints ``{"ready": true}``; then each stdin line ``{"id", "prompt", "max_tokens",
 "params"?}`` is answered by one stdout line ``{"id", "tokens", "logprobs",
 "num_cached_tokens", "kv_transfer_params"}`` (greedy; ``logprobs`` the chosen tokens'),
-``{"id", "error"}`` when generation raised; stdin closed ends the process. Everything else
+``{"id", "error"}`` when generation raised. A line with ``"abort_after_steps": n`` adds the
+request, steps the engine ``n`` times and aborts it (answered ``{"id", "aborted"}``).
+Stdin closed ends the process. Everything else
 vLLM prints goes to stderr.
 """
 
@@ -36,6 +38,21 @@ def _answer(out: Any, rid: str) -> dict[str, Any]:
         "num_cached_tokens": int(out.num_cached_tokens or 0),
         "kv_transfer_params": getattr(out, "kv_transfer_params", None),
     }
+
+
+def _abort(llm: Any, rid: str, job: dict[str, Any], params: Any) -> dict[str, Any]:
+    """Add the request, run ``abort_after_steps`` engine steps, abort it (what a client
+    that hangs up does), and step until the engine has nothing left (bounded)."""
+    engine = llm.llm_engine
+    engine.add_request(rid, {"prompt_token_ids": job["prompt"]}, params)
+    for _ in range(int(job["abort_after_steps"])):
+        engine.step()
+    engine.abort_request([rid])
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    return {"id": rid, "aborted": True, "unfinished": engine.has_unfinished_requests()}
 
 
 def main() -> None:
@@ -76,8 +93,11 @@ def main() -> None:
         if job.get("params") is not None:
             params.extra_args = {"kv_transfer_params": job["params"]}
         try:
-            outs = llm.generate([{"prompt_token_ids": job["prompt"]}], params, use_tqdm=False)
-            answer = _answer(outs[0], rid)
+            if job.get("abort_after_steps") is not None:
+                answer = _abort(llm, rid, job, params)
+            else:
+                outs = llm.generate([{"prompt_token_ids": job["prompt"]}], params, use_tqdm=False)
+                answer = _answer(outs[0], rid)
         except Exception as exc:  # reported to the test, which fails on it
             answer = {"id": rid, "error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(answer), file=real_stdout, flush=True)
