@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import torch
 
-FORMS = ("kv_first", "blocks_first", "bhnc_nhd", "bhnc_hnd", "cpu_dn")
+FORMS = ("kv_first", "blocks_first", "bhnc_nhd", "bhnc_hnd", "cpu_dn", "cpu_amx")
 BACKEND = {  # what vLLM backend allocates each (the backend name a layer reports)
     "kv_first": "FLASH_ATTN",
     "blocks_first": "FLASHINFER",
     "bhnc_nhd": "FLASH_ATTN",
     "bhnc_hnd": "FLASHINFER",
     "cpu_dn": "CPU_ATTN",
+    "cpu_amx": "CPU_ATTN",
 }
+ISA = {"cpu_dn": "vec", "cpu_amx": "amx"}  # the CPU backend's kernels that write each
 
 
 def new(form: str, blocks: int, N: int, H: int, D: int, dtype: torch.dtype, fill: float = 0.0
@@ -40,7 +42,25 @@ def _cpu_halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return kc.reshape(B, H, C // 2, N), vc
 
 
+def _amx_offsets(N: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, D] element offsets of token t, channel d inside one head's K half and V half of
+    an AMX page (the amx kernels' tiles: K in 16-token tiles of channel pairs, V in
+    16-channel tiles of token pairs)."""
+    t = torch.arange(N).view(N, 1)
+    d = torch.arange(D).view(1, D)
+    k = (t // 16) * 16 * D + (d // 2) * 32 + (t % 16) * 2 + d % 2
+    v = N * D + (d // 16) * 16 * N + (t // 2) * 32 + (d % 16) * 2 + t % 2
+    return k, v
+
+
 def write(form: str, cache: torch.Tensor, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    if form == "cpu_amx":
+        B, H, N, C = cache.shape
+        ko, vo = _amx_offsets(N, C // 2)
+        page = cache.view(B, H, N * C)[slot // N]  # [H, 2*N*D] of the block
+        page[:, ko[slot % N]] = k
+        page[:, vo[slot % N]] = v
+        return
     if form == "cpu_dn":
         N = cache.shape[2]
         kc, vc = _cpu_halves(cache)
@@ -67,6 +87,11 @@ def read(form: str, cache: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch
     if form == "cpu_dn":
         kc, vc = _cpu_halves(cache)
         return kc[b, :, :, n], vc[b, :, n]
+    if form == "cpu_amx":
+        B, H, N, C = cache.shape
+        ko, vo = _amx_offsets(N, C // 2)
+        page = cache.view(B, H, N * C)[b]
+        return page[:, ko[n]], page[:, vo[n]]
     D = cache.shape[-1] // 2
     return cache[b, :, n, :D], cache[b, :, n, D:]
 

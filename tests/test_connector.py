@@ -51,7 +51,7 @@ def attention_layer(form: str) -> SimpleNamespace:
     backend = pageforms.BACKEND[form]
     return SimpleNamespace(
         attn_backend=SimpleNamespace(get_name=lambda: backend),
-        isa="vec" if backend == "CPU_ATTN" else None,
+        isa=pageforms.ISA.get(form),
         impl=SimpleNamespace(do_kv_cache_update=lambda layer, k, v, cache, slots: write(
             k, v, cache, slots)),
     )  # fmt: skip
@@ -391,3 +391,19 @@ def test_engine_starts_with_the_pool_down_and_uses_it_once_it_answers(
         work.shutdown()
     left = {t.name for t in threading.enumerate()} - threads_before
     assert "kvclient-connect" not in left
+
+
+def test_a_cache_in_kernel_blocks_smaller_than_the_schedulers_is_refused() -> None:
+    """vLLM may split its blocks into a backend's smaller kernel blocks; the scheduler's
+    block ids then do not index the cache, and the connector refuses rather than guess."""
+    from kvclient.layouts import LayoutError
+
+    cfg = vllm_config("127.0.0.1:1", "kv_both", "kernel-blocks", "bhnc_nhd")
+    cfg.cache_config.block_size = 2 * BS
+    work = KVStoreConnector(cfg, SimpleNamespace(name="WORKER"), None)
+    try:
+        caches = {n: pageforms.new("bhnc_nhd", 8, BS, H, D, torch.bfloat16) for n in LAYER_NAMES}
+        with pytest.raises(LayoutError, match="kernel block"):
+            work.register_kv_caches(caches)
+    finally:
+        work.shutdown()

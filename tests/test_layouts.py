@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvclient.layouts import LayoutError, certify, halves, probe_kv, scratch_like
-from kvclient.paged import PagedCache, chunk_views, decode_into, encode_paged
+from kvclient.paged import PagedCache, Piece, chunk_views, decode_into, encode_paged
 from kvclient.vllm_connector import page_form
 from kvstore.core.codec import ChunkKey, decode_chunk
 from tests import pageforms
@@ -40,13 +40,18 @@ def test_halves_read_and_write_what_the_engine_indexes(form: str, dtype: torch.d
     for s in range(blocks * N):
         pageforms.write(form, cache, s, kv[0, s], kv[1, s])
     k, v = halves(cache, form_of(form), D)
-    assert k.shape == v.shape == (blocks, N, H, D)
+    storage = cache.untyped_storage().data_ptr()  # views of the cache, not copies
+    assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr() == storage
     assert torch.equal(k.reshape(-1, H, D), kv[0]) and torch.equal(v.reshape(-1, H, D), kv[1])
+    paged = PagedCache((k, v), "kv_pair")
+    assert (paged.num_blocks, paged.block_size, paged.num_kv_heads, paged.head_dim) == (
+        blocks, N, H, D)  # fmt: skip
+    assert paged.tiled == (form == "cpu_amx")
     # and the other way round: written through the views, read by the engine's indexing
     other = pageforms.new(form, blocks, N, H, D, dtype)
-    k2, v2 = halves(other, form_of(form), D)
-    k2.copy_(kv[0].view(blocks, N, H, D))
-    v2.copy_(kv[1].view(blocks, N, H, D))
+    written = PagedCache(halves(other, form_of(form), D), "kv_pair")
+    for b in range(blocks):
+        written.write(Piece(b, 0, N), kv[0, b * N : (b + 1) * N], kv[1, b * N : (b + 1) * N])
     for s in (0, 1, N - 1, N, 3 * N + 7, blocks * N - 1):
         got_k, got_v = pageforms.read(form, other, s)
         assert torch.equal(got_k, kv[0, s]) and torch.equal(got_v, kv[1, s])
@@ -57,7 +62,7 @@ def test_certify_accepts_the_engines_form_and_refuses_a_wrong_one(form: str) -> 
     cache = pageforms.new(form, 3, 32, H, D, torch.bfloat16)
     certify(cache, form_of(form), D, pageforms.writer(form), "test")
     if cache.dim() == 4:  # the bug this catches: CPU pages read as [B, H, N, 2D] K|V
-        wrong = "bhnc" if form == "cpu_dn" else "cpu_dn"
+        wrong = "bhnc" if form.startswith("cpu") else "cpu_dn"
         with pytest.raises(LayoutError, match=r"does not read them|contiguous"):
             certify(cache, wrong, D, pageforms.writer(form), "test")
 
@@ -83,6 +88,10 @@ def test_probe_values_are_exact_and_k_differs_from_v() -> None:
     ("bhnc_hnd", 64, "cpu_dn", 32),
     ("kv_first", 16, "cpu_dn", 96),
     ("cpu_dn", 128, "blocks_first", 32),
+    ("cpu_amx", 32, "cpu_dn", 64),
+    ("bhnc_nhd", 64, "cpu_amx", 32),
+    ("kv_first", 16, "cpu_amx", 96),  # chunks of 64 in blocks of 96: partial tiled blocks
+    ("cpu_amx", 96, "bhnc_hnd", 32),
 ])  # fmt: skip
 def test_chunks_move_between_forms_and_block_sizes(
     src: str, src_bs: int, dst: str, dst_bs: int, quant: str
@@ -125,6 +134,7 @@ def test_page_form_from_backend_isa_and_shape() -> None:
     cpu = pageforms.new("cpu_dn", 4, 32, H, D, torch.bfloat16)
     assert page_form(cpu, layer("CPU_ATTN", "vec"), D, "l0")[0] == "cpu_dn"
     assert page_form(cpu, layer("CPU_ATTN", "vec16"), D, "l0")[0] == "cpu_dn"
+    assert page_form(cpu, layer("CPU_ATTN", "amx"), D, "l0")[0] == "cpu_amx"
     assert page_form(cpu, layer("FLASH_ATTN"), D, "l0")[0] == "bhnc"
     assert page_form(cpu, layer("TRITON_ATTN"), D, "l0")[0] == "bhnc"
     fa = pageforms.new("kv_first", 4, 32, H, D, torch.bfloat16)
@@ -134,7 +144,7 @@ def test_page_form_from_backend_isa_and_shape() -> None:
 
 
 @pytest.mark.parametrize(("cache", "lay", "match"), [
-    (torch.zeros(4, H, 32, 2 * D, dtype=torch.bfloat16), layer("CPU_ATTN", "amx"), "amx"),
+    (torch.zeros(4, H, 32, 2 * D, dtype=torch.bfloat16), layer("CPU_ATTN", "neon"), "neon"),
     (torch.zeros(4, H, 32, 2 * D), None, "backend unknown.*not a page form"),
     (torch.zeros(4, H, 32, 2 * D), layer("SOME_NEW_ATTN"), "SOME_NEW_ATTN"),
     (torch.zeros(4, H, 32, 2 * D, dtype=torch.uint8), layer("FLASH_ATTN"), "float16"),

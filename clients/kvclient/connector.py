@@ -297,7 +297,6 @@ class WorkerConnector:
         self._streams: list[tuple[LoadSpec, Any]] = []  # (spec, StreamHandle) of this step
         self._failed_streams: set[str] = set()
         self._caches: list[PagedCache] = []
-        self._ratio = 1  # cache blocks per scheduler block
         self._layout = "kv_first"
         self._layer_of: dict[str, int] = {}
         self._meta: ConnectorMetadata | None = None
@@ -312,18 +311,14 @@ class WorkerConnector:
         self,
         caches: Mapping[str, Any],
         layout: str | None = None,
-        *,
-        kernel_blocks_per_block: int = 1,
     ) -> None:
         """The engine's paged caches, layer name → cache, in model order (layer ``i`` of
         the namespace is the ``i``-th entry). ``layout`` ``"kv_first"``
         ``[2, num_blocks, block_size, H, D]``, ``"blocks_first"``
         ``[num_blocks, 2, block_size, H, D]`` (guessed from the shape when None) or
         ``"kv_pair"``: each cache a ``(K, V)`` pair of ``[num_blocks, block_size, H, D]``
-        views (:mod:`kvclient.layouts` makes them from an engine's page form).
-        ``kernel_blocks_per_block``: the cache's blocks per scheduler block (an engine
-        that splits its blocks for the kernels: scheduler block ``b`` is cache blocks
-        ``b*r .. b*r+r-1``). Raises :class:`~kvstore.errors.BadShape` or
+        views (:mod:`kvclient.layouts` makes them from an engine's page form). Block ids
+        in the specs index these caches. Raises :class:`~kvstore.errors.BadShape` or
         :class:`~kvstore.errors.InvalidArgument` for caches that do not fit."""
         names = list(caches)
         L = self.kv.ns.num_layers
@@ -332,8 +327,6 @@ class WorkerConnector:
         first = caches[names[0]]
         if layout is None:
             layout = "kv_first" if first.shape[0] == 2 else "blocks_first"
-        if kernel_blocks_per_block < 1:
-            raise ValueError(f"kernel_blocks_per_block must be >= 1, got {kernel_blocks_per_block}")
         ns = self.kv.ns
         paged = [
             PagedCache(caches[n], layout).expect(ns.num_kv_heads, ns.head_dim, ns.dtype)
@@ -342,8 +335,7 @@ class WorkerConnector:
         self._layout = layout
         self._caches = paged
         self._layer_of = {n: i for i, n in enumerate(names)}
-        self._ratio = kernel_blocks_per_block
-        self._engine_bs = paged[0].block_size * kernel_blocks_per_block
+        self._engine_bs = paged[0].block_size
 
     def layer_index(self, layer: str | int) -> int:
         """A layer name (or index) → its index."""
@@ -374,13 +366,13 @@ class WorkerConnector:
             try:
                 if spec.stream:  # one watch for every layer, read as the prefill saves it
                     handle = self.kv.start_stream_layers_paged(
-                        spec.token_ids[:n], self._caches, self._cache_ids(spec), self._layout,
+                        spec.token_ids[:n], self._caches, spec.block_ids, self._layout,
                         self.stream_timeout_s, shard=self.shard,
                     )  # fmt: skip
                     self._streams.append((spec, handle))
                     continue
                 handles = self.kv.start_get_layers_paged(  # one Lookup for every layer
-                    spec.token_ids[:n], self._caches, self._cache_ids(spec), self._layout,
+                    spec.token_ids[:n], self._caches, spec.block_ids, self._layout,
                     self.shard, timeout=self.timeout_s, skip_tokens=spec.skip_tokens,
                 )  # fmt: skip
             except KVStoreError as exc:  # the pool went away since the match: recompute
@@ -407,14 +399,6 @@ class WorkerConnector:
             for chunk in missing:
                 self._load_errors |= self._engine_blocks(spec, chunk * B, (chunk + 1) * B)
 
-    def _cache_ids(self, spec: LoadSpec | SaveSpec) -> tuple[int, ...]:
-        """The cache blocks of ``spec``'s scheduler blocks (the same ids unless the engine
-        splits each into ``r`` kernel blocks: ``b`` -> ``b*r .. b*r+r-1``)."""
-        r = self._ratio
-        if r == 1:
-            return spec.block_ids
-        return tuple(b * r + i for b in spec.block_ids for i in range(r))
-
     def _engine_blocks(self, spec: LoadSpec, lo: int, hi: int) -> set[int]:
         """Engine block ids holding the promised tokens ``[lo, hi)`` of ``spec``."""
         lo, hi = max(lo, spec.skip_tokens), min(hi, spec.end_tokens)
@@ -433,7 +417,7 @@ class WorkerConnector:
             saves = self._saves.setdefault(spec.request_id, _Saves())  # reported either way
             try:
                 handle = self.kv.start_put_layer_paged(
-                    spec.token_ids, index, paged, self._cache_ids(spec), self._layout,
+                    spec.token_ids, index, paged, spec.block_ids, self._layout,
                     self.shard, timeout=self.timeout_s, skip_tokens=spec.skip_tokens,
                 )  # fmt: skip
             except NotConnected:

@@ -17,6 +17,12 @@ view. The forms::
     "cpu_dn"        [B, H, N, 2*D] whose memory is [B, H, 2N, D]: per head, K as
                     [D, N] (transposed), then V as [N, D] (vLLM's CPU backend, ISAs
                     vec and vec16)
+    "cpu_amx"       the same memory in AMX tiles (vLLM's CPU backend, ISA amx: bfloat16
+                    on CPUs with AMX): per head, K in 16-token tiles of channel pairs
+                    (token t, channel d at (t//16)*16*D + (d//2)*32 + (t%16)*2 + d%2),
+                    then V in 16-channel tiles of token pairs (at N*D + (d//16)*16*N +
+                    (t//2)*32 + (d%16)*2 + t%2). No 4-D view describes these: the halves
+                    are tiled 6-D views, read and written a block at a time
 
 (B engine blocks, N tokens per block, H KV heads, D head size.) Never a guess:
 :func:`certify` writes a known K and V through the engine's own cache-write path into a
@@ -35,7 +41,7 @@ from kvstore.errors import KVStoreError
 
 __all__ = ["FORMS", "LayoutError", "Writer", "certify", "halves", "probe_kv", "scratch_like"]
 
-FORMS: tuple[str, ...] = ("kv_first", "blocks_first", "bhnc", "cpu_dn")
+FORMS: tuple[str, ...] = ("kv_first", "blocks_first", "bhnc", "cpu_dn", "cpu_amx")
 """Page forms :func:`halves` maps (see the module docstring)."""
 
 Writer = Callable[[Tensor, Tensor, Tensor, Tensor], None]
@@ -52,7 +58,9 @@ def _block_dim(form: str) -> int:
 
 
 def halves(t: Tensor, form: str, head_dim: int) -> tuple[Tensor, Tensor]:
-    """K and V of cache ``t`` in page form ``form``, each ``[B, N, H, D]`` (views, no copy).
+    """K and V of cache ``t`` in page form ``form``, each ``[B, N, H, D]`` (views, no copy;
+    for ``cpu_amx`` tiled ``[B, T1, T0, H, D1, D0]`` views, token ``t1*T0 + t0`` and
+    channel ``d1*D0 + d0``, as :class:`~kvclient.paged.PagedCache` takes them).
 
     Raises :class:`LayoutError` for an unknown form or a tensor whose shape or strides the
     form does not describe.
@@ -75,6 +83,13 @@ def halves(t: Tensor, form: str, head_dim: int) -> tuple[Tensor, Tensor]:
     if s[3] != 1 or s[2] != 2 * D:  # the kernel views each head's [N, 2D] as [2N, D]
         raise LayoutError(f"a cpu_dn cache needs each head's [N, 2*D] contiguous: {_fmt(t)}")
     off = t.storage_offset()
+    if form == "cpu_amx":
+        if N % 16 or D % 16:
+            raise LayoutError(f"AMX tiles need block_size and head size multiples of 16: {_fmt(t)}")
+        k = t.as_strided((B, N // 16, 16, H, D // 2, 2), (s[0], 16 * D, 2, s[1], 32, 1), off)
+        v = t.as_strided((B, N // 2, 2, H, D // 16, 16), (s[0], 32, 1, s[1], 16 * N, 2),
+                         off + N * D)  # fmt: skip
+        return k, v
     k = t.as_strided((B, N, H, D), (s[0], 1, s[1], N), off)
     v = t.as_strided((B, N, H, D), (s[0], D, s[1], 1), off + N * D)
     return k, v
@@ -112,14 +127,15 @@ def certify(t: Tensor, form: str, head_dim: int, write: Writer, what: str) -> No
     cache), on any difference or when the write itself fails."""
     scratch = scratch_like(t, form)
     k_view, v_view = halves(scratch, form, head_dim)
-    N, H = int(k_view.shape[1]), int(k_view.shape[2])
+    N = int(t.shape[2])  # tokens per block in every form's tensor
+    H = k_view.numel() // (2 * N * head_dim)
     key, value = probe_kv(2 * N, H, head_dim, t.dtype, t.device)
     slots = torch.arange(2 * N, dtype=torch.int64, device=t.device)
     try:
         write(key, value, scratch, slots)
     except Exception as exc:
         raise LayoutError(f"{what}: the engine's cache write failed on a probe: {exc}") from exc
-    got_k = k_view.reshape(2 * N, H, head_dim)
+    got_k = k_view.reshape(2 * N, H, head_dim)  # a copy where the view is tiled
     got_v = v_view.reshape(2 * N, H, head_dim)
     if not (torch.equal(got_k, key) and torch.equal(got_v, value)):
         bad = int((got_k != key).sum() + (got_v != value).sum())

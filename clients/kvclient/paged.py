@@ -9,8 +9,9 @@ Pure tensor logic, no I/O. Engines keep one layer's KV in pages ("engine blocks"
 
 The last is what :mod:`kvclient.layouts` makes of an engine's page form (vLLM's CPU pages
 hold each head's K transposed, ``[D, block_size]``, and its V as ``[block_size, D]``: two
-strided views with different strides). Whatever the form, a chunk holds the namespace's
-canonical KV: per token, K and V of every KV head.
+strided views with different strides; its AMX pages are tiles, two 6-D views of a *tiled*
+cache, read and written a block at a time). Whatever the form, a chunk holds the
+namespace's canonical KV: per token, K and V of every KV head.
 
 A request owns ``block_ids``: its token ``t`` lives in engine block
 ``block_ids[t // block_size]`` at offset ``t % block_size``. Our chunk ``j`` is the request's
@@ -139,7 +140,11 @@ class PagedCache:
     ``tensor``: a 5-D tensor in ``layout`` (``"blocks_first"`` or ``"kv_first"``), or, with
     ``layout="kv_pair"``, a ``(K, V)`` pair of ``[num_blocks, block_size, H, D]`` views
     of any strides (what :mod:`kvclient.layouts` makes of an engine's own page form, where
-    K and V need not share strides: vLLM's CPU pages hold K transposed). Raises
+    K and V need not share strides: vLLM's CPU pages hold K transposed), or of *tiled*
+    ``[num_blocks, T1, T0, H, D1, D0]`` views (token ``t1*T0 + t0``, channel
+    ``d1*D0 + d0``; each half its own split) for pages no 4-D view describes (vLLM's AMX
+    tiles): a tiled cache is read and written a whole engine block at a time, every chunk
+    staged (:attr:`tiled`). Raises
     :class:`InvalidArgument` for a non-tensor or an unknown layout and :class:`BadShape`
     for a tensor that is not 5-D with 2 (K, V) in the layout's place, halves that differ,
     or a dtype the codec cannot encode. Holds no copy of the data.
@@ -148,14 +153,19 @@ class PagedCache:
     tensor: Tensor | tuple[Tensor, Tensor]
     layout: str = "blocks_first"
     kv: tuple[Tensor, Tensor] = field(init=False, repr=False)
-    """K and V, each a ``[num_blocks, block_size, H, D]`` view of ``tensor``."""
+    """K and V, each a ``[num_blocks, block_size, H, D]`` view of ``tensor`` (6-D tiled
+    views when :attr:`tiled`)."""
+    tiled: bool = field(init=False, default=False)
+    """Whether K or V is a tiled 6-D view: no chunk is then one strided view (direct)."""
 
     def __post_init__(self) -> None:
         t = self.tensor
         if self.layout not in LAYOUTS:
             raise InvalidArgument(f"unknown layout {self.layout!r}; expected one of {LAYOUTS}")
         if self.layout == "kv_pair":
-            object.__setattr__(self, "kv", _pair_halves(t))
+            kv = _pair_halves(t)
+            object.__setattr__(self, "kv", kv)
+            object.__setattr__(self, "tiled", any(h.dim() == 6 for h in kv))
             return
         if not isinstance(t, Tensor):
             raise InvalidArgument(f"paged cache must be a Tensor, got {type(t).__name__}")
@@ -167,8 +177,8 @@ class PagedCache:
             raise BadShape(f"{self.layout} paged cache must be {want}, got {tuple(t.shape)}")
         if t.dtype not in _KV_DTYPES:
             raise BadShape(f"paged cache dtype {t.dtype} is not float16, bfloat16 or float32")
-        kv = t.transpose(0, 1) if kv_dim == 1 else t
-        object.__setattr__(self, "kv", (kv[0], kv[1]))
+        both = t.transpose(0, 1) if kv_dim == 1 else t
+        object.__setattr__(self, "kv", (both[0], both[1]))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -183,28 +193,87 @@ class PagedCache:
     @property
     def num_blocks(self) -> int:
         """Engine blocks in the cache."""
-        return int(self.kv[0].shape[0])
+        return _logical(self.kv[0])[0]
 
     @property
     def block_size(self) -> int:
         """Tokens per engine block."""
-        return int(self.kv[0].shape[1])
+        return _logical(self.kv[0])[1]
 
     @property
     def num_kv_heads(self) -> int:
         """``H``."""
-        return int(self.kv[0].shape[2])
+        return _logical(self.kv[0])[2]
 
     @property
     def head_dim(self) -> int:
         """``D``."""
-        return int(self.kv[0].shape[3])
+        return _logical(self.kv[0])[3]
 
     @property
     def mergeable(self) -> bool:
         """Whether block ``b + 1`` starts in memory right where block ``b`` ends."""
+        if self.tiled:
+            return False
         bs = self.block_size
         return self.num_blocks == 1 or all(h.stride(0) == bs * h.stride(1) for h in self.kv)
+
+    def read(self, piece: Piece) -> tuple[Tensor, Tensor]:
+        """K and V ``[length, H, D]`` of ``piece``: views (:meth:`span`) or, for a tiled
+        cache, copies of the piece's tokens."""
+        if not self.tiled:
+            return self.span(piece)
+        self._check_piece(piece)
+        lo, hi = piece.start, piece.start + piece.length
+        k, v = (self._block_copy(h, piece.block)[lo:hi] for h in self.kv)
+        return k, v
+
+    def write(self, piece: Piece, k: Tensor, v: Tensor) -> None:
+        """Copy ``k`` and ``v`` ``[length, H, D]`` into ``piece``'s place. A tiled cache
+        writes whole engine blocks: a piece of part of one is read, patched and written
+        back (the block's other tokens keep their values)."""
+        if not self.tiled:
+            for dst, src in zip(self.span(piece), (k, v), strict=True):
+                dst.copy_(src)
+            return
+        self._check_piece(piece)
+        lo, hi = piece.start, piece.start + piece.length
+        for half, src in zip(self.kv, (k, v), strict=True):
+            if piece.length == self.block_size:
+                half[piece.block].copy_(_tile_like(src, half))
+                continue
+            block = self._block_copy(half, piece.block)
+            block[lo:hi] = src
+            half[piece.block].copy_(_tile_like(block, half))
+
+    def gather_blocks(self, half: int, blocks: Tensor, out: Tensor) -> None:
+        """Copy whole engine blocks ``blocks`` of K (``half`` 0) or V into ``out``
+        ``[len(blocks), block_size, H, D]``: one kernel, or one copy a block if tiled."""
+        h = self.kv[half]
+        if not self.tiled or h.dim() == 4:
+            torch.index_select(h, 0, blocks, out=out)
+            return
+        for i, b in enumerate(blocks.tolist()):
+            _tile_like(out[i], h).copy_(h[b])
+
+    def scatter_blocks(self, half: int, blocks: Tensor, src: Tensor) -> None:
+        """The reverse of :meth:`gather_blocks`: ``src`` into whole engine blocks."""
+        h = self.kv[half]
+        if not self.tiled or h.dim() == 4:
+            h.index_copy_(0, blocks, src)
+            return
+        for i, b in enumerate(blocks.tolist()):
+            h[b].copy_(_tile_like(src[i], h))
+
+    def _check_piece(self, piece: Piece) -> None:
+        block, start, length = piece
+        bs = self.block_size
+        if not (0 <= block < self.num_blocks and 0 <= start < bs and 0 < length <= bs - start):
+            raise InvalidArgument(f"{piece} is outside one block of a tiled cache")
+
+    def _block_copy(self, half: Tensor, block: int) -> Tensor:
+        """Engine block ``block`` of one half as a new ``[block_size, H, D]`` tensor."""
+        return half[block].reshape(self.block_size, self.num_kv_heads, self.head_dim)
 
     def expect(
         self, num_kv_heads: int | None = None, head_dim: int | None = None, dtype: Any = None
@@ -230,6 +299,8 @@ class PagedCache:
         Raises :class:`InvalidArgument` if the piece leaves the cache, or crosses into
         the next block where blocks are not adjacent in memory.
         """
+        if self.tiled:
+            raise InvalidArgument("a tiled cache has no strided view of a piece: read() it")
         block, start, length = piece
         bs = self.block_size
         if not (0 <= block < self.num_blocks and 0 <= start < bs and length > 0):
@@ -246,18 +317,33 @@ class PagedCache:
         return k, v
 
 
+def _logical(h: Tensor) -> tuple[int, int, int, int]:
+    """``(num_blocks, block_size, H, D)`` of a 4-D half or a tiled 6-D one."""
+    s = h.shape
+    if h.dim() == 6:
+        return int(s[0]), int(s[1] * s[2]), int(s[3]), int(s[4] * s[5])
+    return int(s[0]), int(s[1]), int(s[2]), int(s[3])
+
+
+def _tile_like(t: Tensor, half: Tensor) -> Tensor:
+    """``t`` ``[block_size, H, D]`` (contiguous) split as one block of tiled ``half``."""
+    return t.view(half.shape[1:]) if half.dim() == 6 else t
+
+
 def _pair_halves(t: Any) -> tuple[Tensor, Tensor]:
-    """A ``kv_pair`` cache's (K, V), checked: two ``[num_blocks, block_size, H, D]`` views of
-    one shape, dtype and device."""
+    """A ``kv_pair`` cache's (K, V), checked: two ``[num_blocks, block_size, H, D]`` views (or
+    tiled 6-D views) of one logical shape, dtype and device."""
     if not (isinstance(t, (tuple, list)) and len(t) == 2 and all(isinstance(x, Tensor) for x in t)):
         raise InvalidArgument(
             f"a kv_pair paged cache must be a (K, V) pair, got {type(t).__name__}"
         )
     k, v = t
-    if k.dim() != 4 or k.shape != v.shape or 0 in k.shape:
+    dims_ok = k.dim() in (4, 6) and v.dim() in (4, 6)
+    if not dims_ok or _logical(k) != _logical(v) or 0 in k.shape or 0 in v.shape:
         raise BadShape(
-            "a kv_pair paged cache must be two [num_blocks, block_size, H, D] views of one "
-            f"shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+            "a kv_pair paged cache must be two [num_blocks, block_size, H, D] views (or tiled "
+            "[num_blocks, T1, T0, H, D1, D0] ones) of one logical shape, got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
         )
     if k.dtype != v.dtype or k.device != v.device:
         raise BadShape(f"K is {k.dtype} on {k.device}, V {v.dtype} on {v.device}")
@@ -290,7 +376,7 @@ class ChunkView:
     @property
     def direct(self) -> bool:
         """True when the chunk is one strided view of the cache (no staging needed)."""
-        return len(self.pieces) == 1
+        return len(self.pieces) == 1 and not self.paged.tiled
 
     @property
     def tensor(self) -> tuple[Tensor, Tensor] | None:
@@ -492,11 +578,11 @@ def _gather_into(view: ChunkView, dst: Tensor) -> None:
         per = view.blocks.numel()
         for half in range(2):
             out = dst[half].unflatten(0, (per, view.paged.block_size))
-            torch.index_select(view.paged.kv[half], 0, view.blocks, out=out)
+            view.paged.gather_blocks(half, view.blocks, out)
     else:
         offset = 0
         for piece in view.pieces:
-            for half, src in enumerate(view.paged.span(piece)):
+            for half, src in enumerate(view.paged.read(piece)):
                 dst[half, offset : offset + piece.length].copy_(src)
             offset += piece.length
     _count(gathered_bytes=view.nbytes)
@@ -508,12 +594,12 @@ def _scatter_from(src: Tensor, view: ChunkView) -> None:
         per = view.blocks.numel()
         for half in range(2):
             part = src[half].unflatten(0, (per, view.paged.block_size))
-            view.paged.kv[half].index_copy_(0, view.blocks, part)
+            view.paged.scatter_blocks(half, view.blocks, part)
     else:
         offset = 0
         for piece in view.pieces:
-            for half, dst in enumerate(view.paged.span(piece)):
-                dst.copy_(src[half, offset : offset + piece.length])
+            part = src[:, offset : offset + piece.length]
+            view.paged.write(piece, part[0], part[1])
             offset += piece.length
     _count(scattered_bytes=view.nbytes)
 
@@ -526,8 +612,8 @@ def _scatter_tail(src: Tensor, view: ChunkView, skip: int) -> None:
         if lo < piece.length:
             at = piece.start + lo
             part = Piece(piece.block + at // bs, at % bs, piece.length - lo)
-            for half, dst in enumerate(view.paged.span(part)):
-                dst.copy_(src[half, offset + lo : offset + piece.length])
+            tail = src[:, offset + lo : offset + piece.length]
+            view.paged.write(part, tail[0], tail[1])
         offset += piece.length
     _count(scattered_bytes=view.nbytes * (view.block_tokens - skip) // view.block_tokens)
 

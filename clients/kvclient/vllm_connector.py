@@ -22,7 +22,8 @@ Caches: the pool holds canonical K and V, whatever the engine's pages look like.
 the CPU backend's ISA) and the tensor's shape and strides (:func:`page_form`), proves it
 by writing a probe through the backend's own ``do_kv_cache_update`` into a scratch cache
 (:func:`kvclient.layouts.certify`), and refuses anything it cannot map or prove (MLA,
-fp8 caches, the CPU backend's ``amx`` tiles) with :class:`~kvclient.layouts.LayoutError`.
+fp8 caches, the CPU backend's ARM/Power/RISC-V kernels) with
+:class:`~kvclient.layouts.LayoutError`.
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ def page_form(t: torch.Tensor, layer: Any, head_dim: int, name: str) -> tuple[st
     (backend, and for vLLM's CPU backend the ISA its kernels were chosen for) and the
     tensor's shape. Raises :class:`~kvclient.layouts.LayoutError` naming the backend and
     shape for anything else: MLA's latent caches, quantized (fp8) caches, vLLM's CPU
-    pages in the ``amx`` ISA's tiled form, and a 4-D cache of a backend not known to keep
-    K in ``C[:D]``."""
+    pages of ISAs other than vec, vec16 and amx, and a 4-D cache of a backend not known
+    to keep K in ``C[:D]``."""
     backend = backend_of(layer)
     isa = getattr(layer, "isa", None)
     what = f"{name}: backend {backend or 'unknown'}{f' (isa {isa})' if isa else ''}, " + (
@@ -116,12 +117,14 @@ def page_form(t: torch.Tensor, layer: Any, head_dim: int, name: str) -> tuple[st
     if t.dim() == 4 and t.shape[-1] == 2 * head_dim:
         if backend == "CPU_ATTN" and isa in _CPU_DN_ISAS:
             return "cpu_dn", what
+        if backend == "CPU_ATTN" and isa == "amx":
+            return "cpu_amx", what
         if backend in _BHNC_BACKENDS:
             return "bhnc", what
         if backend == "CPU_ATTN":
             raise LayoutError(
                 f"{what}: the CPU backend's {isa!r} kernels write pages kvstore does not map "
-                "(amx tiles K and V for AMX; float16 or float32 KV uses the vec kernels)"
+                "(it maps the vec, vec16 and amx ISAs' pages)"
             )
     raise LayoutError(
         f"{what}: not a page form kvstore maps onto K and V ({FORMS}); see "
@@ -151,13 +154,15 @@ def _forward_context(vllm_config: Any) -> dict[str, Any]:
     return dict(getattr(compilation, "static_forward_context", None) or {})
 
 
-def _kernel_ratio(block_size: int, k: torch.Tensor, head_dim: int) -> int:
-    """Kernel blocks per scheduler block: vLLM may split its ``block_size`` blocks into
-    the backend's smaller kernel blocks (block ``b`` is kernel blocks ``b*r .. b*r+r-1``)."""
-    n = int(k.shape[1])
-    if block_size % n:
-        raise LayoutError(f"cache blocks of {n} tokens do not divide block_size {block_size}")
-    return block_size // n
+def _check_block_size(block_size: int, k: torch.Tensor, what: str) -> None:
+    """The scheduler's block ids index the cache: refuse a cache whose blocks are vLLM's
+    smaller kernel blocks (its mapping from scheduler blocks to them is the engine's)."""
+    if int(k.shape[1]) != block_size:
+        raise LayoutError(
+            f"{what}: cache blocks of {int(k.shape[1])} tokens, scheduler blocks of "
+            f"{block_size}: kernel block splitting is not supported; use a --block-size "
+            "the attention backend supports as is"
+        )
 
 
 def _role_name(role: Any) -> str:
@@ -306,10 +311,12 @@ class KVStoreConnector(_Base):  # type: ignore[misc, valid-type]
         layers = _forward_context(self._vllm_config)
         pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         certified: set[tuple[Any, ...]] = set()
+        bs = int(self._vllm_config.cache_config.block_size)
         for name, t in kv_caches.items():
             layer = layers.get(name)
             form, what = page_form(t, layer, D, name)
             pairs[name] = halves(t, form, D)
+            _check_block_size(bs, pairs[name][0], what)
             sig = (form, backend_of(layer), tuple(t.shape[1:]), t.stride(), t.dtype)
             if sig in certified:
                 continue
@@ -319,11 +326,7 @@ class KVStoreConnector(_Base):  # type: ignore[misc, valid-type]
             else:
                 certify(t, form, D, write, what)
             certified.add(sig)
-        bs = int(self._vllm_config.cache_config.block_size)
-        first = next(iter(pairs.values()))[0]
-        self._work().register_kv_caches(
-            pairs, layout="kv_pair", kernel_blocks_per_block=_kernel_ratio(bs, first, D)
-        )
+        self._work().register_kv_caches(pairs, layout="kv_pair")
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         self._bound = connector_metadata.meta
