@@ -84,7 +84,7 @@ def test_docs_refer_to_nothing_outside_the_repository() -> None:
 def test_no_file_refers_to_anything_outside_the_repository() -> None:
     """Code, docstrings, the proto and the deploy files point inside the repository too."""
     root = README.parent
-    skip = {".venv", ".git", "build", "node_modules", "__pycache__"}
+    skip = {".venv", ".venv-vllm", ".git", "build", "node_modules", "__pycache__"}
     this = {Path(__file__).name, "test_deploy.py"}  # (they spell out what they look for)
     kinds = {".py", ".md", ".proto", ".toml", ".yaml", ".yml", ".json", ".cfg", ".txt"}
     for path in root.rglob("*"):
