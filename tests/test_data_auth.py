@@ -331,3 +331,18 @@ def test_a_node_with_secrets_refuses_a_master_without_them(tmp_path: Path) -> No
         master.stop()
     assert run.returncode != 0 and "its master has no auth file" in run.stderr, run.stderr
     assert "kvstore ready" not in run.stdout
+
+
+async def test_an_unauthenticated_payload_gets_its_refusal_not_a_broken_pipe(
+    pool: tuple[Server, list[Server], Path],
+) -> None:
+    """A put sent with no handshake carries a payload larger than the socket buffers: the
+    node reads and drops it before refusing, so the peer's send completes and it learns
+    why (Unauthorized), every time; before, it raced into a broken pipe (PeerDisconnected)."""
+    _, [node], _ = pool
+    data = bytearray(32 << 20)
+    chunk = PutChunk(b"\x42" * 16, b"\x00" * 16, 0, len(data))
+    intruder = _node_with(node.data, None)
+    for _ in range(3):
+        with pytest.raises(Unauthorized, match="authenticate first"):
+            await intruder.put(b"kvstore-ns/3", [chunk], [data])

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError
 
 from .handles import Handle
 from .lazy import NotConnected
@@ -375,6 +375,8 @@ class WorkerConnector:
                     spec.token_ids[:n], self._caches, spec.block_ids, self._layout,
                     self.shard, timeout=self.timeout_s, skip_tokens=spec.skip_tokens,
                 )  # fmt: skip
+            except InvalidArgument:  # a call that does not fit the cache: a bug, not the pool
+                raise
             except KVStoreError as exc:  # the pool went away since the match: recompute
                 logger.warning("load of %s not started: %s", spec.request_id, exc)
                 self._load_errors |= self._engine_blocks(spec, 0, spec.end_tokens)
@@ -422,6 +424,8 @@ class WorkerConnector:
                 )  # fmt: skip
             except NotConnected:
                 continue  # not stored: a cache, the next request computes it
+            except InvalidArgument:
+                raise
             except KVStoreError as exc:
                 logger.info("save of %s layer %d not started: %s", spec.request_id, index, exc)
                 continue

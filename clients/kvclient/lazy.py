@@ -61,8 +61,8 @@ class PoolLink:
             self._try()
         except KVStoreError as exc:
             logger.warning(
-                "kvstore pool at %s is unreachable (%s): the engine computes every prompt "
-                "until it answers; retrying in the background every %g-%g s",
+                "kvstore pool at %s is unreachable or refused us (%s): the engine computes "
+                "every prompt until it answers; retrying in the background every %g-%g s",
                 master, exc, retry_s, max_retry_s,
             )  # fmt: skip
             self._thread = threading.Thread(

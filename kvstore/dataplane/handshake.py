@@ -39,6 +39,7 @@ serves on. Imports neither torch nor NIXL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import os
@@ -62,6 +63,7 @@ from kvstore.transport.base import Connection, with_timeout
 __all__ = [
     "CLOCK_SKEW_S",
     "DATA_ROLES",
+    "DRAIN_BYTES",
     "OPEN",
     "TICKET_TTL_S",
     "Challenge",
@@ -267,6 +269,11 @@ async def prove(conn: Connection, ticket: Ticket, timeout: float) -> None:
                     timeout=timeout)  # fmt: skip
 
 
+DRAIN_BYTES = 64 << 20
+"""An unauthenticated frame's payload the node still reads (and drops) before it refuses,
+so the peer's send completes and it gets the refusal; a larger one is refused unread."""
+
+
 async def accept(
     conn: Connection, root: bytes, timeout: float, now: Callable[[], float] = time.time
 ) -> Peer:
@@ -300,6 +307,11 @@ async def accept(
         if not hmac.compare_digest(mac, _mac(ticket.key, b"peer", mine, hello.nonce)):
             raise Unauthorized("the proof does not match the ticket (forged or from another pool)")
     except Unauthorized as exc:
+        if frame.sizes and sum(frame.sizes) <= DRAIN_BYTES:
+            # A peer still sending a payload it sent unauthenticated would get a broken
+            # pipe, not this answer: take the payload (dropped, bounded) so it reads why.
+            with contextlib.suppress(KVStoreError):
+                await conn.discard_payload(timeout)
         await conn.send(Error.of(exc).header(), timeout=timeout)
         raise
     return Peer(ticket.role, ticket.tenant)
