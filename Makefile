@@ -56,7 +56,7 @@ test: setup setup-vllm
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m mypy kvstore clients
-	$(BIN)/python scripts/pytest_redis.py -q
+	$(BIN)/python scripts/pytest_redis.py -q --durations=15
 
 demo: setup
 	$(BIN)/python examples/demo.py

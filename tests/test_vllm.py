@@ -73,23 +73,53 @@ def server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def plain(checkpoint: str) -> dict[str, dict[str, Any]]:
+def down_port() -> int:
+    """A loopback port where no pool listens when the "down" instance starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def fleet(checkpoint: str, server: Server, down_port: int) -> Iterator[dict[str, VLLM]]:
+    """Every vLLM instance of this module, started side by side (a start is mostly one
+    core's work): a plain one, a prefill (``block_size`` 32, chunked: 128 tokens a step)
+    and a decode (64), a ``kv_both`` one whose pool is down when it starts, and an INT8
+    one. Each is closed at the end of the module."""
+    down = kv_config("kv_both", f"127.0.0.1:{down_port}", retry_s=0.5, max_retry_s=1.0)
+    specs: dict[str, tuple[int, dict[str, Any] | None, dict[str, Any]]] = {
+        "plain": (32, None, {}),
+        "prefill": (32, kv_config("kv_producer", server.grpc), {"max_num_batched_tokens": 128}),
+        "decode": (64, kv_config("kv_consumer", server.grpc), {}),
+        "down": (32, down, {}),
+        "int8": (32, kv_config("kv_both", server.grpc, quant="int8"), {}),
+    }
+    started: dict[str, VLLM] = {}
+    try:
+        for name, (block_size, kv, options) in specs.items():
+            started[name] = VLLM(checkpoint, block_size, kv, wait=False, **options)
+        for llm in started.values():
+            llm.ready()
+        yield started
+    finally:
+        for llm in started.values():
+            llm.close()
+
+
+@pytest.fixture(scope="module")
+def plain(fleet: dict[str, VLLM]) -> dict[str, dict[str, Any]]:
     """One plain vLLM instance's answers to every prompt: what the others must give."""
-    with VLLM(checkpoint, 32) as llm:
-        return {name: llm.ask(name, p, MAX_NEW) for name, p in PROMPTS.items()}
+    return {name: fleet["plain"].ask(name, p, MAX_NEW) for name, p in PROMPTS.items()}
 
 
 @pytest.fixture(scope="module")
-def prefill(checkpoint: str, server: Server) -> Iterator[VLLM]:
-    with VLLM(checkpoint, 32, kv_config("kv_producer", server.grpc),
-              max_num_batched_tokens=128) as llm:  # fmt: skip
-        yield llm
+def prefill(fleet: dict[str, VLLM]) -> VLLM:
+    return fleet["prefill"]
 
 
 @pytest.fixture(scope="module")
-def decode(checkpoint: str, server: Server) -> Iterator[VLLM]:
-    with VLLM(checkpoint, 64, kv_config("kv_consumer", server.grpc)) as llm:
-        yield llm
+def decode(fleet: dict[str, VLLM]) -> VLLM:
+    return fleet["decode"]
 
 
 def wait_stored(master: str, checkpoint: str, p: list[int], quant: str = "none") -> None:
@@ -157,30 +187,26 @@ def asyncio_run_stats(server: Server) -> dict[str, Any]:
 
 
 def test_vllm_starts_with_the_pool_down_and_uses_it_once_up(
-    checkpoint: str, plain: dict[str, dict[str, Any]]
+    checkpoint: str, plain: dict[str, dict[str, Any]], fleet: dict[str, VLLM], down_port: int
 ) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    kv = kv_config("kv_both", f"127.0.0.1:{port}", retry_s=0.5, max_retry_s=1.0)
     p = PROMPTS["down"]
-    with VLLM(checkpoint, 32, kv) as llm:  # the pool is down: vLLM must start anyway
-        got = llm.ask("down-1", p, MAX_NEW)
-        assert got["num_cached_tokens"] == 0
+    llm = fleet["down"]  # started while nothing listened at its master's address
+    got = llm.ask("down-1", p, MAX_NEW)
+    assert got["num_cached_tokens"] == 0
+    same(got, plain["down"])
+    assert "unreachable" in llm.tail(100_000)
+    srv = cluster.start_server("serve", "--grpc-port", str(down_port), "--data-port", "0",
+                               "--metrics-port", "0", "--host-mem", "128MiB")  # fmt: skip
+    try:
+        time.sleep(3.0)  # retries every 0.5-1 s
+        same(llm.ask("down-2", p, MAX_NEW), plain["down"])  # computed, and saved now
+        wait_stored(f"127.0.0.1:{down_port}", checkpoint, p)
+        got = llm.ask("down-3", p, MAX_NEW)
+        assert got["num_cached_tokens"] == POOLED  # from the pool
         same(got, plain["down"])
-        assert "unreachable" in llm.tail(100_000)
-        srv = cluster.start_server("serve", "--grpc-port", str(port), "--data-port", "0",
-                                   "--metrics-port", "0", "--host-mem", "128MiB")  # fmt: skip
-        try:
-            time.sleep(3.0)  # retries every 0.5-1 s
-            same(llm.ask("down-2", p, MAX_NEW), plain["down"])  # computed, and saved now
-            wait_stored(f"127.0.0.1:{port}", checkpoint, p)
-            got = llm.ask("down-3", p, MAX_NEW)
-            assert got["num_cached_tokens"] == POOLED  # from the pool
-            same(got, plain["down"])
-        finally:
-            rc, out = srv.stop()
-            assert rc == 0, out
+    finally:
+        rc, out = srv.stop()
+        assert rc == 0, out
 
 
 def test_vllm_to_reference_engine_and_back(
@@ -206,7 +232,7 @@ def test_vllm_to_reference_engine_and_back(
 
 
 def test_int8_on_the_vllm_path_is_measured(
-    checkpoint: str, plain: dict[str, dict[str, Any]], server: Server,
+    checkpoint: str, plain: dict[str, dict[str, Any]], server: Server, fleet: dict[str, VLLM],
     record_property: Any,
 ) -> None:  # fmt: skip
     """INT8 through real vLLM: a kv_both instance computes and saves each prompt, then loads
@@ -215,19 +241,19 @@ def test_int8_on_the_vllm_path_is_measured(
     asserted. ``KVSTORE_VLLM_INT8_OUT``: a file to write the measurement to."""
     agree = same_prefix = total = 0
     diffs: list[float] = []
-    with VLLM(checkpoint, 32, kv_config("kv_both", server.grpc, quant="int8")) as llm:
-        for name in INT8:
-            llm.ask(f"{name}-save", PROMPTS[name], 1)
-            wait_stored(server.grpc, checkpoint, PROMPTS[name], "int8")
-            got, want = llm.ask(f"{name}-load", PROMPTS[name], MAX_NEW), plain[name]
-            assert got["num_cached_tokens"] == POOLED
-            pairs = list(zip(got["tokens"], want["tokens"], strict=True))
-            agree += sum(a == b for a, b in pairs)
-            n = next((i for i, (a, b) in enumerate(pairs) if a != b), MAX_NEW)
-            same_prefix += n
-            total += MAX_NEW
-            lps = zip(got["logprobs"][:n], want["logprobs"][:n], strict=True)
-            diffs += [abs(a - b) for a, b in lps]
+    llm = fleet["int8"]
+    for name in INT8:
+        llm.ask(f"{name}-save", PROMPTS[name], 1)
+        wait_stored(server.grpc, checkpoint, PROMPTS[name], "int8")
+        got, want = llm.ask(f"{name}-load", PROMPTS[name], MAX_NEW), plain[name]
+        assert got["num_cached_tokens"] == POOLED
+        pairs = list(zip(got["tokens"], want["tokens"], strict=True))
+        agree += sum(a == b for a, b in pairs)
+        n = next((i for i, (a, b) in enumerate(pairs) if a != b), MAX_NEW)
+        same_prefix += n
+        total += MAX_NEW
+        lps = zip(got["logprobs"][:n], want["logprobs"][:n], strict=True)
+        diffs += [abs(a - b) for a, b in lps]
     line = (
         f"int8 through vLLM ({len(INT8)} prompts x {MAX_NEW} greedy tokens, {POOLED} pooled):"
         f" top-1 agreement {agree}/{total}, identical prefix {same_prefix}/{total} tokens,"

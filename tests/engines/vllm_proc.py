@@ -35,10 +35,11 @@ def kv_config(role: str, master: str, quant: str = "none", **extra: Any) -> dict
 class VLLM:
     """A vLLM instance serving ``model`` (a checkpoint directory) with ``block_size``;
     ``kv``: a :func:`kv_config` (None: plain vLLM). ``options`` go to vllm_serve.py's
-    config (``max_num_batched_tokens``, ``dtype``, ...)."""
+    config (``max_num_batched_tokens``, ``dtype``, ...). ``wait=False`` returns once the
+    process is started (several instances then start side by side): call :meth:`ready`."""
 
     def __init__(self, model: str, block_size: int, kv: dict[str, Any] | None = None,
-                 **options: Any) -> None:  # fmt: skip
+                 *, wait: bool = True, **options: Any) -> None:  # fmt: skip
         config = {"model": model, "block_size": block_size, "kv": kv, **options}
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-", suffix=".log", delete=False)  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -48,9 +49,18 @@ class VLLM:
         )  # fmt: skip
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        ready = self._next(START_S)
-        if not ready.get("ready"):
-            raise RuntimeError(f"vLLM did not start: {ready}\n{self.tail()}")
+        self._ready = False
+        if wait:
+            self.ready()
+
+    def ready(self) -> VLLM:
+        """Wait until the engine is up (at most ``START_S``); returns ``self``."""
+        if not self._ready:
+            first = self._next(START_S)
+            if not first.get("ready"):
+                raise RuntimeError(f"vLLM did not start: {first}\n{self.tail()}")
+            self._ready = True
+        return self
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
