@@ -254,7 +254,7 @@ class PagedCache:
             torch.index_select(h, 0, blocks, out=out)
             return
         for i, b in enumerate(blocks.tolist()):
-            _tile_like(out[i], h).copy_(h[b])
+            out[i].view(h.shape[1:]).copy_(h[b])  # a view: out is written, never a copy of it
 
     def scatter_blocks(self, half: int, blocks: Tensor, src: Tensor) -> None:
         """The reverse of :meth:`gather_blocks`: ``src`` into whole engine blocks."""
@@ -306,9 +306,8 @@ class PagedCache:
         if not (0 <= block < self.num_blocks and 0 <= start < bs and length > 0):
             raise InvalidArgument(f"{piece} is outside a cache of {self.num_blocks}x{bs} tokens")
         if start + length <= bs:
-            return self.kv[0][block, start : start + length], self.kv[1][
-                block, start : start + length
-            ]
+            k, v = (h[block, start : start + length] for h in self.kv)
+            return k, v
         if not self.mergeable or block * bs + start + length > self.num_blocks * bs:
             raise InvalidArgument(f"{piece} crosses engine blocks that are not one view")
         first = block * bs + start
@@ -326,8 +325,9 @@ def _logical(h: Tensor) -> tuple[int, int, int, int]:
 
 
 def _tile_like(t: Tensor, half: Tensor) -> Tensor:
-    """``t`` ``[block_size, H, D]`` (contiguous) split as one block of tiled ``half``."""
-    return t.view(half.shape[1:]) if half.dim() == 6 else t
+    """``t`` ``[block_size, H, D]`` split as one block of tiled ``half``, to read from (a
+    view where ``t`` is contiguous, as staging is; else a copy)."""
+    return t.reshape(half.shape[1:]) if half.dim() == 6 else t
 
 
 def _pair_halves(t: Any) -> tuple[Tensor, Tensor]:
