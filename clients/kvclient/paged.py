@@ -248,22 +248,15 @@ class PagedCache:
 
     def gather_blocks(self, half: int, blocks: Tensor, out: Tensor) -> None:
         """Copy whole engine blocks ``blocks`` of K (``half`` 0) or V into ``out``
-        ``[len(blocks), block_size, H, D]``: one kernel, or one copy a block if tiled."""
+        ``[len(blocks), block_size, H, D]`` (contiguous): one kernel, tiled or not (``out``
+        is viewed split as the half's blocks are)."""
         h = self.kv[half]
-        if not self.tiled or h.dim() == 4:
-            torch.index_select(h, 0, blocks, out=out)
-            return
-        for i, b in enumerate(blocks.tolist()):
-            out[i].view(h.shape[1:]).copy_(h[b])  # a view: out is written, never a copy of it
+        torch.index_select(h, 0, blocks, out=out.view(len(blocks), *h.shape[1:]))
 
     def scatter_blocks(self, half: int, blocks: Tensor, src: Tensor) -> None:
         """The reverse of :meth:`gather_blocks`: ``src`` into whole engine blocks."""
         h = self.kv[half]
-        if not self.tiled or h.dim() == 4:
-            h.index_copy_(0, blocks, src)
-            return
-        for i, b in enumerate(blocks.tolist()):
-            h[b].copy_(_tile_like(src[i], h))
+        h.index_copy_(0, blocks, src.reshape(len(blocks), *h.shape[1:]))
 
     def _check_piece(self, piece: Piece) -> None:
         block, start, length = piece
