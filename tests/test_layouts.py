@@ -47,6 +47,10 @@ def test_halves_read_and_write_what_the_engine_indexes(form: str, dtype: torch.d
     assert (paged.num_blocks, paged.block_size, paged.num_kv_heads, paged.head_dim) == (
         blocks, N, H, D)  # fmt: skip
     assert paged.tiled == (form == "cpu_amx")
+    # in place only where channels are adjacent: CPU pages' K is transposed, AMX tiled
+    assert paged.in_place == (form not in ("cpu_dn", "cpu_amx"))
+    (view,) = chunk_views(paged, [0], N, 1)
+    assert view.direct == paged.in_place
     # and the other way round: written through the views, read by the engine's indexing
     other = pageforms.new(form, blocks, N, H, D, dtype)
     written = PagedCache(halves(other, form_of(form), D), "kv_pair")
