@@ -7,10 +7,10 @@ One layer of ``--tokens`` tokens (bfloat16) in each page form ``kvclient.layouts
 vLLM 0.32's GPU ``[B, H, N, 2D]`` pages in NHD and HND order, its CPU pages (``cpu_dn``: K
 transposed) and AMX tiles (``cpu_amx``), and the legacy ``kv_first`` — at engine pages of
 16 and 32 tokens (chunks gathered) and of 256 (a chunk inside one page: read in place
-where the form's channels are adjacent), encoded into INT8 chunks of 256 tokens and decoded back through
-``PagedCache``. Beside each, in the same run: the same chunks encoded from and decoded
-into a contiguous ``[2, T, H, D]`` tensor (the codec's best case). Prints Markdown (GB/s
-of KV and the ratio to the best case); progress on stderr.
+where the form's channels are adjacent), encoded into INT8 chunks of 256 tokens and
+decoded back through ``PagedCache``. Beside each, in the same run: the same chunks
+encoded from and decoded into a contiguous ``[2, T, H, D]`` tensor (the codec's best
+case). Prints Markdown (GB/s of KV and the ratio to the best case); progress on stderr.
 """
 
 from __future__ import annotations

@@ -103,6 +103,8 @@ def fleet(checkpoint: str, server: Server, down_port: int) -> Iterator[dict[str,
         yield started
     finally:
         for llm in started.values():
+            llm.stop()  # they exit side by side
+        for llm in started.values():
             llm.close()
 
 

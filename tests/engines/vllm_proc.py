@@ -100,11 +100,16 @@ class VLLM:
         self.log.flush()
         return Path(self.log.name).read_text(errors="replace")[-n:]
 
+    def stop(self) -> None:
+        """Close stdin: the instance exits when it has answered everything (:meth:`close`
+        waits for it; stopping several first lets them exit side by side)."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+
     def close(self) -> int:
         """Close stdin (the instance exits), bounded; returns its exit code."""
         try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
+            self.stop()
             return self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
