@@ -20,6 +20,7 @@ tokens exactly (``quant="none"``):
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -139,6 +140,11 @@ def wait_stored(master: str, checkpoint: str, p: list[int], quant: str = "none")
             time.sleep(0.05)
 
 
+def node_stats(server: Server) -> dict[str, Any]:
+    """The node's data-port stats (``pinned_slots``, ...)."""
+    return dict(asyncio.run(cluster.node_stats(server.data)))
+
+
 def same(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert got["tokens"] == want["tokens"], (got["tokens"], want["tokens"])
     diff = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True))
@@ -177,15 +183,9 @@ def test_aborted_request_leaves_nothing_pinned(prefill: VLLM, server: Server) ->
     got = prefill.ask("abort", PROMPTS["abort"], MAX_NEW, abort_after_steps=1)
     assert got["aborted"] and not got["unfinished"]
     deadline = time.monotonic() + 10
-    while (pinned := asyncio_run_stats(server)["pinned_slots"]) != 0:
+    while (pinned := node_stats(server)["pinned_slots"]) != 0:
         assert time.monotonic() < deadline, f"{pinned} slots still pinned"
         time.sleep(0.2)
-
-
-def asyncio_run_stats(server: Server) -> dict[str, Any]:
-    import asyncio
-
-    return dict(asyncio.run(cluster.node_stats(server.data)))
 
 
 def test_vllm_starts_with_the_pool_down_and_uses_it_once_up(
