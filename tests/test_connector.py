@@ -407,3 +407,20 @@ def test_a_cache_in_kernel_blocks_smaller_than_the_schedulers_is_refused() -> No
             work.register_kv_caches(caches)
     finally:
         work.shutdown()
+
+
+def test_the_cpu_backends_amx_pages_register_and_certify() -> None:
+    """vLLM's AMX pages (bfloat16 on CPUs with AMX) are tiles: the adapter maps them onto
+    tiled K and V views, certifies them through the engine's write, and the worker holds
+    a tiled cache (a whole registration, where the block size check must read the
+    tensor's tokens per block, not the tiled view's first split)."""
+    cfg = vllm_config("127.0.0.1:1", "kv_both", "amx-pages", "cpu_amx")
+    cfg.cache_config.block_size = 32
+    work = KVStoreConnector(cfg, SimpleNamespace(name="WORKER"), None)
+    try:
+        caches = {n: pageforms.new("cpu_amx", 8, 32, H, D, torch.bfloat16) for n in LAYER_NAMES}
+        work.register_kv_caches(caches)
+        held = work.worker._caches  # type: ignore[union-attr]
+        assert len(held) == L and all(p.tiled and p.block_size == 32 for p in held)
+    finally:
+        work.shutdown()

@@ -154,12 +154,13 @@ def _forward_context(vllm_config: Any) -> dict[str, Any]:
     return dict(getattr(compilation, "static_forward_context", None) or {})
 
 
-def _check_block_size(block_size: int, k: torch.Tensor, what: str) -> None:
+def _check_block_size(block_size: int, t: torch.Tensor, what: str) -> None:
     """The scheduler's block ids index the cache: refuse a cache whose blocks are vLLM's
-    smaller kernel blocks (its mapping from scheduler blocks to them is the engine's)."""
-    if int(k.shape[1]) != block_size:
+    smaller kernel blocks (its mapping from scheduler blocks to them is the engine's).
+    Every page form's tensor has its tokens per block at dim 2."""
+    if int(t.shape[2]) != block_size:
         raise LayoutError(
-            f"{what}: cache blocks of {int(k.shape[1])} tokens, scheduler blocks of "
+            f"{what}: cache blocks of {int(t.shape[2])} tokens, scheduler blocks of "
             f"{block_size}: kernel block splitting is not supported; use a --block-size "
             "the attention backend supports as is"
         )
@@ -316,7 +317,7 @@ class KVStoreConnector(_Base):  # type: ignore[misc, valid-type]
             layer = layers.get(name)
             form, what = page_form(t, layer, D, name)
             pairs[name] = halves(t, form, D)
-            _check_block_size(bs, pairs[name][0], what)
+            _check_block_size(bs, t, what)
             sig = (form, backend_of(layer), tuple(t.shape[1:]), t.stride(), t.dtype)
             if sig in certified:
                 continue
