@@ -31,6 +31,7 @@ __all__ = [
     "baseline_table",
     "cpu_table",
     "e2e_table",
+    "exchange_table",
     "idle_table",
     "kv_table",
     "plot",
@@ -215,6 +216,44 @@ def cpu_table(res: Results) -> Table:
         "of the commit RPC). Client: the writer or reader process (getrusage); over ucx:// "
         "the client's kernel does the copy (CMA), so the copy is billed to the client. Both "
         "over the timed stretches only."
+    )
+    return table
+
+
+LINKS_GBPS = (100, 400)
+"""RDMA links (Gb/s) the per-exchange projection assumes."""
+
+EXCHANGE_PATHS = ("kv tcp put", "kv ucx put", "kv ucx layers put", "kv tcp get", "kv ucx get")
+
+
+def exchange_table(res: Results) -> Table:
+    """Section 3b: CPU per exchange and what an RDMA link would leave of each exchange."""
+    links = [f"at {g} Gb/s: GB/s (÷ link)" for g in LINKS_GBPS]
+    table = Table("3b. CPU per exchange, and an RDMA projection (depth 1)",
+                  ["point", "path", "MiB per exchange", "exchanges", "node CPU µs",
+                   "client CPU µs", *links])  # fmt: skip
+    for point, path in itertools.product(res.points, EXCHANGE_PATHS):
+        m = res.by.get((point.name, path, 1))
+        if m is None or not m.seconds:
+            continue
+        n = len(m.seconds)
+        node_s, client_s = m.node_cpu / n, m.client_cpu / n
+        cells = []
+        for gbit in LINKS_GBPS:
+            wire_s = m.nbytes * 8 / (gbit * 1e9)
+            gbps = m.nbytes / (node_s + client_s + wire_s) / 1e9
+            cells.append(f"{gbps:.2f} ({gbps * 8 / gbit:.2f})")
+        table.add(point.name, path.removeprefix("kv "), f"{m.nbytes / 2**20:.2f}", n,
+                  f"{node_s * 1e6:.0f}", f"{client_s * 1e6:.0f}", *cells)  # fmt: skip
+    table.notes.append(
+        "Node and client CPU: each process's CPU over the timed exchanges ÷ their number "
+        "(section 3's accounting). The projection charges one exchange the node's and the "
+        "client's CPU time in series plus the WRITE (or READ) of its bytes at the link's "
+        "speed, as if each side's work sat on the exchange's critical path and nothing "
+        "overlapped: an RDMA NIC moves the bytes without either CPU. Over ucx:// here the "
+        "client's CPU includes the kernel's copy (CMA), which a NIC would do, so the "
+        "projection is a floor. The node's CPU is read in clock ticks (10 ms): a row of n "
+        "exchanges resolves 10 ms ÷ n (79 µs at 127)."
     )
     return table
 

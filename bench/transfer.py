@@ -13,8 +13,10 @@ Starts a ``kvstore serve --transport ucx`` (loopback; its node serves ``tcp://``
 2. the same bytes over raw NIXL (the binding, spinning; target registered like a node; at
    depth D, D requests posted and polled from one thread), raw asyncio sockets
    (``sock_sendall`` / ``sock_recv_into``, D sockets) and a one-thread ``copy_`` (depth 1);
-3. the node's CPU per GB; 4. kvstore ÷ baseline at the same depth, and one prompt end to end
-   through ``KVClient.put_layer`` / ``get_layer`` (codec included); 5. the node's idle CPU.
+3. the node's CPU per GB, and (3b) the node's and client's CPU per exchange with what a
+   100 or 400 Gb/s RDMA link would leave of an exchange; 4. kvstore ÷ baseline at the same
+   depth, and one prompt end to end through ``KVClient.put_layer`` / ``get_layer`` (codec
+   included); 5. the node's idle CPU.
 Puts use fresh keys; the pool is filled first (puts evict and land in touched memory, as in
 a full cache); client memory rotates over 512 MiB and caches are flushed after encoding.
 """
@@ -63,6 +65,7 @@ from _transfer_report import (
     baseline_table,
     cpu_table,
     e2e_table,
+    exchange_table,
     idle_table,
     kv_table,
     plot,
@@ -948,7 +951,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     res = run(args)
     tables = (kv_table(res, WARMUP, REGION), probe_table(res, PROBES), baseline_table(res),
-              cpu_table(res), ratio_table(res), e2e_table(res), idle_table(res))  # fmt: skip
+              cpu_table(res), exchange_table(res), ratio_table(res), e2e_table(res),
+              idle_table(res))  # fmt: skip
     print_report("Data plane: kvstore tcp:// and ucx:// beside their baselines",
                  "bench/transfer.py", argv, tables)  # fmt: skip
     if args.plot:
