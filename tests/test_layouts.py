@@ -11,7 +11,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvclient.layouts import LayoutError, certify, halves, probe_kv, scratch_like
+from kvclient.layouts import (
+    PROBE_BASE,
+    PROBE_DIGITS,
+    LayoutError,
+    certify,
+    halves,
+    probe_index,
+    probe_kv,
+    scratch_like,
+)
 from kvclient.paged import PagedCache, Piece, chunk_views, decode_into, encode_paged
 from kvclient.vllm_connector import page_form
 from kvstore.core.codec import ChunkKey, decode_chunk
@@ -79,11 +88,30 @@ def test_scratch_keeps_the_stride_order() -> None:
     assert order(s) == order(cache)
 
 
-def test_probe_values_are_exact_and_k_differs_from_v() -> None:
+def test_probe_digits_are_exact_and_name_every_element() -> None:
     for dtype in DTYPES:
-        k, v = probe_kv(64, 4, 128, dtype, torch.device("cpu"))
-        assert torch.equal(k.float().round(), k.float()) and k.abs().max() <= 30
-        assert v.min() > k.max()
+        passes = [probe_kv(64, 8, 128, dtype, torch.device("cpu"), p) for p in range(PROBE_DIGITS)]
+        for k, v in passes:
+            assert torch.equal(k.float().round(), k.float()) and int(k.max()) < PROBE_BASE
+            assert torch.equal(v.float().round(), v.float()) and int(v.min()) >= 0
+        index = probe_index([torch.stack(kv) for kv in passes])
+        assert torch.equal(index.flatten(), torch.arange(2 * 64 * 8 * 128))
+
+
+def test_certify_sees_one_element_out_of_place() -> None:
+    """A form that swaps two tokens 61 apart (or any two elements) is refused: the probe
+    names each element, not a pattern with a period."""
+    form = "bhnc_hnd"
+
+    def swapping(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                 slots: torch.Tensor) -> None:  # fmt: skip
+        order = slots.clone()
+        order[[0, 61]] = order[[61, 0]]
+        pageforms.writer(form)(key, value, cache, order)
+
+    cache = pageforms.new(form, 3, 64, H, D, torch.bfloat16)
+    with pytest.raises(LayoutError, match="256 of .* out of place"):
+        certify(cache, "bhnc", D, swapping, "test")
 
 
 @pytest.mark.parametrize("quant", ["none", "int8"])

@@ -111,8 +111,12 @@ def fleet(checkpoint: str, server: Server, down_port: int) -> Iterator[dict[str,
 
 @pytest.fixture(scope="module")
 def plain(fleet: dict[str, VLLM]) -> dict[str, dict[str, Any]]:
-    """One plain vLLM instance's answers to every prompt: what the others must give."""
-    return {name: fleet["plain"].ask(name, p, MAX_NEW) for name, p in PROMPTS.items()}
+    """One plain vLLM instance's answers to every prompt: what the others must give. Each
+    must vary, or comparing tokens would prove nothing (a flat random model repeats one)."""
+    answers = {name: fleet["plain"].ask(name, p, MAX_NEW) for name, p in PROMPTS.items()}
+    for name, got in answers.items():
+        assert len(set(got["tokens"])) >= MAX_NEW // 2, (name, got["tokens"])
+    return answers
 
 
 @pytest.fixture(scope="module")

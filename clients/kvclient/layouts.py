@@ -39,7 +39,18 @@ from torch import Tensor
 
 from kvstore.errors import KVStoreError
 
-__all__ = ["FORMS", "LayoutError", "Writer", "certify", "halves", "probe_kv", "scratch_like"]
+__all__ = [
+    "FORMS",
+    "PROBE_BASE",
+    "PROBE_DIGITS",
+    "LayoutError",
+    "Writer",
+    "certify",
+    "halves",
+    "probe_index",
+    "probe_kv",
+    "scratch_like",
+]
 
 FORMS: tuple[str, ...] = ("kv_first", "blocks_first", "bhnc", "cpu_dn", "cpu_amx")
 """Page forms :func:`halves` maps (see the module docstring)."""
@@ -107,41 +118,63 @@ def scratch_like(t: Tensor, form: str, num_blocks: int = 2) -> Tensor:
     return dense.permute(back).fill_(0)
 
 
-def probe_kv(tokens: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-             ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """A K and a V ``[tokens, H, D]`` whose every (token, head, channel) differs from its
-    neighbours along each axis and from the other half's, in small integers every KV
-    dtype holds exactly."""
-    t = torch.arange(tokens).view(-1, 1, 1)
-    h = torch.arange(heads).view(1, -1, 1)
-    d = torch.arange(head_dim).view(1, 1, -1)
-    k = (t * 5 + h * 11 + d * 3) % 61 - 30
-    v = (t * 7 + h * 13 + d * 2) % 59 + 31  # disjoint from K's values: [31, 89] vs [-30, 30]
-    return k.to(dtype=dtype, device=device), v.to(dtype=dtype, device=device)
+PROBE_BASE = 241
+"""Probe values are base-241 digits of each element's index: integers below 256, which
+every KV dtype holds exactly (bfloat16 holds no larger odd integers)."""
+
+PROBE_DIGITS = 3
+"""Probe passes: 241**3 (14 million) K and V elements each named uniquely."""
+
+
+def probe_kv(tokens: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+             digit: int = 0) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """One probe pass: K and V ``[tokens, H, D]`` holding digit ``digit`` (base
+    :data:`PROBE_BASE`) of each element's index, K's elements numbered ``0 .. n-1`` in
+    token, head, channel order and V's ``n .. 2n-1``. Read back after :data:`PROBE_DIGITS`
+    passes, the digits name every element, so any element out of place, K for V included,
+    is seen (:func:`probe_index`)."""
+    n = tokens * heads * head_dim
+    idx = torch.arange(2 * n, dtype=torch.int64).view(2, tokens, heads, head_dim)
+    value = (idx // PROBE_BASE**digit) % PROBE_BASE
+    return value[0].to(dtype=dtype, device=device), value[1].to(dtype=dtype, device=device)
+
+
+def probe_index(digits: list[Tensor]) -> Tensor:
+    """The element indices that :data:`PROBE_DIGITS` passes' read-back ``digits`` spell."""
+    index = torch.zeros(digits[0].shape, dtype=torch.int64)
+    for p, d in enumerate(digits):
+        index += d.to(device="cpu", dtype=torch.int64) * PROBE_BASE**p
+    return index
 
 
 def certify(t: Tensor, form: str, head_dim: int, write: Writer, what: str) -> None:
-    """Prove that ``form`` reads what the engine's ``write`` stores: write a probe of two
-    blocks through it into :func:`scratch_like` ``t`` and compare every element read back
-    through :func:`halves`. Raises :class:`LayoutError`, naming ``what`` (the backend and
-    cache), on any difference or when the write itself fails."""
+    """Prove that ``form`` reads what the engine's ``write`` stores: write probes of two
+    blocks through it into :func:`scratch_like` ``t`` and check that every K and V element
+    read back through :func:`halves` is the one written there. Raises :class:`LayoutError`,
+    naming ``what`` (the backend and cache), on any difference or when the write fails."""
     scratch = scratch_like(t, form)
     k_view, v_view = halves(scratch, form, head_dim)
     N = int(t.shape[2])  # tokens per block in every form's tensor
     H = k_view.numel() // (2 * N * head_dim)
-    key, value = probe_kv(2 * N, H, head_dim, t.dtype, t.device)
+    if 2 * (2 * N * H * head_dim) > PROBE_BASE**PROBE_DIGITS:
+        raise LayoutError(f"{what}: a block too large to probe ({N} tokens, {H} heads)")
     slots = torch.arange(2 * N, dtype=torch.int64, device=t.device)
-    try:
-        write(key, value, scratch, slots)
-    except Exception as exc:
-        raise LayoutError(f"{what}: the engine's cache write failed on a probe: {exc}") from exc
-    got_k = k_view.reshape(2 * N, H, head_dim)  # a copy where the view is tiled
-    got_v = v_view.reshape(2 * N, H, head_dim)
-    if not (torch.equal(got_k, key) and torch.equal(got_v, value)):
-        bad = int((got_k != key).sum() + (got_v != value).sum())
+    read: list[Tensor] = []
+    for digit in range(PROBE_DIGITS):
+        key, value = probe_kv(2 * N, H, head_dim, t.dtype, t.device, digit)
+        try:
+            write(key, value, scratch, slots)
+        except Exception as exc:
+            raise LayoutError(f"{what}: the engine's cache write failed on a probe: {exc}") from exc
+        got = torch.stack([k_view.reshape(2 * N, H, head_dim), v_view.reshape(2 * N, H, head_dim)])
+        read.append(got)  # reshape: a copy where the view is tiled
+    want = torch.arange(read[0].numel(), dtype=torch.int64).view(read[0].shape)
+    got_index = probe_index(read)
+    if not torch.equal(got_index, want):
+        bad = int((got_index != want).sum())
         raise LayoutError(
             f"{what}: the engine writes K and V where page form {form!r} does not read them "
-            f"({bad} of {2 * key.numel()} probe values differ); kvstore refuses to store "
+            f"({bad} of {want.numel()} probe elements out of place); kvstore refuses to store "
             "this cache rather than store bytes that are not K and V"
         )
 
