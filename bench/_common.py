@@ -5,6 +5,7 @@
   stderr), :func:`save_bar_plot` (optional PNG).
 - Measure: :func:`meter` (wall time, CPU and page faults of this and another process),
   :func:`time_calls` / :func:`time_calls_async` / :func:`latency_stats` (p50, p99, mean),
+  :func:`best_of` (the fastest of a few calls),
   :func:`in_flight` (calls kept in flight, each timed),
   :func:`proc_stat`, :func:`thread_cpu`, :func:`window_cpu` (idle CPU by thread),
   :func:`percentile`.
@@ -402,6 +403,17 @@ def latency_stats(samples: Sequence[float]) -> dict[str, float]:
         "p99": percentile(samples, 99),
         "mean": statistics.fmean(samples),
     }
+
+
+def best_of(fn: Callable[[], object], reps: int) -> float:
+    """Seconds of the fastest of ``reps`` calls of ``fn``, after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def time_calls(fn: Callable[[], object], n: int, warmup: int = 50) -> dict[str, float]:

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import BarPanel, Table, print_report, progress, save_bar_plot
+from _common import BarPanel, Table, best_of, print_report, progress, save_bar_plot
 
 from kvstore.core.codec import ChunkKey, encode_chunk
 from kvstore.core.kvgen import realistic_kv
@@ -58,17 +58,6 @@ def chunks(quant: str, n: int) -> list[bytes]:
         buf = encode_chunk(kv, quant, ChunkKey(bytes([seed % 256] * 16), seed % 32, 0))
         out.append(bytes(buf.numpy()))
     return out
-
-
-def timed(fn, reps: int = 3) -> float:  # type: ignore[no-untyped-def]
-    """Seconds of the fastest of ``reps`` calls, after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def disk_gbps(directory: str, total: int) -> tuple[float, float, str]:
@@ -127,11 +116,11 @@ def main(argv: list[str] | None = None) -> int:
             for name, kwargs in LEVELS:
                 packed = [lz4.block.compress(c, store_size=False, **kwargs) for c in data]
                 ratio = raw / sum(len(c) for c in packed)
-                comp = timed(lambda d=data, k=kwargs: [  # type: ignore[misc]
-                    lz4.block.compress(c, store_size=False, **k) for c in d])  # fmt: skip
+                comp = best_of(lambda d=data, k=kwargs: [  # type: ignore[misc]
+                    lz4.block.compress(c, store_size=False, **k) for c in d], 3)  # fmt: skip
                 pairs = list(zip(packed, data, strict=True))
-                dec = timed(lambda p=pairs: [lz4.block.decompress(c, uncompressed_size=len(r))
-                                             for c, r in p])  # fmt: skip
+                dec = best_of(lambda p=pairs: [lz4.block.decompress(c, uncompressed_size=len(r))
+                                             for c, r in p], 3)  # fmt: skip
                 dec_gbps = raw / dec / 1e9
                 table.add(quant, name, f"{ratio:.3f}", f"{raw / comp / 1e9:.2f}",
                           f"{dec_gbps:.2f}", f"{dec_gbps * (1 - 1 / ratio):.2f}")  # fmt: skip

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import BarPanel, Table, print_report, progress, save_bar_plot
+from _common import BarPanel, Table, best_of, print_report, progress, save_bar_plot
 
 from kvclient.layouts import halves
 from kvclient.paged import PagedCache, chunk_views, decode_into, encode_paged
@@ -36,17 +34,6 @@ from tests import pageforms
 B = 256
 FORMS = ("bhnc_nhd", "bhnc_hnd", "cpu_dn", "cpu_amx", "kv_first")
 PAGES = (16, 32, 256)
-
-
-def best_of(fn: Callable[[], object], reps: int) -> float:
-    """Seconds of the fastest of ``reps`` calls (after one warm-up)."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main(argv: list[str] | None = None) -> int:

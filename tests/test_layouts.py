@@ -110,7 +110,7 @@ def test_certify_sees_one_element_out_of_place() -> None:
         pageforms.writer(form)(key, value, cache, order)
 
     cache = pageforms.new(form, 3, 64, H, D, torch.bfloat16)
-    with pytest.raises(LayoutError, match="256 of .* out of place"):
+    with pytest.raises(LayoutError, match=r"256 of .* out of place"):
         certify(cache, "bhnc", D, swapping, "test")
 
 

@@ -24,11 +24,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-__all__ = ["MODELS", "PagedKV", "build_model", "load_checkpoint"]
+__all__ = ["MODELS", "SMALL_CONFIG", "PagedKV", "build_model", "load_checkpoint"]
 
 MODELS = ("llama", "qwen2")
 
-_CONFIG = {  # a small model: random weights from a fixed seed, nothing downloaded
+SMALL_CONFIG = {  # a small model: random weights from a fixed seed, nothing downloaded
     "vocab_size": 512,
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -60,7 +60,7 @@ def build_model(kind: str = "llama", seed: int = 0, **sizes: int) -> Any:
     if kind not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {kind!r}")
     torch.manual_seed(seed)
-    fields = {**_CONFIG, **sizes}
+    fields = {**SMALL_CONFIG, **sizes}
     config = LlamaConfig(**fields) if kind == "llama" else Qwen2Config(**fields)
     config._attn_implementation = "sdpa"
     cls = LlamaForCausalLM if kind == "llama" else Qwen2ForCausalLM

@@ -2,25 +2,17 @@
 
 ``initializer_range=0.1``: with transformers' default 0.02 a random model's logits are so
 flat that every greedy token is the same, and a token comparison proves nothing. Runs in
-either environment (both have transformers): ``python tests/engines/tiny_model.py DIR``.
+the test suite's environment (``.venv``); vLLM reads the directory it writes.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-CONFIG = {
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 2048,
-    "initializer_range": 0.1,
-    "tie_word_embeddings": False,
-}
+from examples.reference_engine.model import SMALL_CONFIG
+
+CONFIG = {**SMALL_CONFIG, "initializer_range": 0.1, "tie_word_embeddings": False}
+"""The reference engine's small Llama, with logits spread enough to vary greedy tokens."""
 
 
 def write_checkpoint(path: str | Path, seed: int = 0, **overrides: int) -> Path:
@@ -35,7 +27,3 @@ def write_checkpoint(path: str | Path, seed: int = 0, **overrides: int) -> Path:
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
     return out
-
-
-if __name__ == "__main__":
-    print(write_checkpoint(sys.argv[1]))
