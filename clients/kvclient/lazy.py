@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from kvstore.core.hashing import Namespace
@@ -46,17 +45,15 @@ class PoolLink:
         *,
         retry_s: float = 1.0,
         max_retry_s: float = 30.0,
-        connect: Callable[..., SyncKVClient] = SyncKVClient.connect,
         **options: Any,
     ) -> None:
         self.master, self.ns = master, ns
-        self._connect, self._options = connect, options
+        self._options = options
         self._retry_s, self._max_retry_s = retry_s, max_retry_s
         self._client: SyncKVClient | None = None
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self.attempts = 0
         try:
             self._try()
         except KVStoreError as exc:
@@ -88,8 +85,7 @@ class PoolLink:
         return getattr(self.client(), name)
 
     def _try(self) -> None:
-        self.attempts += 1
-        client = self._connect(self.master, self.ns, **self._options)
+        client = SyncKVClient.connect(self.master, self.ns, **self._options)
         with self._lock:
             if self._closed.is_set():  # closed while connecting: nobody will use it
                 client.close()

@@ -247,11 +247,11 @@ class PagedCache:
         lo, hi = piece.start, piece.start + piece.length
         for half, src in zip(self.kv, (k, v), strict=True):
             if piece.length == self.block_size:
-                half[piece.block].copy_(_tile_like(src, half))
+                half[piece.block].copy_(src.reshape(half.shape[1:]))
                 continue
             block = self._block_copy(half, piece.block)
             block[lo:hi] = src
-            half[piece.block].copy_(_tile_like(block, half))
+            half[piece.block].copy_(block.reshape(half.shape[1:]))
 
     def gather_blocks(self, half: int, blocks: Tensor, out: Tensor) -> None:
         """Copy whole engine blocks ``blocks`` of K (``half`` 0) or V into ``out``
@@ -322,12 +322,6 @@ def _logical(h: Tensor) -> tuple[int, int, int, int]:
     if h.dim() == 6:
         return int(s[0]), int(s[1] * s[2]), int(s[3]), int(s[4] * s[5])
     return int(s[0]), int(s[1]), int(s[2]), int(s[3])
-
-
-def _tile_like(t: Tensor, half: Tensor) -> Tensor:
-    """``t`` ``[block_size, H, D]`` split as one block of tiled ``half``, to read from (a
-    view where ``t`` is contiguous, as staging is; else a copy)."""
-    return t.reshape(half.shape[1:]) if half.dim() == 6 else t
 
 
 def _pair_halves(t: Any) -> tuple[Tensor, Tensor]:
