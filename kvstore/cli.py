@@ -341,6 +341,8 @@ async def _run(
                     node_id=cfg["node_id"],
                     host_mem=cfg["host_mem"],
                     gpu_mem=cfg["gpu_mem"],
+                    disk_path=cfg["disk_path"] or "",
+                    disk_size=cfg["disk_size"],
                     transport=cfg["transport"],
                     io_timeout_s=cfg["io_timeout_s"],
                     max_connections=cfg["max_connections"],

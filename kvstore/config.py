@@ -292,6 +292,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gpu-mem", parse_size, 0, "a GPU tier of this size on the current CUDA device, "
             "where ucx:// puts land (0: none; needs --transport ucx)", _NODES, "SIZE",
             render=_render_size),
+    Setting("disk-path", _path, None, "a directory for a disk tier below host memory: "
+            "blocks are written there behind the puts, read back verified, and kept across "
+            "restarts (unset: none; needs --disk-size)", _NODES, "DIR"),
+    Setting("disk-size", parse_size, 0, "bytes the disk tier's segments may take",
+            _NODES, "SIZE", render=_render_size),
     Setting("transport", _transport, "tcp", "tcp: the tcp:// data port only; ucx: also "
             "one-sided NIXL/UCX reads and writes (needs nixl-cu12)", _NODES, "tcp|ucx"),
     Setting("io-timeout-s", _seconds, 30.0, "deadline of each step of a data-plane "
@@ -415,6 +420,11 @@ def _parsed(s: Setting, raw: object, where: str) -> Value:
 
 def _check_together(values: Mapping[str, Value], sources: Mapping[str, str]) -> None:
     """Checks across settings (decisions: "--gpu-mem without --transport ucx is refused")."""
+    if values.get("disk_path") and not values.get("disk_size"):
+        raise InvalidArgument(
+            f"--disk-path (from {sources['disk_path']}) needs --disk-size: the bytes the "
+            "disk tier may take"
+        )
     gpu_mem = values.get("gpu_mem")
     if isinstance(gpu_mem, int) and gpu_mem > 0 and values.get("transport") != "ucx":
         raise InvalidArgument(

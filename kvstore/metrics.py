@@ -93,9 +93,31 @@ class Metrics:
         self.evictions = Counter("kvstore_evictions_total", "Slots evicted", ["tier"], registry=r)
         self.tier_moves = Counter(
             "kvstore_tier_moves_total",
-            "Blocks moved between a node's tiers (to host: demoted; to gpu: promoted on a read)",
+            "Blocks moved between a node's tiers (to host: demoted from the GPU tier, or staged "
+            "up from disk for a read; to gpu: promoted on a read; to disk: left host memory "
+            "with a disk copy)",
             ["to"],
             registry=r,
+        )
+        self.disk_bytes = Counter(
+            "kvstore_disk_bytes_total", "Bytes the disk tier wrote and read", ["op"], registry=r
+        )
+        self.disk_seconds = Histogram(
+            "kvstore_disk_seconds",
+            "Disk tier I/O time (one write batch, one record read)",
+            ["op"],
+            buckets=_TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self.disk_errors = Counter(
+            "kvstore_disk_errors_total",
+            "Disk tier faults: failed writes and reads (by errno) and records that did not "
+            "verify (reason checksum)",
+            ["op", "reason"],
+            registry=r,
+        )
+        self.disk_blocks = Gauge(
+            "kvstore_disk_blocks", "Blocks the disk tier holds a copy of", registry=r
         )
         self.tenant_bytes = Gauge(
             "kvstore_tenant_bytes", "Pool memory held by each tenant's blocks", ["tenant"],

@@ -206,7 +206,7 @@ def test_effective_configuration_reads_back_unchanged(tmp_path: Path) -> None:
     again, sources = _effective("node", "--config", str(path))
     assert again == tomllib.loads(first.stdout)
     unset = {k for k, src in sources.items() if src.startswith("unset")}  # (commented out)
-    assert unset == {"auth-file", "tls-cert", "tls-key", "tls-ca"}  # (paths, no default)
+    assert unset == {"auth-file", "tls-cert", "tls-key", "tls-ca", "disk-path"}  # (paths)
     assert {src for k, src in sources.items() if k not in unset} == {f"file {path}"}
 
 
@@ -227,8 +227,17 @@ def test_deploy_file_and_the_same_environment_are_the_same_configuration() -> No
     assert all(
         src.startswith("env KVSTORE_")
         for k, src in sources.items()
-        # (unset in the file: no secrets in it, no certificates)
-        if k not in ("node-id", "auth-file", "tls-cert", "tls-key", "tls-client-ca")
+        # (unset in the file: no secrets in it, no certificates, no disk tier)
+        if k
+        not in (
+            "node-id",
+            "auth-file",
+            "tls-cert",
+            "tls-key",
+            "tls-client-ca",
+            "disk-path",
+            "disk-size",
+        )
     )
 
 

@@ -201,6 +201,8 @@ class SlotTable:
         self.owner_evictions: dict[str, int] = {}
         """LRU evictions so far, by owner of the slot evicted."""
         self._tick = 0
+        self._cold_tick = 0
+        """Stamps of slots allocated cold count down from 0, below every warm stamp."""
         self._leases: LeaseBook[Slot] = LeaseBook(self._on_release)
         self._journal: list[SlotKey] = []
         self._pinned_bytes = 0
@@ -222,10 +224,14 @@ class SlotTable:
         owner: str = "",
         *,
         evict: bool = True,
+        cold: bool = False,
     ) -> AllocResult:
         """The slot for ``key``, allocating it (most recently used) if absent, for
         ``owner`` (a tenant; see :meth:`set_quotas`). ``evict=False``: only from free room
         (:class:`CapacityError` when there is none), never evicting or demoting.
+        ``cold=True``: the new slot is the next victim instead (older than every slot
+        allocated warm), until a :meth:`touch` warms it: a block staged up from a lower
+        tier for one read, which must not displace blocks in use.
 
         ``parent`` is the previous block's hash in the prefix chain (None for the first
         block); the parent is never evicted to make room for its child. If ``key`` already
@@ -252,8 +258,12 @@ class SlotTable:
             raise
         slot = Slot(key, offset, slot_bytes, stride, chunk_bytes, num_chunks, parent, owner)
         self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + stride
-        self._tick += 1
-        slot.stamp = self._tick
+        if cold:
+            self._cold_tick -= 1
+            slot.stamp = self._cold_tick
+        else:
+            self._tick += 1
+            slot.stamp = self._tick
         self._slots[key] = slot
         self._refresh(slot)
         return AllocResult(slot, True, self.take_evictions())

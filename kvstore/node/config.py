@@ -23,6 +23,12 @@ class NodeConfig:
     host_mem: int = 512 * 2**20
     gpu_mem: int = 0
     """Bytes of the GPU tier (0: none): ``ucx://`` puts land there, in device memory."""
+    disk_path: str = ""
+    """A directory for the disk tier below host memory (empty: no disk tier)."""
+    disk_size: int = 0
+    """Bytes of segments the disk tier keeps at most (needed with ``disk_path``)."""
+    disk_direct: bool | None = None
+    """``O_DIRECT`` for the disk tier: None uses it where the file system takes it."""
     gpu_device: str = "cuda"
     """The GPU tier's torch device (tests run the same code on ``"cpu"``)."""
     transport: str = "tcp"

@@ -139,6 +139,8 @@ class MasterLink:
                 for s in t.table.slots()
                 if s.landed_mask and not s.quarantined
             ]
+            if self.tiers.disk is not None:
+                adds += self.tiers.disk.adds()
             objs = [ObjectAdd(k, n) for k, n in self.objects.items()]
             # Streamed in bounded batches: a node holding more entries than one Commit may
             # carry (MAX_COMMIT_ITEMS) must still be able to rejoin.

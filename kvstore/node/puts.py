@@ -544,4 +544,5 @@ class Puts:
         await self.link.commit(
             [self.tiers.add_of(s, tuple(v), tier) for s, tier, v in landed.values()]
         )
+        self.tiers.stored([s for s, tier, _ in landed.values() if tier is self.tiers.host])
         return stored

@@ -101,6 +101,8 @@ from kvstore.errors import (
 from kvstore.metrics import Metrics
 from kvstore.node.checks import ChunkChecks, LandedChunk
 from kvstore.node.config import NodeConfig
+from kvstore.node.disk import DiskStore
+from kvstore.node.disk_tier import DiskTier
 from kvstore.node.master_link import MasterLink, NodeIdentity
 from kvstore.node.migrate import Migration
 from kvstore.node.puts import Puts, count_transfer
@@ -147,8 +149,13 @@ class StorageNode:
             raise InvalidArgument("--gpu-mem must not be negative")
         if config.scrub_bytes < 0:
             raise InvalidArgument("scrub_bytes must not be negative")
+        if config.disk_path and config.disk_size <= 0:
+            raise InvalidArgument("--disk-path needs --disk-size (the bytes the tier may use)")
         self.config = config
-        self.node_id = config.node_id or f"node-{uuid.uuid4().hex[:8]}"
+        on_disk = DiskStore.owner_of(config.disk_path) if config.disk_path else None
+        self.node_id = config.node_id or on_disk or f"node-{uuid.uuid4().hex[:8]}"
+        """With a disk tier and no ``node_id``, the id the disk was written by: a node
+        restarted on its disk is the same node."""
         self.metrics = metrics or Metrics()
         self.tiers = Tiers(config.host_mem, config.gpu_mem, config.gpu_device, self.metrics)
         """Fastest first: ``[gpu, host]`` with ``--gpu-mem``, else ``[host]``."""
@@ -203,6 +210,7 @@ class StorageNode:
         self._listener: Listener | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._move_wanted = asyncio.Event()
+        self.disk: DiskTier | None = None
         self._closing = False
         self._nixl: NixlAgent | None = None
         self._nixl_metadata = b""
@@ -237,16 +245,37 @@ class StorageNode:
         if cfg.transport == "ucx":
             await self._start_nixl()
         await self._check_master_authenticates()
+        if cfg.disk_path:
+            await self._open_disk()
         await self._first_registration()
         self._refresh_usage()
         self.link.start_heartbeats(self.node_id, asyncio.get_running_loop())
         self._tasks.append(asyncio.create_task(self._sweeper(), name="kvstore-node-sweeper"))
         self._tasks.append(asyncio.create_task(self.scrub.run(), name="kvstore-node-scrub"))
         self._tasks.append(asyncio.create_task(self.migration.run(), name="kvstore-node-drain"))
+        if len(self.tiers) > 1 or self.disk is not None:
+            self.tiers.movable = lambda slot: not self.scrub.holds(slot)
         if len(self.tiers) > 1:
             self.tiers.wake = self._move_wanted.set
-            self.tiers.movable = lambda slot: not self.scrub.holds(slot)
             self._tasks.append(asyncio.create_task(self._mover(), name="kvstore-node-mover"))
+        if self.disk is not None:
+            self._tasks.append(asyncio.create_task(self.disk.run(), name="kvstore-node-disk"))
+
+    async def _open_disk(self) -> None:
+        """Open the disk tier (on a thread: it scans what an earlier run left), adopting
+        every intact block; the registration that follows reports them."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        store = await asyncio.to_thread(
+            DiskStore.open, cfg.disk_path, cfg.disk_size, node_id=self.node_id,
+            secret=cfg.token, direct=cfg.disk_direct,
+        )  # fmt: skip
+        self.disk = DiskTier(store, self.tiers, self.metrics)
+        logger.info(
+            "disk tier %s: %d blocks in %d segments adopted in %.2f s (O_DIRECT %s, %d torn "
+            "bytes dropped)", cfg.disk_path, len(store), store.segments,
+            time.perf_counter() - t0, "on" if store.direct else "off", store.dropped_tail_bytes,
+        )  # fmt: skip
 
     async def _check_master_authenticates(self) -> None:
         """A node with the cluster secret authenticates its data port, so its clients need
@@ -313,6 +342,8 @@ class StorageNode:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.puts.close()
         await self.link.deregister()
+        if self.disk is not None:
+            await asyncio.to_thread(self.disk.close)
         for hold in self._holds.values():
             for lease in hold.leases:
                 lease.release()
@@ -427,6 +458,10 @@ class StorageNode:
             g.labels(tier=tier.name, state="used").set(st.used_bytes)
             g.labels(tier=tier.name, state="pinned").set(st.pinned_bytes)
             blocks += st.slots
+        if self.disk is not None:
+            store = self.disk.store
+            g.labels(tier="disk", state="used").set(store.live_bytes)
+            g.labels(tier="disk", state="free").set(store.capacity - store.live_bytes)
         self.metrics.blocks.labels(role="node").set(blocks)
 
     # ------------------------------------------------------------------ data plane
@@ -580,14 +615,27 @@ class StorageNode:
 
     # ------------------------------------------------------------------ reads
 
+    async def _stage(
+        self, ns_id: bytes, chunks: tuple[ChunkRef, ...], leases: list[Lease[Slot]]
+    ) -> set[SlotKey]:
+        """Bring the requested blocks held only on disk into host memory (pinned: their
+        leases join ``leases``); the keys staged cold, which the read must not touch."""
+        if self.disk is None:
+            return set()
+        staged, cold = await self.disk.stage([(ns_id, ref.block) for ref in chunks])
+        leases.extend(staged)
+        return cold
+
     def _find(
         self,
         ns_id: bytes,
         chunks: tuple[ChunkRef, ...],
         leases: list[Lease[Slot]],
         ttl_s: float | None = None,
+        cold: set[SlotKey] = frozenset(),  # type: ignore[assignment]
     ) -> tuple[tuple[int, ...], list[torch.Tensor]]:
-        """Pin every requested chunk that is here; (found flags, their chunk views)."""
+        """Pin every requested chunk that is here; (found flags, their chunk views). Keys
+        in ``cold`` (staged up from disk for this read) are not marked used."""
         views: list[torch.Tensor] = []
         found: list[int] = []
         keys: dict[str, list[SlotKey]] = {}
@@ -606,7 +654,8 @@ class StorageNode:
             leases.append(tier.table.pin(slot, ttl_s=ttl_s))
             views.append(tier.table.chunk_view(slot, ref.chunk))
             found.append(1)
-            keys.setdefault(tier.name, []).append(key)
+            if key not in cold:
+                keys.setdefault(tier.name, []).append(key)
         for tier in self.tiers:
             tier.table.touch(keys.get(tier.name, []))
         self.tiers.hit(keys.get(self.tiers.host.name, []))
@@ -615,7 +664,8 @@ class StorageNode:
     async def _on_get(self, conn: Connection, get: Get) -> None:
         leases: list[Lease[Slot]] = []
         try:
-            found, views = self._find(get.ns_id, get.chunks, leases)
+            cold = await self._stage(get.ns_id, get.chunks, leases)
+            found, views = self._find(get.ns_id, get.chunks, leases, cold=cold)
             t0 = time.perf_counter()
             # The GPU tier goes out through a host copy (tcp:// sends host bytes only).
             host = self.tiers.host
@@ -634,7 +684,8 @@ class StorageNode:
         ttl = min(self.config.io_timeout_s, request.lease_s or 10.0)
         leases: list[Lease[Slot]] = []
         try:
-            found, views = self._find(request.ns_id, request.chunks, leases, ttl_s=ttl)
+            cold = await self._stage(request.ns_id, request.chunks, leases)
+            found, views = self._find(request.ns_id, request.chunks, leases, ttl, cold)
             spans = tuple(tuple(self.tiers.span(v)) for v in views)
             t0 = time.perf_counter()
             await self._send(conn, Leased(found, spans, ttl))
@@ -714,8 +765,18 @@ class StorageNode:
         gone = [(tier, key) for tier, key in present if tier.table.evict(key)]
         for tier, key in gone:
             self.tiers.evicted(tier, [key])
+        kept = len(present) - len(gone)
+        if self.disk is not None:  # a block kept in memory (pinned) keeps its disk copy
+            stay = {key for _, key in present} - {key for _, key in gone}
+            if request.blocks is None:
+                candidates = self.disk.keys_of(ns_id)
+            on_disk = [k for k in candidates if k not in stay and k in self.disk.store]
+            self.disk.remove(on_disk)
+            only_disk = [k for k in on_disk if k not in {key for _, key in gone}]
+            self.tiers.evicted_from(self.disk.name, only_disk)
+            gone += [(self.tiers.host, k) for k in only_disk]
         await self.link.commit([])
-        return Evicted(len(gone), len(present) - len(gone))
+        return Evicted(len(gone), kept)
 
     async def _on_report(self, peer: str, report: Report) -> Reported:
         """A reader says chunks it got from here failed verification. The node checks each
@@ -748,6 +809,8 @@ class StorageNode:
         tier = self.tiers.owner(slot)
         if tier is None or not slot.alive or slot.quarantined:
             return
+        if self.disk is not None:  # its disk copy came from the same bytes
+            self.disk.remove([slot.key])
         if not tier.table.evict(slot.key):
             # Pinned: keep the slot, drop the chunk. The index learns by the block's removal
             # and the re-add of what is left, in that order (a commit applies removals first).
@@ -789,7 +852,8 @@ class StorageNode:
                 "objects": len(self.objects),
                 "capacity_bytes": sum(st.capacity_bytes for _, st in stats),
                 "used_bytes": sum(st.used_bytes for _, st in stats),
-                "tiers": [tier_stats(name, st) for name, st in stats],
+                "tiers": [tier_stats(name, st) for name, st in stats]
+                + ([self.disk.stats()] if self.disk is not None else []),
                 "tenants": self._tenant_stats(peer),
                 **self.migration.counters(),
             }

@@ -19,7 +19,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from kvstore.dataplane.location import SlotLocation
 from kvstore.errors import InvalidArgument, KVStoreError, ProtocolError
 from kvstore.metrics import Metrics
 from kvstore.transport.nixl import Registration
+
+if TYPE_CHECKING:
+    from kvstore.node.disk_tier import DiskTier
 
 __all__ = [
     "FREE_SHARE",
@@ -83,7 +86,9 @@ class Tiers:
     ) -> None:
         self.metrics = metrics or Metrics()
         arena = Arena(host_mem, device="cpu")
-        self.host = MemoryTier("host", arena, SlotTable(arena))
+        self.host = MemoryTier("host", arena, SlotTable(arena, demote=self._to_disk))
+        self.disk: DiskTier | None = None
+        """The disk tier below host memory (``--disk-path``; set by the node)."""
         self.all = [self.host]
         if gpu_mem:
             device_arena = Arena(gpu_mem, device=gpu_device(gpu))
@@ -95,6 +100,9 @@ class Tiers:
         """Slots moved to another tier whose new location the master has not heard of."""
         self._sending: list[Slot] = []
         """The moves the last :meth:`take_moves` took (put back if their commit fails)."""
+        self._relocated: list[BlockAdd] = []
+        """Blocks now held on disk only whose old location the master still has."""
+        self._sending_relocated: list[BlockAdd] = []
         self._promotions: dict[SlotKey, None] = {}
         """Host blocks read since they were last considered, least recent first."""
         self._slot_bytes = 0
@@ -196,8 +204,38 @@ class Tiers:
         location changed), each taken once; slots gone meanwhile are left out (their
         eviction is reported instead)."""
         moved, self._moved = self._moved, []
-        self._sending = moved
-        return [self.add_of(s) for s in moved if s.alive and self.owner(s) and s.landed_mask]
+        relocated, self._relocated = self._relocated, []
+        self._sending, self._sending_relocated = moved, relocated
+        adds = [self.add_of(s) for s in moved if s.alive and self.owner(s) and s.landed_mask]
+        if self.disk is not None:  # (each only while it is still on disk and nowhere else)
+            on_disk = self.disk.store
+            adds += [a for a in relocated if (a.ns_id, a.block_hash) in on_disk
+                     and self.holder((a.ns_id, a.block_hash)) is None]  # fmt: skip
+        return adds
+
+    def moved(self, slot: Slot) -> None:
+        """``slot``'s block has a new location readers may READ (committed with the next
+        batch)."""
+        self._moved.append(slot)
+
+    def relocated(self, add: BlockAdd) -> None:
+        """A block left host memory for the disk tier: with ``ucx://``, the master's location
+        for it goes (committed with the next batch: readers then ask the node)."""
+        if self.host.reg is not None:
+            self._relocated.append(add)
+
+    def stored(self, slots: list[Slot]) -> None:
+        """Host slots whose chunks landed: the disk tier writes the complete ones."""
+        if self.disk is not None:
+            self.disk.queue(slots)
+
+    def _to_disk(self, victim: Slot) -> bool:
+        """Host memory's demote hook: True when the disk tier keeps the block."""
+        return self.disk is not None and self.disk.demote(victim)
+
+    def evicted_from(self, tier: str, keys: list[SlotKey]) -> None:
+        """Journal evictions off the node from the tier named ``tier`` (the disk's)."""
+        self._unreported.extend((tier, k) for k in keys)
 
     def put_back(self, gone: list[tuple[str, SlotKey]]) -> None:
         """The commit carrying evictions ``gone`` and the moves last taken failed: both go
@@ -206,7 +244,8 @@ class Tiers:
         their slots then, so a slot gone meanwhile is left out."""
         self._unreported = [*gone, *self._unreported]
         self._moved = [*self._sending, *self._moved]
-        self._sending = []
+        self._relocated = [*self._sending_relocated, *self._relocated]
+        self._sending, self._sending_relocated = [], []
 
     def evicted(self, tier: MemoryTier, keys: list[SlotKey]) -> None:
         """Journal evictions the caller made in ``tier`` (reported with the next commit)."""
@@ -239,7 +278,11 @@ class Tiers:
     def usage(self) -> list[Tier]:
         """Capacity and use per tier, as the master records them."""
         stats = [(t.name, t.table.stats()) for t in self.all]
-        return [Tier(name, st.capacity_bytes, st.used_bytes) for name, st in stats]
+        tiers = [Tier(name, st.capacity_bytes, st.used_bytes) for name, st in stats]
+        if self.disk is not None:
+            store = self.disk.store
+            tiers.append(Tier(self.disk.name, store.capacity, store.live_bytes))
+        return tiers
 
     # -- moves between tiers -------------------------------------------------------------
 
@@ -378,6 +421,7 @@ class Tiers:
         self.metrics.tier_moves.labels(to=host.name).inc()
         if host.reg is not None:
             self._moved.append(res.slot)
+        self.stored([res.slot])
         return True
 
 

@@ -1,0 +1,699 @@
+"""A node's disk tier: slots written to log-structured segment files below host memory.
+
+Layout of ``--disk-path DIR``::
+
+    kvstore-disk.json      who wrote it: format, node id, pool tag (see :func:`pool_tag`)
+    seg-00000001.kvd       segments, appended one after another, each up to segment_bytes
+    seg-00000002.kvd       ...
+
+A segment is a sequence of records, each starting on a :data:`ALIGN` (4 KiB) boundary::
+
+    record: header (HEADER struct, owner, landed mask, u64 header check) | pad to 64
+            payload: the landed chunks of one slot, in chunk order | pad to ALIGN
+
+The header names the slot (namespace id, block hash, parent, owner, geometry, landed mask),
+a sequence number (the newest record of a key wins), the payload's length and its xxh3_64.
+A record the node no longer wants (evicted by an operator, found bad) gets its magic
+overwritten in place (:data:`DEAD_MAGIC`), so a restart does not bring it back; a whole
+segment goes when the tier needs room (oldest first).
+
+Writes are batched: the records of one batch are packed into one aligned buffer and
+written with one ``pwrite`` at the segment's tail, with ``O_DIRECT`` where the file system
+takes it (else through the page cache, said once in the log). Reads ``pread`` the record's
+aligned range and check the header and the payload's xxh3_64 before a byte is served.
+
+Thread model: :class:`DiskStore` keeps its index on the owner's thread (the node's event
+loop) and does I/O only in :meth:`DiskStore.write_batch` and :meth:`DiskStore.read`, which
+the caller runs on worker threads with plans the owner made (:meth:`plan_batch`,
+:meth:`DiskStore.pin`). Opening (:meth:`DiskStore.open`) scans every segment's headers and
+every byte of the newest one (where a crash leaves a torn tail), so it too belongs on a
+worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import hmac
+import json
+import logging
+import mmap
+import os
+import re
+import struct
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from kvstore.core.slots import SlotKey
+from kvstore.errors import ChecksumError, InvalidArgument
+
+__all__ = [
+    "ALIGN",
+    "DEAD_MAGIC",
+    "FORMAT",
+    "IDENTITY_FILE",
+    "RECORD_MAGIC",
+    "SEGMENT_BYTES",
+    "DiskStore",
+    "Record",
+    "WritePlan",
+    "pool_tag",
+]
+
+logger = logging.getLogger("kvstore.node")
+
+ALIGN = 4096
+"""Record and write alignment: what ``O_DIRECT`` needs of offsets, lengths and buffers."""
+SEGMENT_BYTES = 64 * 2**20
+"""A segment is closed to appends once it holds this many bytes (one record may pass it)."""
+MAX_BATCH_BYTES = 16 * 2**20
+"""Bytes one write batch packs (one record larger than this goes alone)."""
+FORMAT = 1
+IDENTITY_FILE = "kvstore-disk.json"
+RECORD_MAGIC = b"KVDR"
+DEAD_MAGIC = b"KVDX"
+_VERSION = 1
+HEADER = struct.Struct("<4sHHQ16s16s16sBBHIQQQQ")
+"""magic, version, header bytes (with owner, mask and check), seq, ns id, block, parent,
+flags (1: has a parent), owner length, reserved, chunks, chunk bytes, slot bytes, payload
+bytes, payload xxh3_64."""
+_CHECK = struct.Struct("<Q")
+_SEGMENT_NAME = re.compile(r"seg-(\d{8})\.kvd")
+MAX_CHUNKS = 8 * (ALIGN - HEADER.size - 255 - _CHECK.size)
+"""Chunks a slot may have and still get a record (its mask must fit the first page)."""
+
+
+def pool_tag(secret: str) -> str:
+    """What a disk records of the pool it belongs to: a digest of the cluster secret (never
+    the secret), or ``""`` without one."""
+    if not secret:
+        return ""
+    return hmac.new(secret.encode(), b"kvstore-disk-pool/1", hashlib.sha256).hexdigest()[:32]
+
+
+def _up(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(slots=True)
+class Record:
+    """Where one slot's disk copy lies and what it holds (the owner's index entry)."""
+
+    key: SlotKey
+    parent: bytes | None
+    owner: str
+    slot_bytes: int
+    chunk_bytes: int
+    num_chunks: int
+    mask: int
+    """The chunks the record holds (bit i: chunk i), stored in chunk order."""
+    seq: int
+    segment: int
+    offset: int
+    """Byte offset of the record in its segment (a multiple of :data:`ALIGN`)."""
+    header_bytes: int
+    payload_bytes: int
+    payload_check: int
+
+    @classmethod
+    def of(
+        cls,
+        key: SlotKey,
+        parent: bytes | None,
+        owner: str,
+        slot_bytes: int,
+        chunk_bytes: int,
+        num_chunks: int,
+        mask: int,
+    ) -> Record:
+        """The record a slot's landed chunks (``mask``) will get, not yet placed (see
+        :meth:`DiskStore.plan_batch`)."""
+        hbytes = header_bytes_for(owner, num_chunks)
+        payload = mask.bit_count() * chunk_bytes
+        return cls(key, parent, owner, slot_bytes, chunk_bytes, num_chunks, mask, 0, 0, 0,
+                   hbytes, payload, 0)  # fmt: skip
+
+    @property
+    def span(self) -> int:
+        """Bytes the record occupies in its segment (aligned)."""
+        return _up(self.payload_at + self.payload_bytes)
+
+    @property
+    def payload_at(self) -> int:
+        return _up(self.header_bytes, 64)
+
+    def chunk_indices(self) -> list[int]:
+        return [i for i in range(self.mask.bit_length()) if self.mask >> i & 1]
+
+
+@dataclass
+class WritePlan:
+    """One batch: where its records go (planned on the owner's thread)."""
+
+    segment: int
+    offset: int
+    records: list[Record]
+    nbytes: int
+
+
+@dataclass(eq=False)
+class _Segment:
+    number: int
+    path: Path
+    fd: int
+    size: int = 0
+    """Bytes appended (a multiple of ALIGN)."""
+    live: set[SlotKey] = field(default_factory=set)
+    readers: int = 0
+    doomed: bool = False
+    """Dropped: unlinked; its fd closes when its last reader is done."""
+
+
+def encode_header(rec: Record) -> bytes:
+    """The record's header bytes (``rec.header_bytes`` long)."""
+    owner = rec.owner.encode()
+    mask = rec.mask.to_bytes(_up(max(rec.num_chunks, 1), 8) // 8, "little")
+    body = HEADER.pack(
+        RECORD_MAGIC, _VERSION, rec.header_bytes, rec.seq, rec.key[0], rec.key[1],
+        rec.parent or bytes(16), 1 if rec.parent is not None else 0, len(owner), 0,
+        rec.num_chunks, rec.chunk_bytes, rec.slot_bytes, rec.payload_bytes, rec.payload_check,
+    ) + owner + mask  # fmt: skip
+    return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def header_bytes_for(owner: str, num_chunks: int) -> int:
+    return HEADER.size + len(owner.encode()) + _up(max(num_chunks, 1), 8) // 8 + _CHECK.size
+
+
+def parse_header(buf: bytes | memoryview, segment: int, offset: int) -> Record | None:
+    """The record whose header starts ``buf`` (at least its header bytes), or None when
+    ``buf`` holds no intact record header (a torn or never-written tail, a dead record)."""
+    if len(buf) < HEADER.size:
+        return None
+    (magic, version, hbytes, seq, ns_id, block, parent, flags, owner_len, _, chunks, chunk_bytes,
+     slot_bytes, payload_bytes, check) = HEADER.unpack_from(buf)  # fmt: skip
+    if magic != RECORD_MAGIC or version != _VERSION or not HEADER.size < hbytes <= ALIGN:
+        return None
+    if hbytes > len(buf) or not 0 < chunks <= MAX_CHUNKS:
+        return None
+    mask_len = _up(chunks, 8) // 8
+    if hbytes != HEADER.size + owner_len + mask_len + _CHECK.size:
+        return None
+    body = bytes(buf[: hbytes - _CHECK.size])
+    if _CHECK.unpack_from(buf, hbytes - _CHECK.size)[0] != xxhash.xxh3_64_intdigest(body):
+        return None
+    owner = body[HEADER.size : HEADER.size + owner_len].decode(errors="replace")
+    mask = int.from_bytes(body[HEADER.size + owner_len :], "little")
+    if mask >> chunks or payload_bytes != mask.bit_count() * chunk_bytes:
+        return None
+    return Record(
+        (ns_id, block), parent if flags & 1 else None, owner, slot_bytes, chunk_bytes, chunks,
+        mask, seq, segment, offset, hbytes, payload_bytes, check,
+    )  # fmt: skip
+
+
+class _Buffers:
+    """Page-aligned buffers for ``O_DIRECT`` reads, reused (bounded: ``keep`` bytes idle)."""
+
+    def __init__(self, keep: int = 64 * 2**20) -> None:
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._idle = 0
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> mmap.mmap:
+        size = max(ALIGN, 1 << (nbytes - 1).bit_length())
+        with self._lock:
+            pool = self._free.get(size)
+            if pool:
+                self._idle -= size
+                return pool.pop()
+        return mmap.mmap(-1, size)
+
+    def give(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            if self._idle + len(buf) <= self._keep:
+                self._free.setdefault(len(buf), []).append(buf)
+                self._idle += len(buf)
+                return
+        with contextlib.suppress(BufferError):  # (a view still out: the GC frees it)
+            buf.close()
+
+
+class DiskStore:
+    """The records of one ``--disk-path``: an index of what is where, the segments, and the
+    two I/O calls (batch write, record read) callers run on worker threads.
+
+    ``capacity`` bytes of segments at most (the oldest segment is dropped to make room).
+    ``direct=None`` uses ``O_DIRECT`` when the file system takes it. Not thread-safe except
+    as the module docstring says.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity: int,
+        *,
+        segment_bytes: int = SEGMENT_BYTES,
+        direct: bool | None = None,
+    ) -> None:
+        if capacity < 2 * ALIGN:
+            raise InvalidArgument(f"--disk-size must be at least {2 * ALIGN} bytes")
+        self.path = Path(path)
+        self.capacity = capacity
+        self.segment_bytes = max(ALIGN, _up(min(segment_bytes, max(capacity // 4, ALIGN))))
+        self.index: dict[SlotKey, Record] = {}
+        self._segments: dict[int, _Segment] = {}
+        self._next_segment = 1
+        self._seq = 0
+        self._direct = direct
+        self._write_buf = mmap.mmap(-1, MAX_BATCH_BYTES)
+        self._read_bufs = _Buffers()
+        self.dropped_tail_bytes = 0
+        """Bytes of torn or unreadable tails dropped when the store opened."""
+
+    # ---- opening ------------------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        capacity: int,
+        *,
+        node_id: str,
+        secret: str = "",
+        segment_bytes: int = SEGMENT_BYTES,
+        direct: bool | None = None,
+    ) -> DiskStore:
+        """Open (creating it if need be) the disk at ``path`` for node ``node_id``: adopt
+        every intact record, drop torn tails. Raises :class:`InvalidArgument` when ``path``
+        belongs to another node or pool, or holds files this tier did not write, and
+        ``OSError`` when it cannot be created, read or written at all."""
+        store = cls(path, capacity, segment_bytes=segment_bytes, direct=direct)
+        store.path.mkdir(parents=True, exist_ok=True)
+        store._claim(node_id, pool_tag(secret))
+        store._probe_direct()
+        store._scan()
+        return store
+
+    @staticmethod
+    def owner_of(path: str | os.PathLike[str]) -> str | None:
+        """The node id a disk at ``path`` was written by (None: no disk there yet)."""
+        try:
+            meta = json.loads((Path(path) / IDENTITY_FILE).read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"{Path(path) / IDENTITY_FILE} is unreadable: {exc}") from exc
+        node_id = meta.get("node_id") if isinstance(meta, dict) else None
+        return node_id if isinstance(node_id, str) else None
+
+    def _claim(self, node_id: str, tag: str) -> None:
+        ident = self.path / IDENTITY_FILE
+        names = [p.name for p in self.path.iterdir() if not p.name.startswith(".")]
+        segments = [n for n in names if _SEGMENT_NAME.fullmatch(n)]
+        strangers = sorted(set(names) - set(segments) - {IDENTITY_FILE})
+        if ident.exists():
+            try:
+                meta = json.loads(ident.read_text())
+            except (OSError, ValueError) as exc:
+                raise InvalidArgument(f"{ident} is unreadable: {exc}") from exc
+            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+                raise InvalidArgument(f"{ident}: not a kvstore disk of format {FORMAT}")
+            if meta.get("node_id") != node_id:
+                raise InvalidArgument(
+                    f"disk {self.path} belongs to node {meta.get('node_id')!r}, not "
+                    f"{node_id!r}: start that node on it, or give this one an empty directory"
+                )
+            if meta.get("pool") != tag:
+                raise InvalidArgument(
+                    f"disk {self.path} was written under another cluster secret "
+                    f"({'none' if not meta.get('pool') else 'a different one'}); its blocks "
+                    "are not this pool's: give this node an empty directory"
+                )
+            return
+        if strangers or segments:
+            what = ", ".join(strangers)[:200] or f"segments with no {IDENTITY_FILE}"
+            raise InvalidArgument(
+                f"disk {self.path} holds files this tier did not write ({what}): give the "
+                "disk tier a directory of its own"
+            )
+        tmp = ident.with_name("." + IDENTITY_FILE + ".tmp")
+        tmp.write_text(json.dumps({"format": FORMAT, "node_id": node_id, "pool": tag}) + "\n")
+        os.replace(tmp, ident)
+
+    def _probe_direct(self) -> None:
+        """Settle whether segments are opened with ``O_DIRECT`` (one probe write)."""
+        if self._direct is False or not hasattr(os, "O_DIRECT"):
+            self._direct = False
+            return
+        probe = self.path / ".direct-probe"
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+            try:
+                buf = mmap.mmap(-1, ALIGN)
+                os.pwrite(fd, buf, 0)
+                os.preadv(fd, [buf], 0)
+                buf.close()
+            finally:
+                os.close(fd)
+            self._direct = True
+        except OSError as exc:
+            if self._direct:  # asked for explicitly
+                raise
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+            logger.warning(
+                "disk tier %s: the file system refuses O_DIRECT (%s); using the page cache",
+                self.path, exc.strerror,
+            )  # fmt: skip
+            self._direct = False
+        finally:
+            probe.unlink(missing_ok=True)
+
+    @property
+    def direct(self) -> bool:
+        """Whether segments bypass the page cache (``O_DIRECT``)."""
+        return bool(self._direct)
+
+    def _open_fd(self, path: Path, create: bool) -> int:
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        if self._direct:
+            flags |= os.O_DIRECT
+        return os.open(path, flags, 0o600)
+
+    def _scan(self) -> None:
+        """Adopt every intact record, newest sequence number winning; check every payload
+        byte of the newest segment (a crash tears only the tail being appended) and cut
+        it at its first bad record."""
+        names = sorted(
+            (int(m.group(1)), p)
+            for p in self.path.iterdir()
+            if (m := _SEGMENT_NAME.fullmatch(p.name))
+        )
+        for i, (number, path) in enumerate(names):
+            newest = i == len(names) - 1
+            seg = _Segment(number, path, self._open_fd(path, create=False))
+            self._segments[number] = seg
+            self._next_segment = number + 1
+            end = os.fstat(seg.fd).st_size
+            seg.size = self._scan_segment(seg, end, verify=newest)
+            if seg.size < end:
+                self.dropped_tail_bytes += end - seg.size
+                os.ftruncate(seg.fd, seg.size)
+                logger.warning(
+                    "disk tier %s: dropped %d bytes of torn tail from %s",
+                    self.path, end - seg.size, path.name,
+                )  # fmt: skip
+        self._trim(0)
+
+    def _scan_segment(self, seg: _Segment, end: int, verify: bool) -> int:
+        """Index ``seg``'s records; the bytes up to its last intact one."""
+        offset = 0
+        buf = mmap.mmap(-1, ALIGN)
+        try:
+            while offset + ALIGN <= end:
+                if os.preadv(seg.fd, [buf], offset) != ALIGN:
+                    break
+                if buf[:4] == DEAD_MAGIC:
+                    (span,) = struct.unpack_from("<Q", buf, 8)
+                    if span <= 0 or span % ALIGN or offset + span > end:
+                        break
+                    offset += span
+                    continue
+                rec = parse_header(memoryview(buf), seg.number, offset)
+                if rec is None or offset + rec.span > end:
+                    break
+                if verify:
+                    try:
+                        self.read(rec, keep=False)
+                    except (ChecksumError, OSError):
+                        break
+                self._adopt(seg, rec)
+                offset += rec.span
+        finally:
+            buf.close()
+        return offset
+
+    def _adopt(self, seg: _Segment, rec: Record) -> None:
+        self._seq = max(self._seq, rec.seq)
+        old = self.index.get(rec.key)
+        if old is not None and old.seq > rec.seq:
+            return
+        if old is not None:
+            self._segments[old.segment].live.discard(rec.key)
+        self.index[rec.key] = rec
+        seg.live.add(rec.key)
+
+    # ---- accounting -----------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of segments on disk (live records, dead ones and padding)."""
+        return sum(s.size for s in self._segments.values() if not s.doomed)
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(r.span for r in self.index.values())
+
+    @property
+    def segments(self) -> int:
+        return sum(not s.doomed for s in self._segments.values())
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.index
+
+    def get(self, key: SlotKey) -> Record | None:
+        return self.index.get(key)
+
+    def __iter__(self) -> Iterator[SlotKey]:
+        """The keys held (a snapshot: the index may change while it is walked)."""
+        return iter(list(self.index))
+
+    # ---- writes -------------------------------------------------------------------------
+
+    def fits(self, rec: Record) -> bool:
+        """Whether ``rec`` can be written at all (its header fits a page, its record half
+        the tier)."""
+        owner_ok = len(rec.owner.encode()) <= 255
+        return owner_ok and rec.num_chunks <= MAX_CHUNKS and rec.span <= self.capacity // 2
+
+    def plan_batch(self, wanted: Iterable[Record]) -> tuple[WritePlan | None, list[Record]]:
+        """Place records (from :meth:`Record.of`, each one that :meth:`fits`) at the newest
+        segment's tail, as many as one batch takes (at least one, in order); the plan
+        (None: nothing to write) and the records of segments dropped to make room, no
+        longer indexed (the caller reports the keys no other tier holds)."""
+        seg = self._tail()
+        if seg is not None and seg.size >= self.segment_bytes:
+            seg = None
+        room = min(MAX_BATCH_BYTES, self.capacity // 2)
+        records: list[Record] = []
+        nbytes = 0
+        for rec in wanted:
+            if records and nbytes + rec.span > room:
+                break
+            self._seq += 1
+            rec.seq = self._seq
+            records.append(rec)
+            nbytes += rec.span
+            if (seg.size if seg is not None else 0) + nbytes >= self.segment_bytes:
+                break
+        if not records:
+            return None, []
+        dropped = self._trim(nbytes)
+        if seg is None or seg.doomed:
+            seg = self._new_segment()
+        offset = seg.size
+        for rec in records:
+            rec.segment, rec.offset = seg.number, offset
+            offset += rec.span
+        plan = WritePlan(seg.number, seg.size, records, nbytes)
+        seg.size += nbytes  # reserved: the next plan goes after it
+        return plan, dropped
+
+    def _tail(self) -> _Segment | None:
+        live = [s for s in self._segments.values() if not s.doomed]
+        return live[-1] if live else None
+
+    def _new_segment(self) -> _Segment:
+        number = self._next_segment
+        self._next_segment += 1
+        path = self.path / f"seg-{number:08d}.kvd"
+        seg = _Segment(number, path, self._open_fd(path, create=True))
+        self._segments[number] = seg
+        return seg
+
+    def _trim(self, incoming: int) -> list[Record]:
+        """Drop the oldest segments until ``incoming`` more bytes fit; the records dropped."""
+        dropped: list[Record] = []
+        while self.used_bytes + incoming > self.capacity:
+            live = [s for s in self._segments.values() if not s.doomed]
+            if not live or (len(live) == 1 and live[0].size == 0):
+                break
+            dropped.extend(self._drop_segment(live[0]))
+        return dropped
+
+    def _drop_segment(self, seg: _Segment) -> list[Record]:
+        seg.doomed = True
+        gone = [self.index.pop(k) for k in seg.live if self.index.get(k) is not None]
+        seg.live.clear()
+        try:
+            seg.path.unlink(missing_ok=True)
+        except OSError as exc:
+            logger.warning("disk tier: cannot remove %s: %s", seg.path, exc)
+        self._release(seg)
+        return gone
+
+    def _release(self, seg: _Segment) -> None:
+        if seg.doomed and seg.readers == 0 and seg.fd >= 0:
+            os.close(seg.fd)
+            seg.fd = -1
+            del self._segments[seg.number]
+
+    def write_batch(self, plan: WritePlan, views: list[list[memoryview]]) -> None:
+        """Worker thread: write ``plan``'s records, their payloads from ``views`` (each
+        record's landed chunks, one buffer each, in chunk order), in one aligned ``pwrite``.
+        Fills each record's payload check. Raises ``OSError`` (nothing of the batch is
+        indexed)."""
+        buf = self._write_buf
+        if len(buf) < plan.nbytes:
+            buf = mmap.mmap(-1, _up(plan.nbytes, 2**20))
+        try:
+            pos = 0
+            for rec, chunks in zip(plan.records, views, strict=True):
+                start = pos + rec.payload_at
+                h = xxhash.xxh3_64()
+                at = start
+                for chunk in chunks:
+                    buf[at : at + len(chunk)] = chunk
+                    h.update(chunk)
+                    at += len(chunk)
+                if at - start != rec.payload_bytes:
+                    raise InvalidArgument(f"slot {rec.key[1].hex()}: payload size changed")
+                rec.payload_check = h.intdigest()
+                head = encode_header(rec)
+                buf[pos : pos + len(head)] = head
+                buf[pos + len(head) : start] = bytes(start - pos - len(head))
+                end = pos + rec.span
+                buf[at:end] = bytes(end - at)
+                pos = end
+            seg = self._segments[plan.segment]
+            done = os.pwrite(seg.fd, memoryview(buf)[: plan.nbytes], plan.offset)
+            if done != plan.nbytes:
+                raise OSError(errno.EIO, f"short write ({done} of {plan.nbytes} bytes)")
+        finally:
+            if buf is not self._write_buf:
+                buf.close()
+
+    def abandon(self, plan: WritePlan) -> None:
+        """``plan``'s write failed: give its room back (it is the segment's last), so the
+        next batch does not leave unreadable bytes between records."""
+        seg = self._segments.get(plan.segment)
+        if seg is not None and seg.size == plan.offset + plan.nbytes:
+            seg.size = plan.offset
+
+    def commit(self, plan: WritePlan) -> list[Record]:
+        """Index ``plan``'s records once written; the records they superseded."""
+        seg = self._segments.get(plan.segment)
+        old: list[Record] = []
+        for rec in plan.records:
+            prev = self.index.get(rec.key)
+            if prev is not None:
+                old.append(prev)
+                if (s := self._segments.get(prev.segment)) is not None:
+                    s.live.discard(rec.key)
+            if seg is None or seg.doomed:
+                continue
+            self.index[rec.key] = rec
+            seg.live.add(rec.key)
+        return old
+
+    def forget(self, key: SlotKey) -> Record | None:
+        """Drop ``key``'s record from the index (its bytes stay until :meth:`kill` or its
+        segment goes); the record."""
+        rec = self.index.pop(key, None)
+        if rec is not None and (seg := self._segments.get(rec.segment)) is not None:
+            seg.live.discard(key)
+        return rec
+
+    def kill(self, rec: Record) -> None:
+        """Worker thread: overwrite ``rec``'s first page with a dead marker, so a restart
+        does not bring it back. ``OSError`` when the write fails."""
+        seg = self._segments.get(rec.segment)
+        if seg is None or seg.fd < 0:
+            return
+        buf = mmap.mmap(-1, ALIGN)
+        try:
+            buf[:4] = DEAD_MAGIC
+            struct.pack_into("<Q", buf, 8, rec.span)
+            os.pwrite(seg.fd, buf, rec.offset)
+        finally:
+            buf.close()
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    def pin(self, rec: Record) -> bool:
+        """Owner's thread, before a :meth:`read`: keep ``rec``'s segment open until
+        :meth:`unpin`; False when the record is no longer indexed."""
+        seg = self._segments.get(rec.segment)
+        if seg is None or seg.doomed or self.index.get(rec.key) is not rec:
+            return False
+        seg.readers += 1
+        return True
+
+    def unpin(self, rec: Record) -> None:
+        seg = self._segments.get(rec.segment)
+        if seg is not None:
+            seg.readers -= 1
+            self._release(seg)
+
+    def read(self, rec: Record, keep: bool = True) -> memoryview:
+        """Worker thread: ``rec``'s payload, its header and checksum verified; a view of a
+        reused buffer the caller hands back with :meth:`give_back` (``keep=False``: verify
+        only, returning an empty view). Raises :class:`ChecksumError` for a record that
+        does not verify, ``OSError`` when the read fails."""
+        seg = self._segments.get(rec.segment)
+        if seg is None or seg.fd < 0:
+            raise OSError(errno.ENOENT, f"segment {rec.segment} is gone")
+        span = rec.span
+        buf = self._read_bufs.take(span)
+        try:
+            got = os.preadv(seg.fd, [memoryview(buf)[:span]], rec.offset)
+            if got != span:
+                raise ChecksumError(f"record {rec.key[1].hex()}: short read ({got} of {span})")
+            again = parse_header(memoryview(buf)[:ALIGN], rec.segment, rec.offset)
+            if again is None or (again.key, again.seq) != (rec.key, rec.seq):
+                raise ChecksumError(f"record {rec.key[1].hex()}: header does not verify")
+            at, end = rec.payload_at, rec.payload_at + rec.payload_bytes
+            if xxhash.xxh3_64_intdigest(memoryview(buf)[at:end]) != rec.payload_check:
+                raise ChecksumError(f"record {rec.key[1].hex()}: payload checksum mismatch")
+        except BaseException:
+            self._read_bufs.give(buf)
+            raise
+        if not keep:
+            self._read_bufs.give(buf)
+            return memoryview(b"")
+        return memoryview(buf)[at:end]
+
+    def give_back(self, payload: memoryview) -> None:
+        """Return a :meth:`read`'s buffer for reuse (the view must not be used after)."""
+        base = payload.obj
+        payload.release()
+        if isinstance(base, mmap.mmap):
+            self._read_bufs.give(base)
+
+    def close(self) -> None:
+        for seg in list(self._segments.values()):
+            if seg.fd >= 0:
+                os.close(seg.fd)
+                seg.fd = -1
+        self._segments.clear()
+        self._write_buf.close()

@@ -1,0 +1,364 @@
+"""The node's disk tier in use: what goes down to disk, what comes back up, and when.
+
+- **Written behind.** Every block whose chunks have all landed in host memory is queued
+  and written to disk in the background (:meth:`DiskTier.run`, batches on one writer
+  thread), never on a put's path. A host slot whose disk record holds what it holds is
+  *clean*: when host memory evicts it, it stays on the node on disk (the host tier's demote
+  hook, :meth:`DiskTier.demote`), at no I/O cost. A block evicted before its write (puts
+  outrunning the disk) leaves the node, counted. ``docs/decisions.md`` says why blocks are
+  written when complete rather than when evicted.
+- **Read up.** A read of a block held only on disk reads its record on a bounded pool of
+  threads (checked before a byte is used) into a host slot (:meth:`DiskTier.stage`): *cold*
+  on the block's first read, the next host victim, so a scan over disk blocks displaces no
+  block in use; *warm* when it was read from disk recently (within the last
+  :data:`RECENT_READS` disk reads) or read again while staged, which is the admission rule.
+- **Leaves the node only from disk**: when the disk needs room its oldest segment goes, and
+  its blocks that no memory tier holds are reported evicted.
+- **Faults.** A failed write (full disk, EIO, read-only) stops writes, logs one line and
+  counts it; writes are tried again :data:`RETRY_S` later. A record that fails its check or
+  its read is dropped (reported evicted where no memory tier holds the block); the node goes
+  on serving from memory either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from kvstore.control.records import BlockAdd
+from kvstore.core.slots import Lease, Slot, SlotKey
+from kvstore.errors import ChecksumError, KVStoreError
+from kvstore.metrics import Metrics
+from kvstore.node.disk import DiskStore, Record
+from kvstore.node.tiers import Tiers, landed_bits
+
+__all__ = ["MAX_QUEUE", "READ_THREADS", "RECENT_READS", "RETRY_S", "DiskTier"]
+
+logger = logging.getLogger("kvstore.node")
+
+READ_THREADS = 4
+"""Disk reads in flight at once (each on a thread of its own)."""
+MAX_QUEUE = 65536
+"""Blocks waiting to be written; past it the oldest waiting is skipped (it stays in memory
+only, and leaves the node when host memory evicts it)."""
+RECENT_READS = 4096
+"""Disk reads remembered for the admission rule."""
+RETRY_S = 30.0
+"""After a failed write, how long until writes are tried again."""
+
+
+class DiskTier:
+    """A node's disk tier: its :class:`DiskStore`, the write-behind queue and the reads.
+    Owned by the node's event loop; I/O runs on the tier's own threads."""
+
+    name = "disk"
+
+    def __init__(self, store: DiskStore, tiers: Tiers, metrics: Metrics) -> None:
+        self.store = store
+        self.tiers = tiers
+        self.metrics = metrics
+        self._queue: dict[SlotKey, None] = {}
+        self._wake: asyncio.Event | None = None
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-disk-write")
+        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvstore-disk-read")
+        self._reading = asyncio.Semaphore(READ_THREADS)
+        self._batch = asyncio.Lock()
+        """Held while a batch is planned and written (one at a time: the log has one
+        tail)."""
+        self._recent: dict[SlotKey, None] = {}
+        self._paused_until = 0.0
+        """Monotonic time before which writes are not tried (after a fault)."""
+        self.fault = ""
+        """The last fault, one line ("" while none since the last good write)."""
+        self.counters = {"written": 0, "read": 0, "staged_cold": 0, "staged_warm": 0,
+                         "unwritten_evictions": 0, "skipped": 0, "errors": 0}  # fmt: skip
+        tiers.disk = self
+        metrics.disk_blocks.set(len(store))
+
+    # ---- write-behind ---------------------------------------------------------------------
+
+    def queue(self, slots: list[Slot]) -> None:
+        """Host slots whose chunks have all landed: write them (bounded queue)."""
+        for slot in slots:
+            if slot.complete and slot.key not in self._queue:
+                self._queue[slot.key] = None
+        while len(self._queue) > MAX_QUEUE:
+            del self._queue[next(iter(self._queue))]
+            self.counters["skipped"] += 1
+        if self._queue and self._wake is not None:
+            self._wake.set()
+
+    @property
+    def writing(self) -> bool:
+        return time.monotonic() >= self._paused_until
+
+    async def run(self, idle_s: float = 0.5) -> None:
+        """Write queued blocks, batch after batch, until cancelled."""
+        self._wake = asyncio.Event()
+        while True:
+            if not self._queue or not self.writing:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), idle_s)
+                except TimeoutError:
+                    pass
+                continue
+            try:
+                await self._write_some()
+            except Exception:  # a bug must not end the writes for good: log, go on
+                logger.exception("disk tier: a write batch failed")
+                await asyncio.sleep(idle_s)
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Write every queued block (tests, a node stopping); whether the queue emptied."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue and self.writing and time.monotonic() < deadline:
+            await self._write_some()
+        async with self._batch:  # (the batch run() has in flight)
+            return not self._queue
+
+    async def _write_some(self) -> None:
+        async with self._batch:
+            await self._write_batch()
+
+    async def _write_batch(self) -> None:
+        host, store = self.tiers.host, self.store
+        wanted: list[Record] = []
+        views: list[list[memoryview]] = []
+        leases: list[Lease[Slot]] = []
+        later: list[SlotKey] = []
+        taken = 0
+        for key in list(self._queue)[:256]:
+            del self._queue[key]
+            taken += 1
+            slot = host.table.get(key)
+            if slot is None or not slot.complete:
+                continue
+            rec = store.get(key)
+            if rec is not None and rec.mask == slot.landed_mask:
+                continue  # clean already
+            if not self.tiers.movable(slot):
+                later.append(key)  # its scrub is pending: write it once checked
+                continue
+            rec = Record.of(key, slot.parent, slot.owner, slot.slot_bytes, slot.chunk_bytes,
+                            slot.num_chunks, slot.landed_mask)  # fmt: skip
+            if not store.fits(rec):
+                continue
+            leases.append(host.table.pin(slot))
+            wanted.append(rec)
+            views.append([memoryview(host.table.chunk_view(slot, i).numpy())  # type: ignore[arg-type]
+                          for i in landed_bits(slot.landed_mask)])  # fmt: skip
+        for key in later:
+            self._queue[key] = None
+        if not wanted:
+            if later and taken == len(later):
+                await asyncio.sleep(0.05)  # only blocks waiting on their scrub
+            return
+        plan, dropped = store.plan_batch(wanted)
+        self._gone(dropped)
+        n = len(plan.records) if plan is not None else 0
+        for rec in wanted[n:]:  # (the next batch takes them)
+            self._queue[rec.key] = None
+        for lease in leases[n:]:
+            lease.release()
+        if plan is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._writer, store.write_batch, plan, views[:n])
+        except (OSError, KVStoreError) as exc:
+            store.abandon(plan)
+            self._fault("write", exc)
+            for rec in wanted[:n]:
+                self._queue[rec.key] = None
+            return
+        finally:
+            for lease in leases[:n]:
+                lease.release()
+        store.commit(plan)
+        self.fault = ""
+        self.counters["written"] += n
+        self.metrics.disk_bytes.labels(op="write").inc(plan.nbytes)
+        self.metrics.disk_seconds.labels(op="write").observe(time.perf_counter() - t0)
+        self.metrics.disk_blocks.set(len(store))
+
+    def _fault(self, op: str, exc: BaseException) -> None:
+        """Count and log a failed disk operation; a failed write pauses writes."""
+        reason = errno.errorcode.get(getattr(exc, "errno", 0) or 0, "error")
+        if isinstance(exc, ChecksumError):
+            reason = "checksum"
+        self.metrics.disk_errors.labels(op=op, reason=reason).inc()
+        self.counters["errors"] += 1
+        line = f"disk tier {self.store.path}: {op} failed ({reason}): {exc}"
+        if op == "write":
+            if self.writing:
+                logger.error("%s; writes stop for %.0f s, memory tiers go on", line, RETRY_S)
+            self._paused_until = time.monotonic() + RETRY_S
+        else:
+            logger.warning("%s; that block is dropped from disk", line)
+        self.fault = line
+
+    def _gone(self, records: list[Record]) -> None:
+        """Records the disk let go of: blocks no memory tier holds have left the node."""
+        keys = [r.key for r in records if self.tiers.holder(r.key) is None]
+        if keys:
+            self.tiers.evicted_from(self.name, keys)
+        self.metrics.disk_blocks.set(len(self.store))
+
+    # ---- host memory's demote hook --------------------------------------------------------
+
+    def demote(self, victim: Slot) -> bool:
+        """Host memory evicts ``victim``: True when its disk record holds what it holds
+        (the block stays on the node, on disk), False when it leaves the node."""
+        rec = self.store.get(victim.key)
+        self._queue.pop(victim.key, None)
+        if rec is not None and rec.mask == victim.landed_mask and victim.landed_mask:
+            self.metrics.tier_moves.labels(to=self.name).inc()
+            chunks = tuple(landed_bits(rec.mask))
+            self.tiers.relocated(BlockAdd(victim.key[0], victim.key[1], chunks))
+            return True
+        if rec is not None:  # an older copy of another extent: the block leaves the node
+            self.store.forget(victim.key)
+            self._kill(rec)
+        if victim.complete:
+            self.counters["unwritten_evictions"] += 1
+        return False
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    async def stage(self, keys: list[SlotKey]) -> tuple[list[Lease[Slot]], set[SlotKey]]:
+        """Bring the blocks of ``keys`` held only on disk into host memory for a read: their
+        slots pinned (the leases, for the caller to release) and the keys staged cold
+        (the caller does not touch them)."""
+        todo = [k for k in dict.fromkeys(keys) if k in self.store and self.tiers.lookup(k) is None]
+        if not todo:
+            return [], set()
+        done = await asyncio.gather(*(self._stage_one(k) for k in todo))
+        leases = [lease for lease, _ in (d for d in done if d is not None)]
+        cold = {k for k, d in zip(todo, done, strict=True) if d is not None and d[1]}
+        return leases, cold
+
+    async def _stage_one(self, key: SlotKey) -> tuple[Lease[Slot], bool] | None:
+        store = self.store
+        rec = store.get(key)
+        if rec is None or not store.pin(rec):
+            return None
+        t0 = time.perf_counter()
+        try:
+            async with self._reading:
+                loop = asyncio.get_running_loop()
+                payload = await loop.run_in_executor(self._readers, store.read, rec)
+        except (OSError, ChecksumError) as exc:
+            self._fault("read", exc)
+            if store.get(key) is rec:
+                store.forget(key)
+                self._kill(rec)
+                self._gone([rec])
+            return None
+        finally:
+            store.unpin(rec)
+        self.metrics.disk_bytes.labels(op="read").inc(rec.payload_bytes)
+        self.metrics.disk_seconds.labels(op="read").observe(time.perf_counter() - t0)
+        self.counters["read"] += 1
+        try:
+            return self._land(key, rec, payload)
+        finally:
+            store.give_back(payload)
+
+    def _land(
+        self, key: SlotKey, rec: Record, payload: memoryview
+    ) -> tuple[Lease[Slot], bool] | None:
+        """Copy a record read into a host slot (warm or cold, by the admission rule); the
+        slot's lease and whether it was staged cold."""
+        host = self.tiers.host
+        held = self.tiers.lookup(key)
+        if held is not None:  # staged or stored meanwhile
+            return held[0].table.pin(held[1]), False
+        warm = self._recent.pop(key, "cold") is None
+        if not warm:
+            self._recent[key] = None
+            while len(self._recent) > RECENT_READS:
+                del self._recent[next(iter(self._recent))]
+        try:
+            res = host.table.allocate(key, rec.slot_bytes, rec.chunk_bytes, rec.num_chunks,
+                                      rec.parent, rec.owner, cold=not warm)  # fmt: skip
+        except KVStoreError as exc:  # no room (everything pinned): a miss for this read
+            logger.info("disk tier: no host slot to stage %s into: %s", key[1].hex(), exc)
+            return None
+        self.tiers.evicted(host, res.evicted)
+        slot = res.slot
+        lease = host.table.pin(slot)
+        src = np.frombuffer(payload, dtype=np.uint8)
+        size = rec.chunk_bytes
+        for j, index in enumerate(rec.chunk_indices()):
+            host.table.chunk_view(slot, index).numpy()[:] = src[j * size : (j + 1) * size]
+            host.table.mark_landed(slot, index)
+        self.counters["staged_warm" if warm else "staged_cold"] += 1
+        self.metrics.tier_moves.labels(to=host.name).inc()
+        if warm and host.reg is not None:
+            self.tiers.moved(slot)  # readers may READ it where it is now
+        return lease, not warm
+
+    # ---- removal, registration, stats -----------------------------------------------------
+
+    def remove(self, keys: list[SlotKey]) -> int:
+        """Drop the disk copies of ``keys`` for good (an operator's eviction, a bad chunk):
+        forgotten now, their records killed on disk in the background; how many there were."""
+        n = 0
+        for key in keys:
+            self._queue.pop(key, None)
+            rec = self.store.forget(key)
+            if rec is not None:
+                n += 1
+                self._kill(rec)
+        self.metrics.disk_blocks.set(len(self.store))
+        return n
+
+    def keys_of(self, ns_id: bytes) -> list[SlotKey]:
+        return [k for k in self.store if k[0] == ns_id]
+
+    def _kill(self, rec: Record) -> None:
+        def kill() -> None:
+            try:
+                self.store.kill(rec)
+            except OSError as exc:
+                logger.warning("disk tier: cannot mark a dropped record dead: %s", exc)
+
+        self._writer.submit(kill)
+
+    def adds(self) -> list[BlockAdd]:
+        """Commit items for every block held only on disk (what a registration reports)."""
+        return [
+            BlockAdd(k[0], k[1], tuple(rec.chunk_indices()))
+            for k, rec in list(self.store.index.items())
+            if self.tiers.holder(k) is None
+        ]
+
+    def stats(self) -> dict[str, Any]:
+        """The tier's entry of the node's ``stats`` answer."""
+        store = self.store
+        return {
+            "name": self.name,
+            "slots": len(store),
+            "pinned_slots": 0,
+            "capacity_bytes": store.capacity,
+            "used_bytes": store.live_bytes,
+            "segment_bytes": store.used_bytes,
+            "direct": store.direct,
+            "queued": len(self._queue),
+            "writing": self.writing,
+            "fault": self.fault,
+            **self.counters,
+        }
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        self.store.close()

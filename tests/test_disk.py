@@ -1,0 +1,330 @@
+"""The disk tier: its segment store on a real file system (records written, read back
+verified, adopted again by a new store on the same directory, torn tails dropped, a disk of
+another node or pool refused), and a node with a host memory far smaller than what it is
+given, in this process against a real master and in real processes killed with SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvclient
+from kvstore.core.slots import SlotKey
+from kvstore.dataplane import NodeClient
+from kvstore.errors import ChecksumError, InvalidArgument
+from kvstore.node.disk import ALIGN, DiskStore, Record
+from kvstore.transport import connect
+from tests.cluster import start_server
+from tests.test_node import NS, TIMEOUT, Rig, blocks, chunks, get, put, running
+
+# ---- the store ------------------------------------------------------------------------------
+
+
+def _images(n: int, size: int = 5000, per: int = 3) -> list[tuple[Record, list[bytes]]]:
+    """``n`` slots of ``per`` random chunks of ``size`` bytes, with and without parents and
+    owners, and their chunks."""
+    out = []
+    for i, key in enumerate(blocks(n)):
+        payloads = [os.urandom(size) for _ in range(per)]
+        parent = None if i == 0 else b"p" * 16
+        owner = "tenant-a" if i % 2 else ""
+        img = Record.of((b"n" * 16, key), parent, owner, size * per + 64, size, per, 2**per - 1)
+        out.append((img, payloads))
+    return out
+
+
+def _write(store: DiskStore, items: list[tuple[Record, list[bytes]]]) -> list[Record]:
+    """Write ``items`` batch after batch, as the tier's writer does; the records indexed."""
+    todo = list(items)
+    written: list[Record] = []
+    while todo:
+        plan, _ = store.plan_batch([img for img, _ in todo])
+        assert plan is not None
+        n = len(plan.records)
+        store.write_batch(plan, [[memoryview(p) for p in payloads] for _, payloads in todo[:n]])
+        store.commit(plan)
+        written += plan.records
+        todo = todo[n:]
+    return written
+
+
+def _payload(store: DiskStore, key: SlotKey) -> bytes:
+    rec = store.get(key)
+    assert rec is not None
+    view = store.read(rec)
+    try:
+        return bytes(view)
+    finally:
+        store.give_back(view)
+
+
+def test_records_read_back_verified_and_are_adopted_by_the_next_store(tmp_path: Path) -> None:
+    store = DiskStore.open(tmp_path, 4 * 2**20, node_id="n1", segment_bytes=64 * 2**10)
+    items = _images(40)
+    _write(store, items)
+    assert store.segments > 1  # 40 records of ~16 KiB over 64 KiB segments
+    for img, payloads in items:
+        assert _payload(store, img.key) == b"".join(payloads)
+    store.close()
+    again = DiskStore.open(tmp_path, 4 * 2**20, node_id="n1", segment_bytes=64 * 2**10)
+    assert len(again) == 40 and again.dropped_tail_bytes == 0
+    for img, payloads in items:
+        rec = again.get(img.key)
+        assert rec is not None
+        assert (rec.parent, rec.owner, rec.mask, rec.num_chunks) == (
+            img.parent,
+            img.owner,
+            img.mask,
+            img.num_chunks,
+        )
+        assert _payload(again, img.key) == b"".join(payloads)
+    again.close()
+
+
+def test_a_torn_tail_is_dropped_and_what_came_before_it_is_kept(tmp_path: Path) -> None:
+    store = DiskStore.open(tmp_path, 4 * 2**20, node_id="n1")
+    items = _images(6)
+    records = _write(store, items)
+    store.close()
+    last = records[-1]
+    seg = tmp_path / f"seg-{last.segment:08d}.kvd"
+    # The crash came mid-way through the last record's payload.
+    os.truncate(seg, last.offset + last.span - ALIGN)
+    with open(seg, "ab") as f:
+        f.write(b"\x00" * ALIGN)  # (the file's length is no proof of anything)
+    again = DiskStore.open(tmp_path, 4 * 2**20, node_id="n1")
+    assert len(again) == 5 and last.key not in again
+    assert again.dropped_tail_bytes == last.span
+    for img, payloads in items[:5]:
+        assert _payload(again, img.key) == b"".join(payloads)
+    # Appends go on after the last intact record.
+    _write(again, items[5:])
+    again.close()
+    third = DiskStore.open(tmp_path, 4 * 2**20, node_id="n1")
+    assert len(third) == 6 and third.dropped_tail_bytes == 0
+    third.close()
+
+
+def test_a_flipped_payload_byte_is_never_served(tmp_path: Path) -> None:
+    store = DiskStore.open(tmp_path, 4 * 2**20, node_id="n1", segment_bytes=32 * 2**10)
+    items = _images(8)
+    records = _write(store, items)
+    store.close()
+    first = records[0]  # in the oldest segment: adopted on its header, checked on its read
+    seg = tmp_path / f"seg-{first.segment:08d}.kvd"
+    with open(seg, "r+b") as f:
+        f.seek(first.offset + first.payload_at + 1234)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    again = DiskStore.open(tmp_path, 4 * 2**20, node_id="n1", segment_bytes=32 * 2**10)
+    rec = again.get(first.key)
+    assert rec is not None
+    with pytest.raises(ChecksumError):
+        again.read(rec)
+    assert _payload(again, records[1].key) == b"".join(items[1][1])
+    again.close()
+
+
+def test_the_oldest_segments_make_room_and_dead_records_stay_dead(tmp_path: Path) -> None:
+    store = DiskStore.open(tmp_path, 256 * 2**10, node_id="n1", segment_bytes=64 * 2**10)
+    items = _images(40)  # ~640 KiB of records into 256 KiB
+    dropped: list[Record] = []
+    for img, payloads in items:
+        plan, gone = store.plan_batch([img])
+        assert plan is not None
+        dropped += gone
+        store.write_batch(plan, [[memoryview(p) for p in payloads]])
+        store.commit(plan)
+    assert store.used_bytes <= 256 * 2**10
+    kept = [img.key for img, _ in items if img.key in store]
+    assert kept == [img.key for img, _ in items][-len(kept) :]  # the newest are kept
+    assert {r.key for r in dropped} == {img.key for img, _ in items} - set(kept)
+    victim = store.forget(kept[-1])
+    assert victim is not None
+    store.kill(victim)
+    store.close()
+    again = DiskStore.open(tmp_path, 256 * 2**10, node_id="n1", segment_bytes=64 * 2**10)
+    assert set(again) == set(kept[:-1])
+    again.close()
+
+
+def test_a_disk_of_another_node_or_pool_or_holding_strangers_is_refused(tmp_path: Path) -> None:
+    DiskStore.open(tmp_path / "a", 2**20, node_id="n1", secret="s1").close()
+    with pytest.raises(InvalidArgument, match="belongs to node 'n1'"):
+        DiskStore.open(tmp_path / "a", 2**20, node_id="n2", secret="s1")
+    with pytest.raises(InvalidArgument, match="another cluster secret"):
+        DiskStore.open(tmp_path / "a", 2**20, node_id="n1", secret="s2")
+    with pytest.raises(InvalidArgument, match="another cluster secret"):
+        DiskStore.open(tmp_path / "a", 2**20, node_id="n1")
+    assert DiskStore.owner_of(tmp_path / "a") == "n1"
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "notes.txt").write_text("mine")
+    with pytest.raises(InvalidArgument, match=r"notes\.txt"):
+        DiskStore.open(tmp_path / "b", 2**20, node_id="n1")
+    assert "s1" not in (tmp_path / "a" / "kvstore-disk.json").read_text()
+
+
+def test_a_failed_write_gives_its_room_back(tmp_path: Path) -> None:
+    store = DiskStore.open(tmp_path, 4 * 2**20, node_id="n1")
+    items = _images(3)
+    _write(store, items[:1])
+    plan, _ = store.plan_batch([items[1][0]])
+    assert plan is not None
+    store.abandon(plan)  # (what the tier does when write_batch raised)
+    _write(store, items[2:])
+    store.close()
+    again = DiskStore.open(tmp_path, 4 * 2**20, node_id="n1")
+    assert set(again) == {items[0][0].key, items[2][0].key}
+    again.close()
+
+
+# ---- a node with a disk tier, in this process -------------------------------------------------
+
+SLOT_ROWS = 2  # NS has two layers
+
+
+async def _put_all(rig: Rig, keys: list[bytes]) -> dict[tuple[bytes, int], torch.Tensor]:
+    """Both layers of ``keys``, 4 blocks a put; what was put, by (block, layer)."""
+    sent: dict[tuple[bytes, int], torch.Tensor] = {}
+    conn = await connect(rig.node.data_uri, timeout=TIMEOUT)
+    try:
+        for i in range(0, len(keys), 4):
+            part = keys[i : i + 4]
+            for layer in range(SLOT_ROWS):
+                rows = chunks(part, layer)
+                ack = await put(conn, rig.node, part, rows, layer=layer)
+                assert (ack.stored, ack.failed) == (len(part), ())
+                sent.update({(k, layer): rows[j] for j, k in enumerate(part)})
+            await asyncio.sleep(0)
+    finally:
+        await conn.close()
+    return sent
+
+
+async def _read_all(rig: Rig, keys: list[bytes]) -> dict[tuple[bytes, int], torch.Tensor]:
+    got: dict[tuple[bytes, int], torch.Tensor] = {}
+    conn = await connect(rig.node.data_uri, timeout=TIMEOUT)
+    try:
+        for i in range(0, len(keys), 8):
+            part = keys[i : i + 8]
+            for layer in range(SLOT_ROWS):
+                found, bufs = await get(conn, part, layer)
+                kept = [k for k, f in zip(part, found, strict=True) if f]
+                got.update({(k, layer): b for k, b in zip(kept, bufs, strict=True)})
+    finally:
+        await conn.close()
+    return got
+
+
+async def test_a_node_holds_and_serves_many_times_its_memory_from_disk(tmp_path: Path) -> None:
+    """4 MiB of host memory, 60 blocks of 256 KiB: every block is read back byte for byte,
+    most of them from disk, and the master's index holds every one of them."""
+    disk = tmp_path / "disk"
+    async with running("tcp", host_mem=4 * 2**20, disk_path=str(disk), disk_size=64 * 2**20) as rig:
+        keys = blocks(60)
+        disk_tier = rig.node.disk
+        assert disk_tier is not None
+        sent: dict[tuple[bytes, int], torch.Tensor] = {}
+        for i in range(0, 60, 8):  # give the writer time to keep up (it is behind the puts)
+            sent |= await _put_all(rig, keys[i : i + 8])
+            assert await disk_tier.flush(TIMEOUT)
+        assert await rig.holders(keys) == [2] * 60
+        stats = await NodeClient(rig.node.data_uri, timeout_s=TIMEOUT).stats()
+        (disk_stats,) = [t for t in stats["tiers"] if t["name"] == "disk"]
+        assert disk_stats["slots"] == 60 and disk_stats["unwritten_evictions"] == 0
+        got = await _read_all(rig, keys)
+        assert set(got) == set(sent)
+        assert all(torch.equal(got[k], sent[k]) for k in sent)
+        assert disk_tier.counters["read"] >= 50
+        # A scan of disk blocks read once displaces nothing warm: staged cold, they are the
+        # next victims, and a second read stages warm.
+        assert disk_tier.counters["staged_cold"] >= 50
+        await _read_all(rig, keys[:2])
+        assert disk_tier.counters["staged_warm"] >= 1
+
+
+async def test_a_node_restarted_on_its_disk_serves_what_it_wrote(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    options = {"host_mem": 4 * 2**20, "disk_path": str(disk), "disk_size": 64 * 2**20}
+    async with running("tcp", **options) as rig:
+        keys = blocks(24)
+        sent = await _put_all(rig, keys)
+        assert rig.node.disk is not None and await rig.node.disk.flush(TIMEOUT)
+        first_id = rig.node.node_id
+    async with running("tcp", **options) as rig:  # a new master too: an empty index
+        assert rig.node.node_id == first_id  # the id the disk was written by
+        assert await rig.holders(keys) == [2] * 24
+        got = await _read_all(rig, keys)
+        assert set(got) == set(sent) and all(torch.equal(got[k], sent[k]) for k in sent)
+
+
+async def test_an_operator_eviction_removes_the_disk_copy_for_good(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    options = {"host_mem": 4 * 2**20, "disk_path": str(disk), "disk_size": 64 * 2**20}
+    async with running("tcp", **options) as rig:
+        keys = blocks(16)
+        await _put_all(rig, keys)
+        assert rig.node.disk is not None and await rig.node.disk.flush(TIMEOUT)
+        gone = await NodeClient(rig.node.data_uri, timeout_s=TIMEOUT).evict(NS.id, keys[:10])
+        assert gone.evicted == 10
+        assert await rig.holders(keys) == [0] * 10 + [2] * 6
+        await asyncio.to_thread(rig.node.disk._writer.submit(lambda: None).result, TIMEOUT)
+    async with running("tcp", **options) as rig:
+        assert await rig.holders(keys) == [0] * 10 + [2] * 6
+
+
+# ---- real processes, SIGKILL ------------------------------------------------------------------
+
+KV_NS = kvclient.Namespace(model="disk-test", revision="1", num_layers=4, num_kv_heads=4,
+                           head_dim=64, dtype=torch.bfloat16, block_tokens=64,
+                           quant="int8")  # fmt: skip
+
+
+def _node(master: str, disk: Path, *extra: str) -> list[str]:
+    return ["node", "--master", master, "--data-port", "0", "--metrics-port", "0",
+            "--host-mem", "4MiB", "--disk-path", str(disk), "--disk-size", "256MiB",
+            *extra]  # fmt: skip
+
+
+async def test_blocks_on_disk_survive_a_sigkill_of_their_node(tmp_path: Path) -> None:
+    """A node process holding 40 prompts' blocks, most on disk, is killed with SIGKILL;
+    restarted on the same disk it re-registers them and every one reads back the same."""
+    master = start_server("master", "--grpc-port", "0", "--metrics-port", "0",
+                          "--node-lease-s", "2")  # fmt: skip
+    node = start_server(*_node(master.grpc, tmp_path / "disk"))
+    try:
+        prompts = [[(p * 7919 + t) % 30000 for t in range(256)] for p in range(40)]
+        kv = {p: torch.randn(4, 2, 256, 4, 64).bfloat16() for p in range(40)}
+        async with await kvclient.KVClient.connect(master.grpc, KV_NS, timeout_s=TIMEOUT) as c:
+            for p, tokens in enumerate(prompts):
+                for layer in range(4):
+                    assert await c.put_layer(tokens, layer, kv[p][layer]) == 256
+            before = [await c.get_layer(t, 0) for t in prompts]
+            assert all(b.shape[1] == 256 for b in before)
+            for _ in range(200):  # the writer is behind the puts: wait until it is done
+                stats = await NodeClient(node.data, timeout_s=TIMEOUT).stats()
+                (d,) = [t for t in stats["tiers"] if t["name"] == "disk"]
+                if d["queued"] == 0 and d["slots"] == 160:
+                    break
+                await asyncio.sleep(0.1)
+            assert d["slots"] == 160, d
+        node.proc.send_signal(signal.SIGKILL)
+        node.kill()
+        node = start_server(*_node(master.grpc, tmp_path / "disk"), timeout=90)
+        async with await kvclient.KVClient.connect(master.grpc, KV_NS, timeout_s=TIMEOUT) as c:
+            for p, tokens in enumerate(prompts):
+                assert await c.match_prefix(tokens) == 256
+                for layer in (0, 3):
+                    after = await c.get_layer(tokens, layer)
+                    assert after.shape[1] == 256
+                    if layer == 0:
+                        assert torch.equal(after, before[p])
+    finally:
+        node.stop()
+        master.stop()
