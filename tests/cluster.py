@@ -97,9 +97,10 @@ def run_kvctl(
     )
 
 
-def start_server(*args: str, timeout: float = 60.0) -> Server:
-    """Start ``python -m kvstore.cli ARGS`` and wait for its ready line (or fail)."""
-    return _ready(_spawn(args), args, timeout)
+def start_server(*args: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> Server:
+    """Start ``python -m kvstore.cli ARGS`` (``env``: more environment variables) and wait
+    for its ready line (or fail)."""
+    return _ready(_spawn(args, env), args, timeout)
 
 
 def start_servers(*argvs: tuple[str, ...] | list[str], timeout: float = 60.0) -> list[Server]:
@@ -120,8 +121,8 @@ def start_servers(*argvs: tuple[str, ...] | list[str], timeout: float = 60.0) ->
     return servers
 
 
-def _spawn(args: tuple[str, ...]) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def _spawn(args: tuple[str, ...], extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra or {}))
     return subprocess.Popen(
         [sys.executable, "-m", "kvstore.cli", *args],
         stdout=subprocess.PIPE,

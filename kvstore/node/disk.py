@@ -402,7 +402,13 @@ class DiskStore:
             self._segments[number] = seg
             self._next_segment = number + 1
             end = os.fstat(seg.fd).st_size
-            seg.size = self._scan_segment(seg, end, verify=newest)
+            try:
+                seg.size = self._scan_segment(seg, end, verify=newest)
+            except OSError as exc:  # unreadable: keep what was adopted, cut nothing
+                logger.error("disk tier %s: %s is unreadable past what was adopted: %s",
+                             self.path, path.name, exc)  # fmt: skip
+                seg.size = end
+                continue
             if seg.size < end:
                 self.dropped_tail_bytes += end - seg.size
                 os.ftruncate(seg.fd, seg.size)
@@ -432,7 +438,7 @@ class DiskStore:
                 if verify:
                     try:
                         self.read(rec, keep=False)
-                    except (ChecksumError, OSError):
+                    except ChecksumError:
                         break
                 self._adopt(seg, rec)
                 offset += rec.span
@@ -552,6 +558,30 @@ class DiskStore:
         self._release(seg)
         return gone
 
+    def shrink(self) -> int:
+        """The file system is full: the tier takes no more than it holds now (its next
+        writes make room by dropping its oldest segments); the new capacity."""
+        self.capacity = max(2 * ALIGN, self.used_bytes)
+        self.segment_bytes = max(ALIGN, _up(min(self.segment_bytes, self.capacity // 4)))
+        return self.capacity
+
+    def vanished(self) -> list[Record]:
+        """Drop the segments deleted underneath the tier (their files unlinked by someone
+        else: a restart would not find them); the records dropped, no longer indexed."""
+        gone: list[Record] = []
+        for seg in [s for s in self._segments.values() if not s.doomed and s.fd >= 0]:
+            try:
+                linked = os.fstat(seg.fd).st_nlink > 0
+            except OSError:
+                linked = False
+            if not linked:
+                logger.error(
+                    "disk tier %s: segment %s was deleted underneath it; its %d blocks are "
+                    "dropped", self.path, seg.path.name, len(seg.live),
+                )  # fmt: skip
+                gone += self._drop_segment(seg)
+        return gone
+
     def _release(self, seg: _Segment) -> None:
         if seg.doomed and seg.readers == 0 and seg.fd >= 0:
             os.close(seg.fd)
@@ -588,7 +618,8 @@ class DiskStore:
             seg = self._segments[plan.segment]
             done = os.pwrite(seg.fd, memoryview(buf)[: plan.nbytes], plan.offset)
             if done != plan.nbytes:
-                raise OSError(errno.EIO, f"short write ({done} of {plan.nbytes} bytes)")
+                # (a regular file takes a short write only when its file system is full)
+                raise OSError(errno.ENOSPC, f"short write ({done} of {plan.nbytes} bytes)")
         finally:
             if buf is not self._write_buf:
                 buf.close()

@@ -14,10 +14,12 @@
   :data:`RECENT_READS` disk reads) or read again while staged, which is the admission rule.
 - **Leaves the node only from disk**: when the disk needs room its oldest segment goes, and
   its blocks that no memory tier holds are reported evicted.
-- **Faults.** A failed write (full disk, EIO, read-only) stops writes, logs one line and
-  counts it; writes are tried again :data:`RETRY_S` later. A record that fails its check or
-  its read is dropped (reported evicted where no memory tier holds the block); the node goes
-  on serving from memory either way.
+- **Faults.** Each is counted (``kvstore_disk_errors_total``), logged in one line and
+  named in the node's stats (``fault``); the node goes on serving from memory. A full file
+  system shrinks the tier to what it holds (its next writes drop its oldest segments); any
+  other failed write (EIO, read-only) stops writes for :data:`RETRY_S`. A record that
+  fails its check or its read is dropped, and so are segments deleted underneath the tier
+  (looked for every :data:`CHECK_S`); blocks no memory tier holds are reported evicted.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from kvstore.metrics import Metrics
 from kvstore.node.disk import DiskStore, Record
 from kvstore.node.tiers import Tiers, landed_bits
 
-__all__ = ["MAX_QUEUE", "READ_THREADS", "RECENT_READS", "RETRY_S", "DiskTier"]
+__all__ = ["CHECK_S", "MAX_QUEUE", "READ_THREADS", "RECENT_READS", "RETRY_S", "DiskTier"]
 
 logger = logging.getLogger("kvstore.node")
 
@@ -50,7 +52,10 @@ only, and leaves the node when host memory evicts it)."""
 RECENT_READS = 4096
 """Disk reads remembered for the admission rule."""
 RETRY_S = 30.0
-"""After a failed write, how long until writes are tried again."""
+"""After a failed write, how long until writes are tried again (a full disk: none, the
+tier shrinks instead)."""
+CHECK_S = 5.0
+"""How often the tier looks for segments deleted underneath it."""
 
 
 class DiskTier:
@@ -76,6 +81,8 @@ class DiskTier:
         """Monotonic time before which writes are not tried (after a fault)."""
         self.fault = ""
         """The last fault, one line ("" while none since the last good write)."""
+        self._logged: set[tuple[str, str]] = set()
+        """Read faults logged since the last good read (each logged once)."""
         self.counters = {"written": 0, "read": 0, "staged_cold": 0, "staged_warm": 0,
                          "unwritten_evictions": 0, "skipped": 0, "errors": 0}  # fmt: skip
         tiers.disk = self
@@ -101,7 +108,11 @@ class DiskTier:
     async def run(self, idle_s: float = 0.5) -> None:
         """Write queued blocks, batch after batch, until cancelled."""
         self._wake = asyncio.Event()
+        checked = time.monotonic()
         while True:
+            if time.monotonic() - checked >= CHECK_S:
+                checked = time.monotonic()
+                self.check()
             if not self._queue or not self.writing:
                 self._wake.clear()
                 try:
@@ -114,6 +125,15 @@ class DiskTier:
             except Exception:  # a bug must not end the writes for good: log, go on
                 logger.exception("disk tier: a write batch failed")
                 await asyncio.sleep(idle_s)
+
+    def check(self) -> None:
+        """Drop the segments deleted underneath the tier (counted, reported evicted)."""
+        gone = self.store.vanished()
+        if gone:
+            self.metrics.disk_errors.labels(op="check", reason="deleted").inc()
+            self.counters["errors"] += 1
+            self.fault = f"disk tier {self.store.path}: {len(gone)} blocks' segment deleted"
+            self._gone(gone)
 
     async def flush(self, timeout_s: float) -> bool:
         """Write every queued block (tests, a node stopping); whether the queue emptied."""
@@ -197,12 +217,19 @@ class DiskTier:
         self.metrics.disk_errors.labels(op=op, reason=reason).inc()
         self.counters["errors"] += 1
         line = f"disk tier {self.store.path}: {op} failed ({reason}): {exc}"
-        if op == "write":
+        if op == "write" and getattr(exc, "errno", None) == errno.ENOSPC:
+            line += f"; the tier shrinks to {self.store.shrink()} bytes"
+            logger.error("%s", line)  # (its next writes drop its oldest segments for room)
+        elif op == "write":
+            line += f"; writes stop for {RETRY_S:.0f} s, memory tiers go on"
             if self.writing:
-                logger.error("%s; writes stop for %.0f s, memory tiers go on", line, RETRY_S)
+                logger.error("%s", line)
             self._paused_until = time.monotonic() + RETRY_S
         else:
-            logger.warning("%s; that block is dropped from disk", line)
+            line += "; the blocks that fail are dropped from disk"
+            if (op, reason) not in self._logged:  # (once until a read succeeds again)
+                logger.error("%s", line)
+        self._logged.add((op, reason))
         self.fault = line
 
     def _gone(self, records: list[Record]) -> None:
@@ -240,8 +267,12 @@ class DiskTier:
         todo = [k for k in dict.fromkeys(keys) if k in self.store and self.tiers.lookup(k) is None]
         if not todo:
             return [], set()
+        # The request's blocks in memory are pinned first: staging the others must not
+        # evict them (blocks staged cold earlier are the next victims).
+        leases = [held[0].table.pin(held[1]) for k in dict.fromkeys(keys)
+                  if (held := self.tiers.lookup(k)) is not None]  # fmt: skip
         done = await asyncio.gather(*(self._stage_one(k) for k in todo))
-        leases = [lease for lease, _ in (d for d in done if d is not None)]
+        leases += [lease for lease, _ in (d for d in done if d is not None)]
         cold = {k for k, d in zip(todo, done, strict=True) if d is not None and d[1]}
         return leases, cold
 
@@ -264,6 +295,7 @@ class DiskTier:
             return None
         finally:
             store.unpin(rec)
+        self._logged.clear()
         self.metrics.disk_bytes.labels(op="read").inc(rec.payload_bytes)
         self.metrics.disk_seconds.labels(op="read").observe(time.perf_counter() - t0)
         self.counters["read"] += 1
@@ -328,8 +360,8 @@ class DiskTier:
         def kill() -> None:
             try:
                 self.store.kill(rec)
-            except OSError as exc:
-                logger.warning("disk tier: cannot mark a dropped record dead: %s", exc)
+            except OSError as exc:  # (said at debug level: the fault that led here was said)
+                logger.debug("disk tier: cannot mark a dropped record dead: %s", exc)
 
         self._writer.submit(kill)
 
