@@ -8,16 +8,20 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 import kvclient
+from kvstore.control.client import MasterClient
 from kvstore.core.slots import SlotKey
 from kvstore.dataplane import NodeClient
 from kvstore.errors import ChecksumError, InvalidArgument
+from kvstore.master import MasterConfig, MasterServer
 from kvstore.node.disk import ALIGN, DiskStore, Record
+from kvstore.node.server import NodeConfig, StorageNode
 from kvstore.transport import connect
 from tests.cluster import start_server
 from tests.test_node import NS, TIMEOUT, Rig, blocks, chunks, get, put, running
@@ -328,3 +332,38 @@ async def test_blocks_on_disk_survive_a_sigkill_of_their_node(tmp_path: Path) ->
     finally:
         node.stop()
         master.stop()
+
+
+async def test_a_drain_copies_the_blocks_held_only_on_disk(tmp_path: Path) -> None:
+    """A node restarted on its disk (its namespaces read back from it, none put since)
+    drains: every block, nearly all of them on disk only, is copied to the other node."""
+    master = MasterServer(MasterConfig(grpc_port=0))
+    await master.start()
+    in_process = MasterClient.in_process(master.service)
+    base = NodeConfig(master=master.address, data_port=0, host_mem=4 * 2**20, sweep_s=0.1,
+                      disk_path=str(tmp_path / "disk"), disk_size=64 * 2**20)  # fmt: skip
+    nodes: list[StorageNode] = []
+    try:
+        first = StorageNode(base, master=in_process)
+        await first.start()
+        keys = blocks(24)
+        sent = await _put_all(Rig(master, first), keys)
+        assert first.disk is not None and await first.disk.flush(TIMEOUT)
+        await first.stop(grace=1.0)
+        nodes.append(again := StorageNode(base, master=in_process))
+        nodes.append(other := StorageNode(replace(base, host_mem=32 * 2**20, disk_path="",
+                                                  disk_size=0), master=in_process))  # fmt: skip
+        for node in nodes:
+            await node.start()
+        assert again.disk is not None and len(again.disk.store) == 24
+        done = await again.drain_and_wait(30.0)
+        assert done["drain_state"] == "done" and done["drain_left"] == 0, done
+        assert done["drain_moved_chunks"] == 48 and done["drain_failed"] == 0, done
+        got = await _read_all(Rig(master, other), keys)
+        assert set(got) == set(sent) and all(torch.equal(got[k], sent[k]) for k in sent)
+    finally:
+        for node in nodes:
+            await node.stop(grace=1.0)
+        await master.stop(grace=0.5)
+    for node in nodes:
+        assert node.pinned_slots == 0

@@ -32,6 +32,7 @@ worker thread.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import hashlib
@@ -75,6 +76,9 @@ MAX_BATCH_BYTES = 16 * 2**20
 """Bytes one write batch packs (one record larger than this goes alone)."""
 FORMAT = 1
 IDENTITY_FILE = "kvstore-disk.json"
+NAMESPACES_FILE = "namespaces.json"
+"""The namespaces of the blocks on disk (canonical bytes and tenant, by pool id): a node
+restarted on its disk knows them before any put names them again."""
 RECORD_MAGIC = b"KVDR"
 DEAD_MAGIC = b"KVDX"
 _VERSION = 1
@@ -274,6 +278,8 @@ class DiskStore:
         self._direct = direct
         self._write_buf = mmap.mmap(-1, MAX_BATCH_BYTES)
         self._read_bufs = _Buffers()
+        self.namespaces: dict[bytes, tuple[bytes, str]] = {}
+        """Pool id -> (the namespace's canonical bytes, its tenant), for the blocks here."""
         self.dropped_tail_bytes = 0
         """Bytes of torn or unreadable tails dropped when the store opened."""
 
@@ -299,7 +305,30 @@ class DiskStore:
         store._claim(node_id, pool_tag(secret))
         store._probe_direct()
         store._scan()
+        store._load_namespaces()
         return store
+
+    def _load_namespaces(self) -> None:
+        path = self.path / NAMESPACES_FILE
+        try:
+            saved = json.loads(path.read_text())
+            self.namespaces = {
+                bytes.fromhex(pool): (base64.b64decode(entry["ns"]), str(entry["tenant"]))
+                for pool, entry in saved.items()
+            }
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            logger.warning("disk tier %s: %s is unreadable (%s); namespaces are learnt from "
+                           "puts again", self.path, NAMESPACES_FILE, exc)  # fmt: skip
+
+    def save_namespaces(self) -> None:
+        """Worker thread: write :attr:`namespaces` (atomically). ``OSError`` if it fails."""
+        doc = {pool.hex(): {"ns": base64.b64encode(raw).decode(), "tenant": tenant}
+               for pool, (raw, tenant) in list(self.namespaces.items())}  # fmt: skip
+        tmp = self.path / ("." + NAMESPACES_FILE + ".tmp")
+        tmp.write_text(json.dumps(doc) + "\n")
+        os.replace(tmp, self.path / NAMESPACES_FILE)
 
     @staticmethod
     def owner_of(path: str | os.PathLike[str]) -> str | None:
@@ -317,7 +346,7 @@ class DiskStore:
         ident = self.path / IDENTITY_FILE
         names = [p.name for p in self.path.iterdir() if not p.name.startswith(".")]
         segments = [n for n in names if _SEGMENT_NAME.fullmatch(n)]
-        strangers = sorted(set(names) - set(segments) - {IDENTITY_FILE})
+        strangers = sorted(set(names) - set(segments) - {IDENTITY_FILE, NAMESPACES_FILE})
         if ident.exists():
             try:
                 meta = json.loads(ident.read_text())

@@ -353,6 +353,20 @@ class DiskTier:
         self.metrics.disk_blocks.set(len(self.store))
         return n
 
+    def note_namespace(self, pool_id: bytes, raw: bytes, tenant: str) -> None:
+        """A namespace the node serves: kept on disk (in the background) with its blocks."""
+        if self.store.namespaces.get(pool_id) == (raw, tenant):
+            return
+        self.store.namespaces[pool_id] = (raw, tenant)
+
+        def save() -> None:
+            try:
+                self.store.save_namespaces()
+            except OSError as exc:
+                logger.warning("disk tier: cannot save its namespaces: %s", exc)
+
+        self._writer.submit(save)
+
     def keys_of(self, ns_id: bytes) -> list[SlotKey]:
         return [k for k in self.store if k[0] == ns_id]
 

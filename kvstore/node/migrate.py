@@ -67,6 +67,9 @@ PAUSE_S = 0.5
 """Pause between passes while something is left (receivers busy, chunks landing)."""
 LOOKUP_BLOCKS = 4096
 """Blocks per master Lookup while planning a pass."""
+DISK_BLOCKS = 64
+"""Blocks held only on disk that one pass reads up to copy (staged cold: they leave host
+memory again at no cost once copied)."""
 
 _NamespaceOf = Callable[[bytes], tuple[Namespace, int] | None]
 
@@ -123,6 +126,8 @@ class Migration:
         self.dropped = 0
         self._copied: dict[SlotKey, tuple[Slot, int]] = {}
         """Per block: its slot and the mask of chunks copied away from it."""
+        self._disk_done: set[SlotKey] = set()
+        """Blocks held only on disk whose every chunk was copied away (or given up)."""
         self._tries: dict[tuple[SlotKey, int], int] = {}
         self._benched: dict[str, float] = {}
         self._wake = asyncio.Event()
@@ -137,6 +142,7 @@ class Migration:
         if draining:
             self.passes = self.moved_chunks = self.moved_bytes = self.failed = self.dropped = 0
             self._copied.clear()
+            self._disk_done.clear()
             self._tries.clear()
             self.state, self.reason = "moving", ""
             self._settled.clear()
@@ -196,12 +202,59 @@ class Migration:
         """Copy what is left once; updates the progress counters."""
         self.passes += 1
         self._settled.clear()  # (a waiter counts only a pass that starts after it)
+        staged = await self._stage_from_disk()
+        try:
+            await self._pass()
+        finally:
+            for lease in staged:
+                lease.release()
+
+    async def _stage_from_disk(self) -> list[Lease[Slot]]:
+        """Read up to :data:`DISK_BLOCKS` blocks held only on disk into host memory for
+        this pass (the most recently written first); their leases."""
+        disk = self.tiers.disk
+        if disk is None:
+            return []
+        keys = self._disk_only()[:DISK_BLOCKS]
+        if not keys:
+            return []
+        leases, _ = await disk.stage(keys)
+        return leases
+
+    def _disk_only(self) -> list[SlotKey]:
+        """Blocks of known namespaces held only on disk and not yet copied, newest first."""
+        disk = self.tiers.disk
+        if disk is None:
+            return []
+        index, known, holder = disk.store.index, self.namespace_of, self.tiers.holder
+        keys = [k for k in disk.store if k not in self._disk_done]
+        keys = [k for k in keys if known(k[0]) is not None and holder(k) is None]
+        keys.sort(key=lambda k: -index[k].seq if k in index else 0)
+        return keys
+
+    def _disk_chunks(self, keys: list[SlotKey]) -> int:
+        index = self.tiers.disk.store.index if self.tiers.disk is not None else {}
+        return sum(index[k].mask.bit_count() for k in keys if k in index)
+
+    def _done_if_copied(self, key: SlotKey) -> None:
+        """``key``'s disk-only block is done once every chunk is copied or given up."""
+        held = self.tiers.lookup(key)
+        if held is None:
+            return
+        left = landed_bits(held[1].landed_mask & ~self._copied_mask(held[1]))
+        if all(self._tries.get((key, c), 0) >= MAX_TRIES for c in left):
+            self._disk_done.add(key)
+
+    async def _pass(self) -> None:
         todo = self._todo()
-        if not todo:
+        on_disk = self._disk_only()
+        if not todo and not on_disk:
             self.left, self.state, self.reason = 0, "done", ""
             self._settled.set()
             return
-        self.left = sum(len(c) for _, c in todo)
+        self.left = sum(len(c) for _, c in todo) + self._disk_chunks(on_disk)
+        if not todo:  # (the blocks staged for this pass went meanwhile: the next reads them)
+            return
         infos = await self.master.nodes(timeout=self.io_timeout_s)
         now = time.monotonic()
         targets = {
@@ -231,8 +284,11 @@ class Migration:
                 await self._send(batch)
 
         await asyncio.gather(*(send(b) for b in batches))
+        for slot, _ in todo:
+            if self.tiers.disk is not None and slot.key in self.tiers.disk.store:
+                self._done_if_copied(slot.key)
         left = self._todo()
-        self.left = sum(len(c) for _, c in left)
+        self.left = sum(len(c) for _, c in left) + self._disk_chunks(self._disk_only())
         if not self.draining:  # undrained during the pass
             self.state, self.reason, self.left = "idle", "", 0
 

@@ -271,6 +271,11 @@ class StorageNode:
             secret=cfg.token, direct=cfg.disk_direct,
         )  # fmt: skip
         self.disk = DiskTier(store, self.tiers, self.metrics)
+        for raw, tenant in list(store.namespaces.values()):
+            try:
+                self._namespace(raw, tenant)
+            except KVStoreError as exc:  # (one the node cannot parse: learnt from puts again)
+                logger.warning("disk tier: a saved namespace is unusable: %s", exc)
         logger.info(
             "disk tier %s: %d blocks in %d segments adopted in %.2f s (O_DIRECT %s, %d torn "
             "bytes dropped)", cfg.disk_path, len(store), store.segments,
@@ -608,6 +613,8 @@ class StorageNode:
             known = self._namespaces[pool_id] = (ns.with_id(pool_id), size)
             if tenant:
                 self._tenant_of[pool_id] = tenant
+            if self.disk is not None:
+                self.disk.note_namespace(pool_id, raw, tenant)
         self._ns_by_raw[(raw, tenant)] = known
         return known
 
