@@ -18,6 +18,7 @@ import kvclient
 from kvstore.control.client import MasterClient
 from kvstore.core.slots import SlotKey
 from kvstore.dataplane import NodeClient
+from kvstore.dataplane.location import tier_of
 from kvstore.errors import ChecksumError, InvalidArgument
 from kvstore.master import MasterConfig, MasterServer
 from kvstore.node.disk import ALIGN, DiskStore, Record
@@ -211,6 +212,12 @@ async def _put_all(rig: Rig, keys: list[bytes]) -> dict[tuple[bytes, int], torch
     return sent
 
 
+async def _tiers(rig: Rig, keys: list[bytes]) -> list[str]:
+    """The tier the index says holds each block (its one holder)."""
+    found = await MasterClient.in_process(rig.master.service).lookup(NS.id, keys, 2)
+    return [tier_of(holders[0].location) if holders else "" for holders in found]
+
+
 async def _read_all(rig: Rig, keys: list[bytes]) -> dict[tuple[bytes, int], torch.Tensor]:
     got: dict[tuple[bytes, int], torch.Tensor] = {}
     conn = await connect(rig.node.data_uri, timeout=TIMEOUT)
@@ -239,6 +246,11 @@ async def test_a_node_holds_and_serves_many_times_its_memory_from_disk(tmp_path:
             sent |= await _put_all(rig, keys[i : i + 8])
             assert await disk_tier.flush(TIMEOUT)
         assert await rig.holders(keys) == [2] * 60
+        await rig.node.link.commit([])  # (what the writer learnt reaches the index)
+        tiers = await _tiers(rig, keys)
+        assert set(tiers) == {"disk", "host+disk"} and tiers.count("host+disk") >= 4
+        assert all((tier == "disk") == (rig.node.tiers.lookup((NS.id, k)) is None)
+                   for k, tier in zip(keys, tiers, strict=True))  # fmt: skip
         stats = await NodeClient(rig.node.data_uri, timeout_s=TIMEOUT).stats()
         (disk_stats,) = [t for t in stats["tiers"] if t["name"] == "disk"]
         assert disk_stats["slots"] == 60 and disk_stats["unwritten_evictions"] == 0
@@ -253,6 +265,30 @@ async def test_a_node_holds_and_serves_many_times_its_memory_from_disk(tmp_path:
         assert disk_tier.counters["staged_warm"] >= 1
 
 
+async def test_a_block_in_use_keeps_a_disk_copy_when_its_segment_goes(tmp_path: Path) -> None:
+    """A block read again and again stays in host memory while the disk drops the
+    segment it was written to: it is written again, so when host memory lets it go at
+    last it stays on the node, on disk."""
+    options = {"host_mem": 4 * 2**20, "disk_path": str(tmp_path / "disk"), "disk_size": 8 * 2**20}
+    async with running("tcp", **options) as rig:
+        tier = rig.node.disk
+        assert tier is not None
+        hot = blocks(1)
+        sent = await _put_all(rig, hot)
+        for _ in range(10):  # 10 MiB through an 8 MiB disk, the hot block read each time
+            await _put_all(rig, blocks(4))
+            assert await tier.flush(TIMEOUT)
+            assert (await _read_all(rig, hot)).keys() == sent.keys()
+        assert tier.counters["written"] > 41  # the hot block was written again
+        for _ in range(4):  # host memory lets the hot block go (4 MiB: the disk keeps it)
+            await _put_all(rig, blocks(4))
+            assert await tier.flush(TIMEOUT)
+        assert rig.node.tiers.lookup((NS.id, hot[0])) is None
+        got = await _read_all(rig, hot)
+        assert got.keys() == sent.keys() and all(torch.equal(got[k], sent[k]) for k in sent)
+        assert tier.counters["unwritten_evictions"] == 0
+
+
 async def test_a_node_restarted_on_its_disk_serves_what_it_wrote(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     options = {"host_mem": 4 * 2**20, "disk_path": str(disk), "disk_size": 64 * 2**20}
@@ -264,6 +300,7 @@ async def test_a_node_restarted_on_its_disk_serves_what_it_wrote(tmp_path: Path)
     async with running("tcp", **options) as rig:  # a new master too: an empty index
         assert rig.node.node_id == first_id  # the id the disk was written by
         assert await rig.holders(keys) == [2] * 24
+        assert await _tiers(rig, keys) == ["disk"] * 24
         got = await _read_all(rig, keys)
         assert set(got) == set(sent) and all(torch.equal(got[k], sent[k]) for k in sent)
 

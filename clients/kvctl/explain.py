@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvstore.dataplane.location import tier_of
 from kvstore.errors import ProtocolError
 
 if TYPE_CHECKING:
@@ -59,6 +60,10 @@ class HolderState:
     state: str
     chunks: int
     """Chunks of this block the holder has (of ``num_layers * tp_size``)."""
+    tier: str = ""
+    """Where the holder keeps its copy: ``host``, ``gpu``, ``disk`` (only there),
+    ``host+disk`` (in host memory and written to disk: kept across a restart); empty when
+    the node did not say."""
 
     @property
     def readable(self) -> bool:
@@ -201,7 +206,8 @@ def _holder_state(holder: Holder, by_id: dict[str, NodeInfo], full: int) -> Hold
     else:
         state = "suspect" if info.suspect else "alive"
     chunks = (holder.mask & full).bit_count()
-    return HolderState(holder.node_id, holder.epoch, holder.data_uri, state, chunks)
+    tier = tier_of(holder.location)
+    return HolderState(holder.node_id, holder.epoch, holder.data_uri, state, chunks, tier)
 
 
 def _bits(mask: int) -> Iterator[int]:

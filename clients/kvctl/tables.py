@@ -220,7 +220,9 @@ def _layers_cell(shards: Sequence[ShardLayers]) -> str:
 
 
 def _holders_cell(block: BlockReport) -> str:
-    return "\n".join(f"{h.node_id}@{h.epoch} {h.state} {h.chunks}ch" for h in block.holders)
+    return "\n".join(
+        f"{h.node_id}@{h.epoch} {h.state} {h.chunks}ch {h.tier}".rstrip() for h in block.holders
+    )
 
 
 def _visible(n: int, stop: int) -> Iterator[int | range]:

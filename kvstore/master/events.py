@@ -23,7 +23,7 @@ import secrets
 from collections.abc import Callable, Sequence
 
 from kvstore.control.records import BlockAdd, BlockRef, ClusterEvent, ClusterEventKind
-from kvstore.dataplane.location import SlotLocation
+from kvstore.dataplane.location import tier_of
 
 __all__ = ["ClusterEvent", "ClusterEventKind", "EventLog"]
 
@@ -32,10 +32,7 @@ DEFAULT_CAPACITY = 262144
 
 
 def _medium(location: bytes) -> str:
-    loc = SlotLocation.unpack(location)
-    if loc is None:
-        return ""
-    return "gpu" if loc.mem == 1 else "host"  # NIXL's VRAM_SEG is 1, DRAM_SEG 0
+    return tier_of(location)
 
 
 class EventLog:

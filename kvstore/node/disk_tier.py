@@ -35,6 +35,7 @@ import numpy as np
 
 from kvstore.control.records import BlockAdd
 from kvstore.core.slots import Lease, Slot, SlotKey
+from kvstore.dataplane.location import tier_mark, with_disk
 from kvstore.errors import ChecksumError, KVStoreError
 from kvstore.metrics import Metrics
 from kvstore.node.disk import DiskStore, Record
@@ -43,6 +44,8 @@ from kvstore.node.tiers import Tiers, landed_bits
 __all__ = ["CHECK_S", "MAX_QUEUE", "READ_THREADS", "RECENT_READS", "RETRY_S", "DiskTier"]
 
 logger = logging.getLogger("kvstore.node")
+
+DISK_MARK = tier_mark("disk")
 
 READ_THREADS = 4
 """Disk reads in flight at once (each on a thread of its own)."""
@@ -203,6 +206,8 @@ class DiskTier:
             for lease in leases[:n]:
                 lease.release()
         store.commit(plan)
+        for rec in plan.records:  # the index learns these survive a restart
+            self._mark(rec.key, rec.mask, on_disk=True)
         self.fault = ""
         self.counters["written"] += n
         self.metrics.disk_bytes.labels(op="write").inc(plan.nbytes)
@@ -232,9 +237,29 @@ class DiskTier:
         self._logged.add((op, reason))
         self.fault = line
 
+    def _mark(self, key: SlotKey, mask: int, on_disk: bool) -> None:
+        """Say in the host slot's location (committed next) whether ``key`` has a disk
+        copy of what the slot holds."""
+        slot = self.tiers.host.table.get(key)
+        if slot is None or slot.landed_mask != mask:
+            return
+        where = self.tiers.location(slot, self.tiers.host)
+        marked = with_disk(where, on_disk)
+        if marked != where:
+            slot.location = marked
+            self.tiers.moved(slot)
+
     def _gone(self, records: list[Record]) -> None:
-        """Records the disk let go of: blocks no memory tier holds have left the node."""
+        """Records the disk let go of: blocks no memory tier holds have left the node; a
+        block host memory holds is no longer ``host+disk``, and is written again (it is in
+        use: when host memory lets it go it stays on the node, while blocks written after
+        it and never read since go with the next segments)."""
         keys = [r.key for r in records if self.tiers.holder(r.key) is None]
+        for rec in records:
+            self._mark(rec.key, rec.mask, on_disk=False)
+        again = [s for r in records if (s := self.tiers.host.table.get(r.key)) is not None]
+        if again:
+            self.queue(again)
         if keys:
             self.tiers.evicted_from(self.name, keys)
         self.metrics.disk_blocks.set(len(self.store))
@@ -249,7 +274,7 @@ class DiskTier:
         if rec is not None and rec.mask == victim.landed_mask and victim.landed_mask:
             self.metrics.tier_moves.labels(to=self.name).inc()
             chunks = tuple(landed_bits(rec.mask))
-            self.tiers.relocated(BlockAdd(victim.key[0], victim.key[1], chunks))
+            self.tiers.relocated(BlockAdd(victim.key[0], victim.key[1], chunks, DISK_MARK))
             return True
         if rec is not None:  # an older copy of another extent: the block leaves the node
             self.store.forget(victim.key)
@@ -334,8 +359,8 @@ class DiskTier:
             host.table.mark_landed(slot, index)
         self.counters["staged_warm" if warm else "staged_cold"] += 1
         self.metrics.tier_moves.labels(to=host.name).inc()
-        if warm and host.reg is not None:
-            self.tiers.moved(slot)  # readers may READ it where it is now
+        if warm:
+            self.tiers.moved(slot)  # the index learns where it is now
         return lease, not warm
 
     # ---- removal, registration, stats -----------------------------------------------------
@@ -350,6 +375,7 @@ class DiskTier:
             if rec is not None:
                 n += 1
                 self._kill(rec)
+                self._mark(key, rec.mask, on_disk=False)
         self.metrics.disk_blocks.set(len(self.store))
         return n
 
@@ -382,7 +408,7 @@ class DiskTier:
     def adds(self) -> list[BlockAdd]:
         """Commit items for every block held only on disk (what a registration reports)."""
         return [
-            BlockAdd(k[0], k[1], tuple(rec.chunk_indices()))
+            BlockAdd(k[0], k[1], tuple(rec.chunk_indices()), DISK_MARK)
             for k, rec in list(self.store.index.items())
             if self.tiers.holder(k) is None
         ]

@@ -250,7 +250,9 @@ class Puts:
                 continue
             seen.add(key)
             tier = self.tiers.owner(slot)
-            location = self.tiers.location(slot, tier) if tier is not None else b""
+            if tier is None or tier.reg is None:  # (nothing to WRITE one-sidedly into)
+                continue
+            location = self.tiers.location(slot, tier)
             if not location:
                 continue
             for index in dict.fromkeys(put.grant):

@@ -26,7 +26,7 @@ import torch
 from kvstore.control.records import BlockAdd, Tier
 from kvstore.core.arena import Arena
 from kvstore.core.slots import Slot, SlotKey, SlotTable, TierStats
-from kvstore.dataplane.location import SlotLocation
+from kvstore.dataplane.location import SlotLocation, tier_mark
 from kvstore.errors import InvalidArgument, KVStoreError, ProtocolError
 from kvstore.metrics import Metrics
 from kvstore.transport.nixl import Registration
@@ -179,12 +179,16 @@ class Tiers:
     def location(self, slot: Slot, tier: MemoryTier | None = None) -> bytes:
         """``slot``'s packed :class:`SlotLocation` in its tier's NIXL registration (``tier``:
         the tier it lives in, when the caller knows), for readers that READ it directly;
-        empty when that tier is not registered (no ``ucx://``) or the slot is gone."""
+        the tier's mark (:func:`~kvstore.dataplane.location.tier_mark`) when that tier is
+        not registered (no ``ucx://``); empty once the slot is gone."""
         if slot.location and slot.alive:
             return slot.location  # (computed in the tier it lives in: a slot never moves)
         tier = tier or self.owner(slot)
-        if tier is None or tier.reg is None:
+        if tier is None:
             return b""
+        if tier.reg is None:
+            slot.location = tier_mark(tier.name)
+            return slot.location
         span = tier.reg.span(slot.offset, slot.slot_bytes)
         mem = span.to_wire()[3]
         where = SlotLocation(span.addr, slot.chunk_bytes, slot.num_chunks, span.dev_id, mem)
@@ -219,10 +223,9 @@ class Tiers:
         self._moved.append(slot)
 
     def relocated(self, add: BlockAdd) -> None:
-        """A block left host memory for the disk tier: with ``ucx://``, the master's location
-        for it goes (committed with the next batch: readers then ask the node)."""
-        if self.host.reg is not None:
-            self._relocated.append(add)
+        """A block left host memory for the disk tier: the index learns it (the disk's
+        tier mark replaces its location with the next commit: readers then ask the node)."""
+        self._relocated.append(add)
 
     def stored(self, slots: list[Slot]) -> None:
         """Host slots whose chunks landed: the disk tier writes the complete ones."""
