@@ -195,7 +195,7 @@ class LoopResult:
     queued_at_kill: int = 0
     """Blocks queued for the disk one layer put before the kill."""
     complete_at_kill: int = 0
-    memory_only_age_ms: float = 0.0
+    memory_only_age_ms: float | None = None
     """The oldest memory-only loss: from its last layer's ack to the kill (negative: the
     ack came after the kill was sent)."""
     kill_on: str = ""
@@ -604,7 +604,8 @@ class Torture:
                     elif acked and not rb.served[i]:
                         res.memory_only_lost += 1
                         age = (self.t_kill - p.acked_at) * 1000
-                        res.memory_only_age_ms = max(res.memory_only_age_ms, age)
+                        old = res.memory_only_age_ms
+                        res.memory_only_age_ms = age if old is None else max(old, age)
                     elif served_ok:
                         res.survived += acked
                         res.unacked_kept += not acked
@@ -632,11 +633,13 @@ class Torture:
                 await self.verify(res, inflight)
                 self.results.append(res)
                 bad = res.corrupt + res.phantom + res.lost + res.vanished
+                age = ""
+                if res.memory_only_age_ms is not None:
+                    age = f" (the oldest acked {res.memory_only_age_ms:.1f} ms before the kill)"
                 bar.console.print(
                     f"loop {loop}: checked {res.checked}, corrupt {res.corrupt}, phantom "
                     f"{res.phantom}, lost {res.lost}, vanished {res.vanished}, memory-only lost "
-                    f"{res.memory_only_lost} (oldest acked {res.memory_only_age_ms:.1f} ms before "
-                    f"the kill), survived {res.survived}; killed after "
+                    f"{res.memory_only_lost}{age}, survived {res.survived}; killed after "
                     f"{res.layer_puts_before_kill}/{res.layer_puts_planned} layer puts (on "
                     f"{res.kill_on}, {res.kill_after_ack_ms:.1f} ms after an ack), "
                     f"{res.complete_at_kill} blocks complete, {res.queued_at_kill} queued; "

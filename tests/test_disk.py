@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import kvclient
+from kvclient.ucx import nixl_available
 from kvstore.control.client import MasterClient
 from kvstore.core.slots import SlotKey
 from kvstore.dataplane import NodeClient
@@ -195,7 +199,8 @@ SLOT_ROWS = 2  # NS has two layers
 
 
 async def _put_all(rig: Rig, keys: list[bytes]) -> dict[tuple[bytes, int], torch.Tensor]:
-    """Both layers of ``keys``, 4 blocks a put; what was put, by (block, layer)."""
+    """Both layers of ``keys``, 4 blocks a put, the disk tier's writer caught up after each
+    (so nothing leaves host memory unwritten); what was put, by (block, layer)."""
     sent: dict[tuple[bytes, int], torch.Tensor] = {}
     conn = await connect(rig.node.data_uri, timeout=TIMEOUT)
     try:
@@ -206,7 +211,8 @@ async def _put_all(rig: Rig, keys: list[bytes]) -> dict[tuple[bytes, int], torch
                 ack = await put(conn, rig.node, part, rows, layer=layer)
                 assert (ack.stored, ack.failed) == (len(part), ())
                 sent.update({(k, layer): rows[j] for j, k in enumerate(part)})
-            await asyncio.sleep(0)
+            if rig.node.disk is not None:  # (False while writes are paused by a fault)
+                await rig.node.disk.flush(TIMEOUT)
     finally:
         await conn.close()
     return sent
@@ -289,6 +295,55 @@ async def test_a_block_in_use_keeps_a_disk_copy_when_its_segment_goes(tmp_path: 
         assert tier.counters["unwritten_evictions"] == 0
 
 
+async def test_reads_of_one_block_at_once_read_it_from_disk_once(tmp_path: Path) -> None:
+    """An engine reads a prompt's layers in several calls at once: each block only on
+    disk is read up once, and those reads are one use (it stays cold: the next victim)."""
+    options = {"host_mem": 4 * 2**20, "disk_path": str(tmp_path / "disk"), "disk_size": 64 * 2**20}
+    async with running("tcp", **options) as rig:
+        tier = rig.node.disk
+        assert tier is not None
+        keys = blocks(24)
+        sent = await _put_all(rig, keys)
+        part = [k for k in keys if rig.node.tiers.lookup((NS.id, k)) is None][:6]
+        assert len(part) == 6
+        before = tier.counters["read"]
+        conns = [await connect(rig.node.data_uri, timeout=TIMEOUT) for _ in range(2)]
+        try:
+            got = await asyncio.gather(*(get(c, part, layer) for layer, c in enumerate(conns)))
+        finally:
+            for c in conns:
+                await c.close()
+        for layer, (found, bufs) in enumerate(got):
+            assert found == [1] * 6
+            assert all(torch.equal(b, sent[(k, layer)]) for k, b in zip(part, bufs, strict=True))
+        assert tier.counters["read"] - before == 6
+        host = rig.node.tiers.host.table
+        assert all(host.get((NS.id, k)).stamp < 0 for k in part)  # type: ignore[union-attr]
+
+
+async def test_a_put_of_a_block_held_on_disk_is_answered_stored(tmp_path: Path) -> None:
+    """The first writer wins on disk as in memory: a block only on disk is not sent
+    again (nor read up for it), and reads keep getting the bytes first stored."""
+    options = {"host_mem": 4 * 2**20, "disk_path": str(tmp_path / "disk"), "disk_size": 64 * 2**20}
+    async with running("tcp", **options) as rig:
+        tier = rig.node.disk
+        assert tier is not None
+        keys = blocks(24)
+        sent = await _put_all(rig, keys)
+        part = [k for k in keys if rig.node.tiers.lookup((NS.id, k)) is None][:4]
+        reads = tier.counters["read"]
+        conn = await connect(rig.node.data_uri, timeout=TIMEOUT)
+        try:
+            ack = await put(conn, rig.node, part, chunks(part, 1), layer=1)  # other bytes
+        finally:
+            await conn.close()
+        assert (ack.stored, ack.skipped, ack.failed) == (0, 4, ())  # (as for a block in memory)
+        assert tier.counters["read"] == reads
+        assert all(rig.node.tiers.lookup((NS.id, k)) is None for k in part)
+        got = await _read_all(rig, part)
+        assert all(torch.equal(got[k, 1], sent[k, 1]) for k in part)
+
+
 async def test_a_node_restarted_on_its_disk_serves_what_it_wrote(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     options = {"host_mem": 4 * 2**20, "disk_path": str(disk), "disk_size": 64 * 2**20}
@@ -320,7 +375,7 @@ async def test_an_operator_eviction_removes_the_disk_copy_for_good(tmp_path: Pat
         assert await rig.holders(keys) == [0] * 10 + [2] * 6
 
 
-# ---- real processes, SIGKILL ------------------------------------------------------------------
+# ---- real processes, SIGKILL; ucx:// ----------------------------------------------------------
 
 KV_NS = kvclient.Namespace(model="disk-test", revision="1", num_layers=4, num_kv_heads=4,
                            head_dim=64, dtype=torch.bfloat16, block_tokens=64,
@@ -340,21 +395,10 @@ async def test_blocks_on_disk_survive_a_sigkill_of_their_node(tmp_path: Path) ->
                           "--node-lease-s", "2")  # fmt: skip
     node = start_server(*_node(master.grpc, tmp_path / "disk"))
     try:
-        prompts = [[(p * 7919 + t) % 30000 for t in range(256)] for p in range(40)]
-        kv = {p: torch.randn(4, 2, 256, 4, 64).bfloat16() for p in range(40)}
         async with await kvclient.KVClient.connect(master.grpc, KV_NS, timeout_s=TIMEOUT) as c:
-            for p, tokens in enumerate(prompts):
-                for layer in range(4):
-                    assert await c.put_layer(tokens, layer, kv[p][layer]) == 256
+            prompts, _ = await _put_prompts(c, node.data)
             before = [await c.get_layer(t, 0) for t in prompts]
             assert all(b.shape[1] == 256 for b in before)
-            for _ in range(200):  # the writer is behind the puts: wait until it is done
-                stats = await NodeClient(node.data, timeout_s=TIMEOUT).stats()
-                (d,) = [t for t in stats["tiers"] if t["name"] == "disk"]
-                if d["queued"] == 0 and d["slots"] == 160:
-                    break
-                await asyncio.sleep(0.1)
-            assert d["slots"] == 160, d
         node.proc.send_signal(signal.SIGKILL)
         node.kill()
         node = start_server(*_node(master.grpc, tmp_path / "disk"), timeout=90)
@@ -404,3 +448,55 @@ async def test_a_drain_copies_the_blocks_held_only_on_disk(tmp_path: Path) -> No
         await master.stop(grace=0.5)
     for node in nodes:
         assert node.pinned_slots == 0
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 not installed")
+async def test_ucx_readers_of_disk_blocks_get_them_staged_and_leased(tmp_path: Path) -> None:
+    """A ``ucx://`` node's blocks held only on disk: a reader's one-sided READ has no
+    location to go to (the index says ``disk``), so it leases them; the node reads them
+    up into registered host memory first. Every byte comes back as put."""
+    srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
+                       "--transport", "ucx", "--host-mem", "4MiB", "--disk-path",
+                       str(tmp_path / "disk"), "--disk-size", "256MiB")  # fmt: skip
+    try:
+        async with await kvclient.KVClient.connect(srv.grpc, KV_NS, timeout_s=TIMEOUT) as c:
+            prompts, _ = await _put_prompts(c, srv.data)
+            before = [await c.get_layer(t, 1) for t in prompts]
+            reads = (await _disk_stats(srv.data))["read"]
+            for p, tokens in enumerate(prompts):
+                assert torch.equal(await c.get_layer(tokens, 1), before[p])
+            assert (await _disk_stats(srv.data))["read"] > reads + 50
+        url = f"http://{srv.addresses['metrics']}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+        leased = re.search(
+            r'^kvstore_transfer_bytes_total\{op="get",transport="ucx"\} (\S+)$', text, re.M
+        )
+        assert leased is not None and float(leased.group(1)) > 0  # (read one-sidedly)
+    finally:
+        srv.stop()
+
+
+async def _disk_stats(data_uri: str) -> dict[str, Any]:
+    stats = await NodeClient(data_uri, timeout_s=TIMEOUT).stats()
+    (d,) = [t for t in stats["tiers"] if t["name"] == "disk"]
+    return d
+
+
+async def _put_prompts(
+    c: kvclient.KVClient, data_uri: str, n: int = 40
+) -> tuple[list[list[int]], dict[int, torch.Tensor]]:
+    """Put ``n`` prompts of 256 tokens, every layer, and wait until the node's disk tier
+    wrote all their blocks; the prompts and their KV."""
+    prompts = [[(p * 7919 + t) % 30000 for t in range(256)] for p in range(n)]
+    kv = {p: torch.randn(4, 2, 256, 4, 64).bfloat16() for p in range(n)}
+    for p, tokens in enumerate(prompts):
+        for layer in range(4):
+            assert await c.put_layer(tokens, layer, kv[p][layer]) == 256
+    for _ in range(200):  # the writer is behind the puts: wait until it is done
+        d = await _disk_stats(data_uri)
+        if d["queued"] == 0 and d["slots"] == 4 * n:
+            break
+        await asyncio.sleep(0.1)
+    assert d["slots"] == 4 * n, d
+    return prompts, kv

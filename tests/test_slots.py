@@ -789,3 +789,17 @@ TestSlotMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+
+
+def test_a_slot_allocated_cold_is_the_next_victim_until_touched() -> None:
+    """A block staged up for one read (``cold=True``) goes before every warm slot, the
+    newest cold one first; a touch makes it warm like any other."""
+    table, _ = small_table(16 * KiB)  # four 4 KiB slots
+    warm = [table.allocate(key(i), 4096, 1024, 4).slot for i in range(2)]
+    cold = [table.allocate(key(10 + i), 4096, 1024, 4, cold=True).slot for i in range(2)]
+    table.validate()
+    assert table.allocate(key(20), 4096, 1024, 4).evicted == [cold[1].key]
+    table.touch([cold[0].key])  # read again: warm now, and the most recently used
+    table.validate()
+    assert table.allocate(key(21), 4096, 1024, 4).evicted == [warm[0].key]
+    assert table.get(cold[0].key) is cold[0]

@@ -201,8 +201,9 @@ class SlotTable:
         self.owner_evictions: dict[str, int] = {}
         """LRU evictions so far, by owner of the slot evicted."""
         self._tick = 0
-        self._cold_tick = 0
-        """Stamps of slots allocated cold count down from 0, below every warm stamp."""
+        self._cold_tick = -1
+        """Stamps of slots allocated cold count down from -2, below every warm stamp (-1
+        is a slot's ``heap_stamp`` when it has no entry in the LRU heaps)."""
         self._leases: LeaseBook[Slot] = LeaseBook(self._on_release)
         self._journal: list[SlotKey] = []
         self._pinned_bytes = 0

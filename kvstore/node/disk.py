@@ -58,6 +58,7 @@ __all__ = [
     "DEAD_MAGIC",
     "FORMAT",
     "IDENTITY_FILE",
+    "MAX_BATCH_BYTES",
     "RECORD_MAGIC",
     "SEGMENT_BYTES",
     "DiskStore",
@@ -274,6 +275,7 @@ class DiskStore:
         self.capacity = capacity
         self.segment_bytes = max(ALIGN, _up(min(segment_bytes, max(capacity // 4, ALIGN))))
         self.index: dict[SlotKey, Record] = {}
+        self._live_bytes = 0
         self._segments: dict[int, _Segment] = {}
         self._next_segment = 1
         self._seq = 0
@@ -480,12 +482,25 @@ class DiskStore:
     def _adopt(self, seg: _Segment, rec: Record) -> None:
         self._seq = max(self._seq, rec.seq)
         old = self.index.get(rec.key)
-        if old is not None and old.seq > rec.seq:
-            return
-        if old is not None:
-            self._segments[old.segment].live.discard(rec.key)
+        if old is None or old.seq < rec.seq:
+            self._put(seg, rec)
+
+    def _put(self, seg: _Segment, rec: Record) -> Record | None:
+        """Index ``rec`` (in ``seg``) in place of ``rec.key``'s record; the one replaced."""
+        old = self._pop(rec.key)
         self.index[rec.key] = rec
         seg.live.add(rec.key)
+        self._live_bytes += rec.span
+        return old
+
+    def _pop(self, key: SlotKey) -> Record | None:
+        """Take ``key``'s record out of the index; the record."""
+        rec = self.index.pop(key, None)
+        if rec is not None:
+            self._live_bytes -= rec.span
+            if (seg := self._segments.get(rec.segment)) is not None:
+                seg.live.discard(key)
+        return rec
 
     # ---- accounting -----------------------------------------------------------------------
 
@@ -496,7 +511,8 @@ class DiskStore:
 
     @property
     def live_bytes(self) -> int:
-        return sum(r.span for r in self.index.values())
+        """Bytes of the records indexed (what the tier holds)."""
+        return self._live_bytes
 
     @property
     def segments(self) -> int:
@@ -580,8 +596,7 @@ class DiskStore:
 
     def _drop_segment(self, seg: _Segment) -> list[Record]:
         seg.doomed = True
-        gone = [self.index.pop(k) for k in seg.live if self.index.get(k) is not None]
-        seg.live.clear()
+        gone = [r for k in list(seg.live) if (r := self._pop(k)) is not None]
         try:
             seg.path.unlink(missing_ok=True)
         except OSError as exc:
@@ -662,26 +677,14 @@ class DiskStore:
     def commit(self, plan: WritePlan) -> list[Record]:
         """Index ``plan``'s records once written; the records they superseded."""
         seg = self._segments.get(plan.segment)
-        old: list[Record] = []
-        for rec in plan.records:
-            prev = self.index.get(rec.key)
-            if prev is not None:
-                old.append(prev)
-                if (s := self._segments.get(prev.segment)) is not None:
-                    s.live.discard(rec.key)
-            if seg is None or seg.doomed:
-                continue
-            self.index[rec.key] = rec
-            seg.live.add(rec.key)
-        return old
+        if seg is None or seg.doomed:  # (dropped while written: nothing of it is kept)
+            return []
+        return [old for rec in plan.records if (old := self._put(seg, rec)) is not None]
 
     def forget(self, key: SlotKey) -> Record | None:
         """Drop ``key``'s record from the index (its bytes stay until :meth:`kill` or its
         segment goes); the record."""
-        rec = self.index.pop(key, None)
-        if rec is not None and (seg := self._segments.get(rec.segment)) is not None:
-            seg.live.discard(key)
-        return rec
+        return self._pop(key)
 
     def kill(self, rec: Record) -> None:
         """Worker thread: overwrite ``rec``'s first page with a dead marker, so a restart

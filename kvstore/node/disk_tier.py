@@ -8,10 +8,14 @@
   outrunning the disk) leaves the node, counted. ``docs/decisions.md`` says why blocks are
   written when complete rather than when evicted.
 - **Read up.** A read of a block held only on disk reads its record on a bounded pool of
-  threads (checked before a byte is used) into a host slot (:meth:`DiskTier.stage`): *cold*
-  on the block's first read, the next host victim, so a scan over disk blocks displaces no
-  block in use; *warm* when it was read from disk recently (within the last
-  :data:`RECENT_READS` disk reads) or read again while staged, which is the admission rule.
+  threads (checked before a byte is used) into a host slot (:meth:`DiskTier.stage`), one
+  read however many requests want the block at once: *cold* on the block's first use, the
+  next host victim, so a scan over disk blocks displaces no block in use; *warm* when it
+  was read from disk recently (within the last :data:`RECENT_READS` disk reads) or read
+  again while staged, past :data:`COLD_WINDOW_S` (the calls of one request's layers are
+  one use), which is the admission rule.
+- **Stored is stored.** A put naming chunks held only on disk is answered STORED for them
+  (:meth:`~kvstore.node.tiers.Tiers.on_disk`), as for chunks in memory.
 - **Leaves the node only from disk**: when the disk needs room its oldest segment goes, and
   its blocks that no memory tier holds are reported evicted.
 - **Faults.** Each is counted (``kvstore_disk_errors_total``), logged in one line and
@@ -26,9 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,10 +44,19 @@ from kvstore.core.slots import Lease, Slot, SlotKey
 from kvstore.dataplane.location import tier_mark, with_disk
 from kvstore.errors import ChecksumError, KVStoreError
 from kvstore.metrics import Metrics
-from kvstore.node.disk import DiskStore, Record
+from kvstore.node.disk import MAX_BATCH_BYTES, DiskStore, Record
 from kvstore.node.tiers import Tiers, landed_bits
 
-__all__ = ["CHECK_S", "MAX_QUEUE", "READ_THREADS", "RECENT_READS", "RETRY_S", "DiskTier"]
+__all__ = [
+    "CHECK_S",
+    "COLD_WINDOW_S",
+    "MAX_QUEUE",
+    "PIN_SHARE",
+    "READ_THREADS",
+    "RECENT_READS",
+    "RETRY_S",
+    "DiskTier",
+]
 
 logger = logging.getLogger("kvstore.node")
 
@@ -54,11 +69,24 @@ MAX_QUEUE = 65536
 only, and leaves the node when host memory evicts it)."""
 RECENT_READS = 4096
 """Disk reads remembered for the admission rule."""
+PIN_SHARE = 8
+"""A write batch pins at most 1/PIN_SHARE of host memory (puts need the rest)."""
+COLD_WINDOW_S = 2.0
+"""Reads of a block staged cold within this long of its staging do not mark it used: an
+engine reads a prompt's layers in several calls, and they are one use."""
 RETRY_S = 30.0
 """After a failed write, how long until writes are tried again (a full disk: none, the
 tier shrinks instead)."""
 CHECK_S = 5.0
 """How often the tier looks for segments deleted underneath it."""
+
+
+@dataclass(eq=False)
+class _Staging:
+    """A read up from disk in flight, and how many stagings wait for it."""
+
+    task: asyncio.Future[Lease[Slot] | None]
+    waiters: int = 0
 
 
 class DiskTier:
@@ -80,6 +108,10 @@ class DiskTier:
         """Held while a batch is planned and written (one at a time: the log has one
         tail)."""
         self._recent: dict[SlotKey, None] = {}
+        self._staging: dict[SlotKey, _Staging] = {}
+        """Reads up from disk in flight: a second read of the block waits for the first."""
+        self._cold_since: dict[SlotKey, float] = {}
+        """Blocks staged cold within the window, and when (oldest first)."""
         self._paused_until = 0.0
         """Monotonic time before which writes are not tried (after a fault)."""
         self.fault = ""
@@ -156,8 +188,11 @@ class DiskTier:
         views: list[list[memoryview]] = []
         leases: list[Lease[Slot]] = []
         later: list[SlotKey] = []
-        taken = 0
-        for key in list(self._queue)[:256]:
+        taken = pinned = 0
+        room = min(MAX_BATCH_BYTES, host.arena.capacity_bytes // PIN_SHARE)
+        for key in list(itertools.islice(self._queue, 256)):
+            if wanted and pinned >= room:
+                break
             del self._queue[key]
             taken += 1
             slot = host.table.get(key)
@@ -174,6 +209,7 @@ class DiskTier:
             if not store.fits(rec):
                 continue
             leases.append(host.table.pin(slot))
+            pinned += slot.stride
             wanted.append(rec)
             views.append([memoryview(host.table.chunk_view(slot, i).numpy())  # type: ignore[arg-type]
                           for i in landed_bits(slot.landed_mask)])  # fmt: skip
@@ -287,21 +323,60 @@ class DiskTier:
 
     async def stage(self, keys: list[SlotKey]) -> tuple[list[Lease[Slot]], set[SlotKey]]:
         """Bring the blocks of ``keys`` held only on disk into host memory for a read: their
-        slots pinned (the leases, for the caller to release) and the keys staged cold
-        (the caller does not touch them)."""
-        todo = [k for k in dict.fromkeys(keys) if k in self.store and self.tiers.lookup(k) is None]
-        if not todo:
-            return [], set()
-        # The request's blocks in memory are pinned first: staging the others must not
-        # evict them (blocks staged cold earlier are the next victims).
-        leases = [held[0].table.pin(held[1]) for k in dict.fromkeys(keys)
-                  if (held := self.tiers.lookup(k)) is not None]  # fmt: skip
-        done = await asyncio.gather(*(self._stage_one(k) for k in todo))
-        leases += [lease for lease, _ in (d for d in done if d is not None)]
-        cold = {k for k, d in zip(todo, done, strict=True) if d is not None and d[1]}
-        return leases, cold
+        slots pinned (the leases, for the caller to release), and the keys the read must
+        not mark used: those staged cold within the last :data:`COLD_WINDOW_S` (one
+        request's reads of a block's layers are one use, however many calls they take)."""
+        wanted = list(dict.fromkeys(keys))
+        todo = [k for k in wanted if k in self.store and self.tiers.lookup(k) is None]
+        leases: list[Lease[Slot]] = []
+        if todo:
+            # The request's blocks in memory are pinned first: staging the others must not
+            # evict them (blocks staged cold earlier are the next victims).
+            leases = [held[0].table.pin(held[1]) for k in wanted
+                      if (held := self.tiers.lookup(k)) is not None]  # fmt: skip
+            done = await asyncio.gather(*(self._stage_one(k) for k in todo))
+            leases += [lease for lease in done if lease is not None]
+        if not self._cold_since:
+            return leases, set()
+        since = time.monotonic() - COLD_WINDOW_S
+        return leases, {k for k in wanted if self._cold_since.get(k, since) > since}
 
-    async def _stage_one(self, key: SlotKey) -> tuple[Lease[Slot], bool] | None:
+    async def _stage_one(self, key: SlotKey) -> Lease[Slot] | None:
+        """Stage ``key``, or wait for the read of it in flight; a lease of its host slot
+        (None: not staged). The read's own lease keeps the slot until its last waiter has
+        pinned it (staging others would evict it: a block staged cold is the next victim)."""
+        st = self._staging.get(key)
+        if st is None:
+            st = self._staging[key] = _Staging(asyncio.ensure_future(self._read_up(key)))
+            st.task.add_done_callback(lambda _: self._settle(key, st))
+        st.waiters += 1
+        try:
+            shared = await asyncio.shield(st.task)
+        except Exception:  # (the read said why: a miss)
+            shared = None
+        finally:
+            st.waiters -= 1
+        try:
+            if shared is None or shared.released:
+                return None
+            return self.tiers.host.table.pin(shared.target)
+        finally:
+            self._settle(key, st)
+
+    def _settle(self, key: SlotKey, st: _Staging) -> None:
+        """Once the read is done and no one waits for it, let go of its lease."""
+        if st.waiters or not st.task.done():
+            return
+        if self._staging.get(key) is st:
+            del self._staging[key]
+        if not st.task.cancelled() and st.task.exception() is None:
+            lease = st.task.result()
+            if lease is not None:
+                lease.release()
+
+    async def _read_up(self, key: SlotKey) -> Lease[Slot] | None:
+        """Read ``key``'s record and land it in a host slot; the slot's lease (None: not
+        there)."""
         store = self.store
         rec = store.get(key)
         if rec is None or not store.pin(rec):
@@ -329,15 +404,12 @@ class DiskTier:
         finally:
             store.give_back(payload)
 
-    def _land(
-        self, key: SlotKey, rec: Record, payload: memoryview
-    ) -> tuple[Lease[Slot], bool] | None:
+    def _land(self, key: SlotKey, rec: Record, payload: memoryview) -> Lease[Slot] | None:
         """Copy a record read into a host slot (warm or cold, by the admission rule); the
-        slot's lease and whether it was staged cold."""
+        slot's lease (None: no room, everything pinned)."""
         host = self.tiers.host
-        held = self.tiers.lookup(key)
-        if held is not None:  # staged or stored meanwhile
-            return held[0].table.pin(held[1]), False
+        if (held := self.tiers.lookup(key)) is not None:  # stored meanwhile
+            return held[0].table.pin(held[1]) if held[0] is host else None
         warm = self._recent.pop(key, "cold") is None
         if not warm:
             self._recent[key] = None
@@ -361,7 +433,20 @@ class DiskTier:
         self.metrics.tier_moves.labels(to=host.name).inc()
         if warm:
             self.tiers.moved(slot)  # the index learns where it is now
-        return lease, not warm
+        else:
+            self._cold_since.pop(key, None)
+            self._cold_since[key] = time.monotonic()
+            self._expire_cold()
+        return lease
+
+    def _expire_cold(self) -> None:
+        """Forget cold stagings older than the window (oldest first; bounded)."""
+        since = time.monotonic() - COLD_WINDOW_S
+        while self._cold_since:
+            key = next(iter(self._cold_since))
+            if self._cold_since[key] > since and len(self._cold_since) <= RECENT_READS:
+                break
+            del self._cold_since[key]
 
     # ---- removal, registration, stats -----------------------------------------------------
 

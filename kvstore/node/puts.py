@@ -155,14 +155,15 @@ class Puts:
                 # A chunk without a live grant of this writer: failed (not stored).
                 failed = sorted({*bad, *(i for i in range(len(wanted)) if i not in sent)})
             else:
-                slots = self._allocate(wanted, chunk_bytes, num_chunks, leases)
+                on_disk = self.tiers.on_disk(wanted)
+                slots = self._allocate(wanted, chunk_bytes, num_chunks, leases, on_disk)
                 if put.ucx:
                     accept, sent, failed = await self._put_ucx(
-                        conn, ns, wanted, slots, claims, wait, scrub, put.writer
+                        conn, ns, wanted, slots, claims, wait, scrub, put.writer, on_disk
                     )
                 else:
                     accept, sent, failed = await self._put_tcp(
-                        conn, ns, wanted, slots, claims, wait, chunk_bytes
+                        conn, ns, wanted, slots, claims, wait, chunk_bytes, on_disk
                     )
             stored = await self._commit_landed(wanted, sent, failed)
             # Scrubbed once committed: a drop then reaches the master after the add.
@@ -196,6 +197,7 @@ class Puts:
         wait: float,
         scrub: ScrubBatch,
         writer: str,
+        on_disk: frozenset[int] = frozenset(),
     ) -> tuple[list[int], dict[int, Slot], list[int]]:
         """Claim (waiting up to ``wait`` for other writers; chunks granted to ``writer``
         are its own already), hand the writer the spans of
@@ -204,7 +206,7 @@ class Puts:
         header checked now and are put in ``scrub`` for the rest (the caller hands them to
         the scrub once committed), when the scrub has room."""
         self._take_own_grants(writer, wanted, slots, claims)
-        accept = await self._claim(wanted, slots, claims, wait, range(len(wanted)))
+        accept = await self._claim(wanted, slots, claims, wait, range(len(wanted)), on_disk)
         sent = {i: slot for i, a in enumerate(accept) if a == SEND and (slot := slots[i])}
         items = [self._landing(i, wanted[i], slot) for i, slot in sent.items()]
         await self._land_by_ucx(conn, accept, items, list(sent.values()))
@@ -334,6 +336,7 @@ class Puts:
         claims: dict[tuple[SlotKey, int], asyncio.Future[None]],
         wait: float,
         chunk_bytes: int,
+        on_disk: frozenset[int] = frozenset(),
     ) -> tuple[list[int], dict[int, Slot], list[int]]:
         """Receive the frame's chunks: each claimed one straight into its slot, each one
         another writer is transferring into a host buffer aside (within
@@ -341,7 +344,7 @@ class Puts:
         all are checked as they arrive. Then wait up to ``wait`` for those other writers: a
         chunk they did not land is stored from its buffer (one more copy, only then).
         Returns as :meth:`_put_ucx`."""
-        accept = await self._claim(wanted, slots, claims, 0.0, range(len(wanted)))
+        accept = await self._claim(wanted, slots, claims, 0.0, range(len(wanted)), on_disk)
         sent = {i: slot for i, a in enumerate(accept) if a == SEND and (slot := slots[i])}
         targets: list[LandedChunk | None] = [None] * len(wanted)
         for i, slot in sent.items():
@@ -384,6 +387,7 @@ class Puts:
         claims: dict[tuple[SlotKey, int], asyncio.Future[None]],
         wait_s: float,
         positions: Iterable[int],
+        on_disk: frozenset[int] = frozenset(),
     ) -> list[int]:
         """Decide who writes each chunk at ``positions``: :data:`SEND` (this writer; the
         chunk is claimed in ``claims`` until its exchange ends), :data:`STORED` (landed and
@@ -400,6 +404,9 @@ class Puts:
         deadline = loop.time() + wait_s
         accept = [BUSY] * len(wanted)
         todo = list(positions)
+        for i in on_disk.intersection(todo):  # (held only on the node's disk: stored)
+            accept[i] = STORED
+        todo = [i for i in todo if i not in on_disk]
         while todo:
             waits: list[asyncio.Future[None]] = []
             later = []
@@ -443,17 +450,24 @@ class Puts:
         chunk_bytes: int,
         num_chunks: int,
         leases: list[Lease[Slot]],
+        on_disk: frozenset[int] = frozenset(),
     ) -> list[Slot | None]:
         """Allocate and pin the batch's slots, new ones in the tier
         :meth:`~kvstore.node.tiers.Tiers.start_tier` names while it has free room (the GPU
         tier never evicts for a put: its mover makes room between requests) and in host
         memory otherwise, blocks already held in the tier that holds them (REJECT =
         CapacityError before any payload). A block whose slot is quarantined gets None: its
-        chunks cannot be stored now (BUSY)."""
+        chunks cannot be stored now (BUSY); so does a block whose every chunk named here is
+        held on the node's disk (``on_disk``: positions, STORED)."""
         by_key: dict[SlotKey, Slot | None] = {}
         host = self.tiers.host
+        rest = {k for i, (k, _, _) in enumerate(wanted) if i not in on_disk}
+        skip = {k for k, _, _ in wanted} - rest
         for key, parent, _ in wanted:
             if key in by_key:
+                continue
+            if key in skip:
+                by_key[key] = None
                 continue
             # A quarantined slot counts as held, so a block is never started again in
             # another tier meanwhile.

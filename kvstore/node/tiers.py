@@ -232,6 +232,19 @@ class Tiers:
         if self.disk is not None:
             self.disk.queue(slots)
 
+    def on_disk(self, chunks: list[tuple[SlotKey, bytes | None, int]]) -> frozenset[int]:
+        """Positions of ``chunks`` (key, parent, index) held only on the disk tier: no memory
+        tier holds the block, and its disk record has the chunk (a put stores them STORED:
+        the first writer wins, as in memory)."""
+        if self.disk is None:
+            return frozenset()
+        index = self.disk.store.index
+        held = [(i, index.get(key), key, c) for i, (key, _, c) in enumerate(chunks)]
+        return frozenset(
+            i for i, rec, key, c in held
+            if rec is not None and rec.mask >> c & 1 and self.holder(key) is None
+        )  # fmt: skip
+
     def _to_disk(self, victim: Slot) -> bool:
         """Host memory's demote hook: True when the disk tier keeps the block."""
         return self.disk is not None and self.disk.demote(victim)
