@@ -58,6 +58,7 @@ from rich.progress import (
 )
 
 __all__ = [
+    "DISK_COUNTERS",
     "BarPanel",
     "BenchError",
     "KeptConnection",
@@ -87,6 +88,18 @@ __all__ = [
     "time_calls_async",
     "window_cpu",
 ]
+
+DISK_COUNTERS = (
+    "written",
+    "read",
+    "staged_cold",
+    "staged_warm",
+    "unwritten_evictions",
+    "skipped",
+    "errors",
+)
+"""The disk tier's counters in a node's stats (its ``tiers`` entry named ``disk``) that
+the disk benchmarks report."""
 
 if TYPE_CHECKING:
     from kvstore.transport.base import Connection

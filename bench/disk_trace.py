@@ -63,7 +63,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import BarPanel, Serve, Table, expect, print_report, progress, save_bar_plot
+from _common import (
+    DISK_COUNTERS,
+    BarPanel,
+    Serve,
+    Table,
+    expect,
+    print_report,
+    progress,
+    save_bar_plot,
+)
 from trace_replay import (
     BLOCK,
     DEFAULT_TRACE,
@@ -88,15 +97,6 @@ from kvstore.node.disk import Record
 DISK_FACTOR = 8
 TARGET_H = 16384
 TARGET_RATIO = 0.95
-DISK_COUNTERS = (
-    "written",
-    "read",
-    "staged_cold",
-    "staged_warm",
-    "unwritten_evictions",
-    "skipped",
-    "errors",
-)
 
 # ----------------------------------------------------------------------- sizing
 
