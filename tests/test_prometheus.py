@@ -217,7 +217,8 @@ def stop_prometheus(prom: Prometheus) -> None:
 
 async def traffic(master: str, node_data: str) -> None:
     """40 one-block prompts into two 1 MiB pools that hold ~12 blocks each (so they
-    evict), a read of the last one, a prefix match that hits and one that misses, and one
+    evict; the node's to its disk tier), a read of the last one, reads of the first 20
+    (the node's from its disk), a prefix match that hits and one that misses, and one
     request the node at ``node_data`` refuses: an unknown op on its data port, counted as
     ``kvstore_transfer_errors_total{op="other", reason="protocol"}``."""
     conn = await connect(node_data, timeout=5)
@@ -244,6 +245,9 @@ async def traffic(master: str, node_data: str) -> None:
         assert await kv.match_prefix(prompts[-1]) == 256
         assert await kv.match_prefix(list(range(999_000, 999_256))) == 0
         assert (await kv.get_layer(prompts[-1], 0)).shape[1] == 256
+        await asyncio.sleep(1.0)  # (the node's disk tier writes behind the puts)
+        for tokens in prompts[:20]:  # the node's share of these is on its disk only now
+            await kv.get_layer(tokens, 0)
 
 
 @dataclass
@@ -265,7 +269,8 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
         node_metrics = f"127.0.0.1:{free_port()}"
         prom = start_prometheus(scrape_config(tmp, serve.addresses["metrics"], node_metrics), tmp)
         node = start_server("node", "--master", serve.grpc, "--data-port", "0", "--metrics-port",
-                            node_metrics.rsplit(":", 1)[1], "--host-mem", "1MiB")  # fmt: skip
+                            node_metrics.rsplit(":", 1)[1], "--host-mem", "1MiB",
+                            "--disk-path", str(tmp / "disk"), "--disk-size", "64MiB")  # fmt: skip
         asyncio.run(traffic(serve.grpc, node.data))
         yield Pool(serve, node, prom)
     finally:

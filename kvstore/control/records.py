@@ -294,8 +294,10 @@ class NodeInfo:
 
     @property
     def free_bytes(self) -> int:
-        """Free bytes summed over tiers (the HRW placement weight)."""
-        return sum(max(0, t.capacity_bytes - t.used_bytes) for t in self.tiers)
+        """Free bytes summed over the memory tiers (the HRW placement weight): puts land
+        in memory, so a disk tier, which only keeps blocks longer, weighs nothing here (a
+        node with a large disk would otherwise take nearly every block of the pool)."""
+        return sum(max(0, t.capacity_bytes - t.used_bytes) for t in self.tiers if t.name != "disk")
 
 
 class WatchKind(str, enum.Enum):  # noqa: UP042 (str() stays "WatchKind.X", as shipped)

@@ -50,6 +50,7 @@ from kvstore.node.tiers import Tiers, landed_bits
 __all__ = [
     "CHECK_S",
     "COLD_WINDOW_S",
+    "FAULTS",
     "MAX_QUEUE",
     "PIN_SHARE",
     "READ_THREADS",
@@ -71,6 +72,9 @@ RECENT_READS = 4096
 """Disk reads remembered for the admission rule."""
 PIN_SHARE = 8
 """A write batch pins at most 1/PIN_SHARE of host memory (puts need the rest)."""
+FAULTS = (("write", "ENOSPC"), ("write", "EIO"), ("write", "EROFS"), ("read", "EIO"),
+          ("read", "checksum"), ("check", "deleted"))  # fmt: skip
+"""The faults the tier counts by name from its start (others are counted as they come)."""
 COLD_WINDOW_S = 2.0
 """Reads of a block staged cold within this long of its staging do not mark it used: an
 engine reads a prompt's layers in several calls, and they are one use."""
@@ -122,6 +126,8 @@ class DiskTier:
                          "unwritten_evictions": 0, "skipped": 0, "errors": 0}  # fmt: skip
         tiers.disk = self
         metrics.disk_blocks.set(len(store))
+        for op, reason in FAULTS:  # (at 0 from the start: a rate of them has data)
+            metrics.disk_errors.labels(op=op, reason=reason)
 
     # ---- write-behind ---------------------------------------------------------------------
 

@@ -342,6 +342,8 @@ class StorageNode:
         self._closing = True
         if self._listener is not None:
             await self._listener.stop(grace)
+        if self.disk is not None:  # blocks waiting for the disk: kept across the restart
+            await self.disk.flush(grace)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
