@@ -31,6 +31,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -641,7 +642,7 @@ class StorageNode:
         chunks: tuple[ChunkRef, ...],
         leases: list[Lease[Slot]],
         ttl_s: float | None = None,
-        cold: set[SlotKey] = frozenset(),  # type: ignore[assignment]
+        cold: AbstractSet[SlotKey] = frozenset(),
     ) -> tuple[tuple[int, ...], list[torch.Tensor]]:
         """Pin every requested chunk that is here; (found flags, their chunk views). Keys
         in ``cold`` (staged up from disk for this read) are not marked used."""

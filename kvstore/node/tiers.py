@@ -10,6 +10,10 @@ room and in host memory otherwise, so an allocation never waits for a copy; whil
 tier has less than :data:`FREE_SHARE` of it free, its least recently used blocks move to
 host memory (one device → host copy of their landed chunks) instead of leaving the node;
 and a block read from host memory moves back up into the GPU tier's free room.
+
+With a disk tier (:mod:`kvstore.node.disk_tier`, ``--disk-path``) below host memory, host
+memory's LRU victims whose disk copy is current stay on the node (the host table's demote
+hook), and :meth:`Tiers.location` and the commit items say which tier holds each copy.
 """
 
 from __future__ import annotations
