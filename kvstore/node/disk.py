@@ -277,6 +277,10 @@ class DiskStore:
         self.index: dict[SlotKey, Record] = {}
         self._live_bytes = 0
         self._segments: dict[int, _Segment] = {}
+        """Every segment by number, dropped ones included until their last reader is done."""
+        self._open: dict[int, _Segment] = {}
+        """The segments not dropped, oldest first."""
+        self._used_bytes = 0
         self._next_segment = 1
         self._seq = 0
         self._direct = direct
@@ -431,16 +435,14 @@ class DiskStore:
         )
         for i, (number, path) in enumerate(names):
             newest = i == len(names) - 1
-            seg = _Segment(number, path, self._open_fd(path, create=False))
-            self._segments[number] = seg
-            self._next_segment = number + 1
+            seg = self._add_segment(number, path, create=False)
             end = os.fstat(seg.fd).st_size
             try:
-                seg.size = self._scan_segment(seg, end, verify=newest)
+                self._resize(seg, self._scan_segment(seg, end, verify=newest))
             except OSError as exc:  # unreadable: keep what was adopted, cut nothing
                 logger.error("disk tier %s: %s is unreadable past what was adopted: %s",
                              self.path, path.name, exc)  # fmt: skip
-                seg.size = end
+                self._resize(seg, end)
                 continue
             if seg.size < end:
                 self.dropped_tail_bytes += end - seg.size
@@ -507,7 +509,7 @@ class DiskStore:
     @property
     def used_bytes(self) -> int:
         """Bytes of segments on disk (live records, dead ones and padding)."""
-        return sum(s.size for s in self._segments.values() if not s.doomed)
+        return self._used_bytes
 
     @property
     def live_bytes(self) -> int:
@@ -516,7 +518,7 @@ class DiskStore:
 
     @property
     def segments(self) -> int:
-        return sum(not s.doomed for s in self._segments.values())
+        return len(self._open)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -569,33 +571,42 @@ class DiskStore:
             rec.segment, rec.offset = seg.number, offset
             offset += rec.span
         plan = WritePlan(seg.number, seg.size, records, nbytes)
-        seg.size += nbytes  # reserved: the next plan goes after it
+        self._resize(seg, seg.size + nbytes)  # reserved: the next plan goes after it
         return plan, dropped
 
     def _tail(self) -> _Segment | None:
-        live = [s for s in self._segments.values() if not s.doomed]
-        return live[-1] if live else None
+        return next(reversed(self._open.values()), None)
 
     def _new_segment(self) -> _Segment:
         number = self._next_segment
-        self._next_segment += 1
-        path = self.path / f"seg-{number:08d}.kvd"
-        seg = _Segment(number, path, self._open_fd(path, create=True))
-        self._segments[number] = seg
+        return self._add_segment(number, self.path / f"seg-{number:08d}.kvd", create=True)
+
+    def _add_segment(self, number: int, path: Path, create: bool) -> _Segment:
+        """Open segment ``number`` (the newest so far) at ``path``."""
+        seg = _Segment(number, path, self._open_fd(path, create=create))
+        self._segments[number] = self._open[number] = seg
+        self._next_segment = number + 1
         return seg
+
+    def _resize(self, seg: _Segment, size: int) -> None:
+        """``seg`` (not dropped) now holds ``size`` bytes."""
+        self._used_bytes += size - seg.size
+        seg.size = size
 
     def _trim(self, incoming: int) -> list[Record]:
         """Drop the oldest segments until ``incoming`` more bytes fit; the records dropped."""
         dropped: list[Record] = []
-        while self.used_bytes + incoming > self.capacity:
-            live = [s for s in self._segments.values() if not s.doomed]
-            if not live or (len(live) == 1 and live[0].size == 0):
+        while self._used_bytes + incoming > self.capacity:
+            oldest = next(iter(self._open.values()), None)
+            if oldest is None or (len(self._open) == 1 and oldest.size == 0):
                 break
-            dropped.extend(self._drop_segment(live[0]))
+            dropped.extend(self._drop_segment(oldest))
         return dropped
 
     def _drop_segment(self, seg: _Segment) -> list[Record]:
         seg.doomed = True
+        del self._open[seg.number]
+        self._used_bytes -= seg.size
         gone = [r for k in list(seg.live) if (r := self._pop(k)) is not None]
         try:
             seg.path.unlink(missing_ok=True)
@@ -615,7 +626,7 @@ class DiskStore:
         """Drop the segments deleted underneath the tier (their files unlinked by someone
         else: a restart would not find them); the records dropped, no longer indexed."""
         gone: list[Record] = []
-        for seg in [s for s in self._segments.values() if not s.doomed and s.fd >= 0]:
+        for seg in list(self._open.values()):
             try:
                 linked = os.fstat(seg.fd).st_nlink > 0
             except OSError:
@@ -671,8 +682,8 @@ class DiskStore:
         """``plan``'s write failed: give its room back (it is the segment's last), so the
         next batch does not leave unreadable bytes between records."""
         seg = self._segments.get(plan.segment)
-        if seg is not None and seg.size == plan.offset + plan.nbytes:
-            seg.size = plan.offset
+        if seg is not None and not seg.doomed and seg.size == plan.offset + plan.nbytes:
+            self._resize(seg, plan.offset)
 
     def commit(self, plan: WritePlan) -> list[Record]:
         """Index ``plan``'s records once written; the records they superseded."""
@@ -758,4 +769,6 @@ class DiskStore:
                 os.close(seg.fd)
                 seg.fd = -1
         self._segments.clear()
+        self._open.clear()
+        self._used_bytes = 0
         self._write_buf.close()
