@@ -81,6 +81,8 @@ __all__ = [
     "raw_socket_get",
     "raw_socket_put",
     "save_bar_plot",
+    "seeded_kv",
+    "seeded_tokens",
     "serve_raw_sockets",
     "spawn_worker",
     "thread_cpu",
@@ -109,6 +111,23 @@ _REPO = Path(__file__).resolve().parent.parent
 
 class BenchError(RuntimeError):
     """A measurement could not be taken (a miss, a refused chunk, a process that failed)."""
+
+
+def seeded_tokens(seed: int, n: int) -> list[int]:
+    """``n`` token ids drawn from ``seed`` (the same prompt in every process)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 150_000, (n,), generator=g).tolist()
+
+
+def seeded_kv(seed: int, layer: int, tokens: int, heads: int, head_dim: int) -> Any:
+    """The KV of ``(seed, layer)`` drawn from them: ``[2, tokens, heads, head_dim]`` bf16
+    (what a writer puts and a checker compares, bit for bit, in another process)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 16 + layer)
+    return torch.randn(2, tokens, heads, head_dim, generator=g).bfloat16()
 
 
 def expect(ok: bool, what: str) -> None:

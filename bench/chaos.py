@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients"))
 import torch
 
 import kvclient
-from bench._common import Serve, Table, percentile, print_report, progress
+from bench._common import Serve, Table, percentile, print_report, progress, seeded_kv, seeded_tokens
 from kvstore.errors import KVStoreError
 
 TOKENS, BLOCK, HEADS, HEAD_DIM, LAYERS = 512, 64, 4, 64, 2
@@ -84,14 +84,12 @@ SLOW_RATE = "20mbit"
 
 
 def kv_of(seed: int, layer: int) -> torch.Tensor:
-    """The KV written for ``(seed, layer)``: ``[2, TOKENS, HEADS, HEAD_DIM]`` bf16."""
-    g = torch.Generator().manual_seed(seed * 16 + layer)
-    return torch.randn(2, TOKENS, HEADS, HEAD_DIM, generator=g).bfloat16()
+    """The KV put for ``(seed, layer)``: ``[2, TOKENS, HEADS, HEAD_DIM]`` bf16."""
+    return seeded_kv(seed, layer, TOKENS, HEADS, HEAD_DIM)
 
 
 def tokens_of(seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 150_000, (TOKENS,), generator=g).tolist()
+    return seeded_tokens(seed, TOKENS)
 
 
 def free_port(host: str) -> int:

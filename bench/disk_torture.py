@@ -99,7 +99,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients"))
 import torch
 
 import kvclient
-from bench._common import BarPanel, Serve, Table, percentile, print_report, progress, save_bar_plot
+from bench._common import (
+    BarPanel,
+    Serve,
+    Table,
+    percentile,
+    print_report,
+    progress,
+    save_bar_plot,
+    seeded_kv,
+    seeded_tokens,
+)
 from kvstore.control.client import MasterClient
 from kvstore.core.codec import chunk_nbytes
 from kvstore.core.sizes import parse_size
@@ -132,13 +142,11 @@ Key = tuple[int, int]
 
 def kv_of(seed: int, layer: int) -> torch.Tensor:
     """The KV put for ``(seed, layer)``: ``[2, TOKENS, HEADS, HEAD_DIM]`` bf16."""
-    g = torch.Generator().manual_seed(seed * 16 + layer)
-    return torch.randn(2, TOKENS, HEADS, HEAD_DIM, generator=g).bfloat16()
+    return seeded_kv(seed, layer, TOKENS, HEADS, HEAD_DIM)
 
 
 def tokens_of(seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 150_000, (TOKENS,), generator=g).tolist()
+    return seeded_tokens(seed, TOKENS)
 
 
 @dataclass

@@ -10,6 +10,8 @@ import os
 import re
 import signal
 import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from kvstore.dataplane.location import tier_of
 from kvstore.errors import ChecksumError, InvalidArgument
 from kvstore.master import MasterConfig, MasterServer
 from kvstore.node.disk import ALIGN, DiskStore, Record
+from kvstore.node.disk_tier import DiskTier
 from kvstore.node.server import NodeConfig, StorageNode
 from kvstore.transport import connect
 from tests.cluster import start_server
@@ -239,14 +242,21 @@ async def _read_all(rig: Rig, keys: list[bytes]) -> dict[tuple[bytes, int], torc
     return got
 
 
+@asynccontextmanager
+async def disk_node(disk: Path, disk_size: int = 64 * 2**20) -> AsyncIterator[tuple[Rig, DiskTier]]:
+    """:func:`tests.test_node.running` over ``tcp://``: a node of 4 MiB of host memory with
+    a disk tier of ``disk_size`` bytes at ``disk``, and that tier."""
+    options = {"host_mem": 4 * 2**20, "disk_path": str(disk), "disk_size": disk_size}
+    async with running("tcp", **options) as rig:
+        assert rig.node.disk is not None
+        yield rig, rig.node.disk
+
+
 async def test_a_node_holds_and_serves_many_times_its_memory_from_disk(tmp_path: Path) -> None:
     """4 MiB of host memory, 60 blocks of 256 KiB: every block is read back byte for byte,
     most of them from disk, and the master's index holds every one of them."""
-    disk = tmp_path / "disk"
-    async with running("tcp", host_mem=4 * 2**20, disk_path=str(disk), disk_size=64 * 2**20) as rig:
+    async with disk_node(tmp_path / "disk") as (rig, disk_tier):
         keys = blocks(60)
-        disk_tier = rig.node.disk
-        assert disk_tier is not None
         sent: dict[tuple[bytes, int], torch.Tensor] = {}
         for i in range(0, 60, 8):  # give the writer time to keep up (it is behind the puts)
             sent |= await _put_all(rig, keys[i : i + 8])
@@ -275,10 +285,7 @@ async def test_a_block_in_use_keeps_a_disk_copy_when_its_segment_goes(tmp_path: 
     """A block read again and again stays in host memory while the disk drops the
     segment it was written to: it is written again, so when host memory lets it go at
     last it stays on the node, on disk."""
-    options = {"host_mem": 4 * 2**20, "disk_path": str(tmp_path / "disk"), "disk_size": 8 * 2**20}
-    async with running("tcp", **options) as rig:
-        tier = rig.node.disk
-        assert tier is not None
+    async with disk_node(tmp_path / "disk", 8 * 2**20) as (rig, tier):
         hot = blocks(1)
         sent = await _put_all(rig, hot)
         for _ in range(10):  # 10 MiB through an 8 MiB disk, the hot block read each time
@@ -298,10 +305,7 @@ async def test_a_block_in_use_keeps_a_disk_copy_when_its_segment_goes(tmp_path: 
 async def test_reads_of_one_block_at_once_read_it_from_disk_once(tmp_path: Path) -> None:
     """An engine reads a prompt's layers in several calls at once: each block only on
     disk is read up once, and those reads are one use (it stays cold: the next victim)."""
-    options = {"host_mem": 4 * 2**20, "disk_path": str(tmp_path / "disk"), "disk_size": 64 * 2**20}
-    async with running("tcp", **options) as rig:
-        tier = rig.node.disk
-        assert tier is not None
+    async with disk_node(tmp_path / "disk") as (rig, tier):
         keys = blocks(24)
         sent = await _put_all(rig, keys)
         part = [k for k in keys if rig.node.tiers.lookup((NS.id, k)) is None][:6]
@@ -324,10 +328,7 @@ async def test_reads_of_one_block_at_once_read_it_from_disk_once(tmp_path: Path)
 async def test_a_put_of_a_block_held_on_disk_is_answered_stored(tmp_path: Path) -> None:
     """The first writer wins on disk as in memory: a block only on disk is not sent
     again (nor read up for it), and reads keep getting the bytes first stored."""
-    options = {"host_mem": 4 * 2**20, "disk_path": str(tmp_path / "disk"), "disk_size": 64 * 2**20}
-    async with running("tcp", **options) as rig:
-        tier = rig.node.disk
-        assert tier is not None
+    async with disk_node(tmp_path / "disk") as (rig, tier):
         keys = blocks(24)
         sent = await _put_all(rig, keys)
         part = [k for k in keys if rig.node.tiers.lookup((NS.id, k)) is None][:4]
@@ -345,14 +346,12 @@ async def test_a_put_of_a_block_held_on_disk_is_answered_stored(tmp_path: Path) 
 
 
 async def test_a_node_restarted_on_its_disk_serves_what_it_wrote(tmp_path: Path) -> None:
-    disk = tmp_path / "disk"
-    options = {"host_mem": 4 * 2**20, "disk_path": str(disk), "disk_size": 64 * 2**20}
-    async with running("tcp", **options) as rig:
+    async with disk_node(tmp_path / "disk") as (rig, tier):
         keys = blocks(24)
         sent = await _put_all(rig, keys)
-        assert rig.node.disk is not None and await rig.node.disk.flush(TIMEOUT)
+        assert await tier.flush(TIMEOUT)
         first_id = rig.node.node_id
-    async with running("tcp", **options) as rig:  # a new master too: an empty index
+    async with disk_node(tmp_path / "disk") as (rig, _):  # a new master: an empty index
         assert rig.node.node_id == first_id  # the id the disk was written by
         assert await rig.holders(keys) == [2] * 24
         assert await _tiers(rig, keys) == ["disk"] * 24
@@ -361,17 +360,15 @@ async def test_a_node_restarted_on_its_disk_serves_what_it_wrote(tmp_path: Path)
 
 
 async def test_an_operator_eviction_removes_the_disk_copy_for_good(tmp_path: Path) -> None:
-    disk = tmp_path / "disk"
-    options = {"host_mem": 4 * 2**20, "disk_path": str(disk), "disk_size": 64 * 2**20}
-    async with running("tcp", **options) as rig:
+    async with disk_node(tmp_path / "disk") as (rig, tier):
         keys = blocks(16)
         await _put_all(rig, keys)
-        assert rig.node.disk is not None and await rig.node.disk.flush(TIMEOUT)
+        assert await tier.flush(TIMEOUT)
         gone = await NodeClient(rig.node.data_uri, timeout_s=TIMEOUT).evict(NS.id, keys[:10])
         assert gone.evicted == 10
         assert await rig.holders(keys) == [0] * 10 + [2] * 6
-        await asyncio.to_thread(rig.node.disk._writer.submit(lambda: None).result, TIMEOUT)
-    async with running("tcp", **options) as rig:
+        await asyncio.to_thread(tier._writer.submit(lambda: None).result, TIMEOUT)
+    async with disk_node(tmp_path / "disk") as (rig, _):
         assert await rig.holders(keys) == [0] * 10 + [2] * 6
 
 

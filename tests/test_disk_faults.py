@@ -20,8 +20,16 @@ import torch
 import kvclient
 from kvstore.node.disk_tier import DiskTier
 from tests.cluster import start_server
-from tests.test_disk import KV_NS, _disk_stats, _node, _put_all, _put_prompts, _read_all
-from tests.test_node import TIMEOUT, Rig, blocks, running
+from tests.test_disk import (
+    KV_NS,
+    _disk_stats,
+    _node,
+    _put_all,
+    _put_prompts,
+    _read_all,
+    disk_node,
+)
+from tests.test_node import TIMEOUT, Rig, blocks
 
 SHIM = Path(__file__).parent / "faults" / "faultshim.c"
 
@@ -67,10 +75,7 @@ async def test_a_full_file_system_shrinks_the_tier_and_loses_no_block_it_claims(
     tmp_path: Path,
 ) -> None:
     with _mounted(tmp_path / "small", "-t", "tmpfs", "-o", "size=4m", "tmpfs") as mnt:
-        options = {"host_mem": 4 * 2**20, "disk_path": str(mnt / "disk"), "disk_size": 64 * 2**20}
-        async with running("tcp", **options) as rig:
-            tier = rig.node.disk
-            assert tier is not None
+        async with disk_node(mnt / "disk") as (rig, tier):
             keys = blocks(40)  # 10 MiB of blocks, 4 MiB of memory, 4 MiB of file system
             sent: Sent = {}
             for i in range(0, 40, 8):
@@ -97,10 +102,7 @@ async def test_a_file_system_turned_read_only_stops_writes_and_keeps_serving(
         trigger = Path("/sys/fs/ext4") / Path(source).name / "trigger_fs_error"
         if not trigger.exists():
             pytest.skip(f"no {trigger}")
-        options = {"host_mem": 4 * 2**20, "disk_path": str(mnt / "disk"), "disk_size": 48 * 2**20}
-        async with running("tcp", **options) as rig:
-            tier = rig.node.disk
-            assert tier is not None
+        async with disk_node(mnt / "disk", 48 * 2**20) as (rig, tier):
             keys = blocks(48)
             sent: Sent = {}
             for i in range(0, 24, 8):  # (the writer keeps up: nothing leaves memory unwritten)
@@ -117,10 +119,7 @@ async def test_a_file_system_turned_read_only_stops_writes_and_keeps_serving(
 
 
 async def test_a_segment_deleted_underneath_is_dropped_not_served(tmp_path: Path) -> None:
-    options = {"host_mem": 4 * 2**20, "disk_path": str(tmp_path / "disk"), "disk_size": 16 * 2**20}
-    async with running("tcp", **options) as rig:
-        tier = rig.node.disk
-        assert tier is not None
+    async with disk_node(tmp_path / "disk", 16 * 2**20) as (rig, tier):
         keys = blocks(48)
         sent = await _put_all(rig, keys)
         assert await tier.flush(TIMEOUT)
