@@ -343,6 +343,7 @@ async def _run(
                     gpu_mem=cfg["gpu_mem"],
                     disk_path=cfg["disk_path"] or "",
                     disk_size=cfg["disk_size"],
+                    disk_compress=cfg["disk_compress"],
                     transport=cfg["transport"],
                     io_timeout_s=cfg["io_timeout_s"],
                     max_connections=cfg["max_connections"],

@@ -173,6 +173,13 @@ def _transport(value: object) -> str:
     return transport
 
 
+def _disk_compress(value: object) -> str:
+    mode = _text(value).lower()
+    if mode not in ("auto", "lz4", "off"):
+        raise InvalidArgument(f"unknown disk compression {value!r}: auto, lz4 or off")
+    return mode
+
+
 def _master_address(value: object) -> str:
     """``HOST:PORT`` (``[v6]:PORT``) of a master, port 1..65535, or several of them
     separated by commas (masters sharing one Redis: the node fails over between them)."""
@@ -297,6 +304,9 @@ SETTINGS: tuple[Setting, ...] = (
             "restarts (unset: none; needs --disk-size)", _NODES, "DIR"),
     Setting("disk-size", parse_size, 0, "bytes the disk tier's segments may take",
             _NODES, "SIZE", render=_render_size),
+    Setting("disk-compress", _disk_compress, "auto", "lz4 on the disk tier: auto packs "
+            "blocks where this disk's and lz4's measured speeds say reads get faster (raw "
+            "16-bit KV on a slow disk), lz4 always, off never", _NODES, "auto|lz4|off"),
     Setting("transport", _transport, "tcp", "tcp: the tcp:// data port only; ucx: also "
             "one-sided NIXL/UCX reads and writes (needs nixl-cu12)", _NODES, "tcp|ucx"),
     Setting("io-timeout-s", _seconds, 30.0, "deadline of each step of a data-plane "

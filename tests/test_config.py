@@ -103,6 +103,7 @@ BAD = [
     (("serve", "--grpc-port", "70000"), {}, "70000"),
     (("serve", "--data-port", "-1"), {}, "-1"),
     (("serve", "--transport", "rdma"), {}, "rdma"),
+    (("serve", "--disk-compress", "zstd"), {}, "zstd"),
     (("serve", "--io-timeout-s", "0"), {}, "io-timeout-s"),
     (("serve", "--max-connections", "0"), {}, "max-connections"),
     (("serve", "--gpu-mem", "1GiB"), {}, "--transport ucx"),

@@ -22,12 +22,15 @@ import torch
 import kvclient
 from kvclient.ucx import nixl_available
 from kvstore.control.client import MasterClient
+from kvstore.core.codec import ChunkKey, encode_chunk
+from kvstore.core.kvgen import realistic_kv
 from kvstore.core.slots import SlotKey
 from kvstore.dataplane import NodeClient
 from kvstore.dataplane.location import tier_of
 from kvstore.errors import ChecksumError, InvalidArgument
 from kvstore.master import MasterConfig, MasterServer
 from kvstore.node.disk import ALIGN, DiskStore, Record
+from kvstore.node.disk_lz4 import LEARN_BYTES, RELEARN, Lz4Policy
 from kvstore.node.disk_tier import DiskTier
 from kvstore.node.server import NodeConfig, StorageNode
 from kvstore.transport import connect
@@ -166,6 +169,86 @@ def test_the_oldest_segments_make_room_and_dead_records_stay_dead(tmp_path: Path
     again.close()
 
 
+def _kv_images(quant: str, n: int, first: int = 0) -> list[tuple[Record, list[bytes]]]:
+    """``n`` slots of 3 realistic chunks (64 tokens, 8 heads of 64, bfloat16) coded with
+    ``quant``, to be packed."""
+    out = []
+    for i, key in enumerate(blocks(first + n)[first:]):
+        payloads = [
+            bytes(encode_chunk(realistic_kv(64, 8, 64, torch.bfloat16, seed=first + i * 3 + j),
+                               quant, ChunkKey(key, j, 0)).numpy())
+            for j in range(3)
+        ]  # fmt: skip
+        size = len(payloads[0])
+        img = Record.of((b"n" * 16, key), None, "", 3 * size, size, 3, 0b111, packed=True)
+        out.append((img, payloads))
+    return out
+
+
+def test_packed_records_read_back_exact_take_less_room_and_are_adopted(tmp_path: Path) -> None:
+    """Raw bfloat16 chunks are packed (byte planes + lz4) and take less room; INT8 chunks,
+    which lz4 cannot shrink, are stored as they are though packing was asked; what packing
+    saved is the next record's room; a new store reads both back byte for byte."""
+    store = DiskStore.open(tmp_path, 64 * 2**20, node_id="n1")  # (one segment)
+    raw, int8 = _kv_images("none", 6), _kv_images("int8", 4, first=6)
+    records = _write(store, raw + int8)
+    assert all(r.packed and r.payload_bytes < 0.95 * r.raw_bytes for r in records[:6])
+    assert not any(r.packed or r.payload_bytes != r.raw_bytes for r in records[6:])
+    assert store.used_bytes == sum(r.span for r in records)  # nothing left between records
+    assert [r.offset for r in records[1:]] == [r.offset + r.span for r in records[:-1]]
+    for img, payloads in raw + int8:
+        assert _payload(store, img.key) == b"".join(payloads)
+    store.close()
+    again = DiskStore.open(tmp_path, 64 * 2**20, node_id="n1")
+    assert len(again) == 10 and again.dropped_tail_bytes == 0
+    assert [again.index[r.key].packed for r in records] == [True] * 6 + [False] * 4
+    for img, payloads in raw + int8:
+        assert _payload(again, img.key) == b"".join(payloads)
+    again.close()
+
+
+def test_a_flipped_byte_of_a_packed_record_is_never_served(tmp_path: Path) -> None:
+    store = DiskStore.open(tmp_path, 8 * 2**20, node_id="n1")
+    (rec,) = _write(store, _kv_images("none", 1))
+    assert rec.packed
+    with open(tmp_path / f"seg-{rec.segment:08d}.kvd", "r+b") as f:
+        f.seek(rec.offset + rec.payload_at + rec.payload_bytes // 2)  # inside an lz4 stream
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(ChecksumError):
+        store.read(rec)
+    store.close()
+    again = DiskStore.open(tmp_path, 8 * 2**20, node_id="n1")
+    assert again.dropped_tail_bytes == rec.span  # (the newest segment is checked whole)
+    assert rec.key not in again
+    again.close()
+
+
+def test_lz4_auto_packs_where_the_disk_reads_slower_than_packing_gains() -> None:
+    # A disk as fast as unpacking: no ratio would pay, nothing is tried.
+    assert not Lz4Policy("auto", disk_gbps=2.0, decompress_gbps=2.0).wants(b"a" * 16)
+    assert not Lz4Policy("auto").wants(b"a" * 16)  # unmeasured: nothing
+    assert Lz4Policy("lz4").wants(b"a" * 16) and not Lz4Policy("off").wants(b"a" * 16)
+    slow = Lz4Policy("auto", disk_gbps=0.2, decompress_gbps=2.0)
+    assert slow.ratio_needed() == pytest.approx(1 / 0.9)
+    int8, bf16 = b"8" * 16, b"b" * 16
+    step = 2**20
+    for _ in range(LEARN_BYTES // step):
+        assert slow.wants(int8) and slow.wants(bf16)  # learning
+        slow.learn(int8, step, step)  # INT8: stored as it is
+        slow.learn(bf16, step, int(step / 1.16))
+    asked = [slow.wants(int8) for _ in range(4 * RELEARN)]
+    assert asked.count(True) == 4  # one in RELEARN, to notice a change
+    assert all(slow.wants(bf16) for _ in range(100))
+    # The same ratio on a faster disk does not pay: needs more than 1.25.
+    fast = Lz4Policy("auto", disk_gbps=0.4, decompress_gbps=2.0)
+    for _ in range(LEARN_BYTES // step):
+        fast.learn(bf16, step, int(step / 1.16))
+    assert fast.ratio_needed() == pytest.approx(1.25)
+    assert [fast.wants(bf16) for _ in range(RELEARN)].count(True) == 1
+
+
 def test_a_disk_of_another_node_or_pool_or_holding_strangers_is_refused(tmp_path: Path) -> None:
     DiskStore.open(tmp_path / "a", 2**20, node_id="n1", secret="s1").close()
     with pytest.raises(InvalidArgument, match="belongs to node 'n1'"):
@@ -243,10 +326,13 @@ async def _read_all(rig: Rig, keys: list[bytes]) -> dict[tuple[bytes, int], torc
 
 
 @asynccontextmanager
-async def disk_node(disk: Path, disk_size: int = 64 * 2**20) -> AsyncIterator[tuple[Rig, DiskTier]]:
+async def disk_node(
+    disk: Path, disk_size: int = 64 * 2**20, **more: Any
+) -> AsyncIterator[tuple[Rig, DiskTier]]:
     """:func:`tests.test_node.running` over ``tcp://``: a node of 4 MiB of host memory with
-    a disk tier of ``disk_size`` bytes at ``disk``, and that tier."""
-    options = {"host_mem": 4 * 2**20, "disk_path": str(disk), "disk_size": disk_size}
+    a disk tier of ``disk_size`` bytes at ``disk`` (``more``: NodeConfig fields), and that
+    tier."""
+    options = {"host_mem": 4 * 2**20, "disk_path": str(disk), "disk_size": disk_size, **more}
     async with running("tcp", **options) as rig:
         assert rig.node.disk is not None
         yield rig, rig.node.disk
@@ -345,12 +431,27 @@ async def test_a_put_of_a_block_held_on_disk_is_answered_stored(tmp_path: Path) 
         assert all(torch.equal(got[k, 1], sent[k, 1]) for k in part)
 
 
-async def test_a_node_restarted_on_its_disk_serves_what_it_wrote(tmp_path: Path) -> None:
-    async with disk_node(tmp_path / "disk") as (rig, tier):
+@pytest.mark.parametrize("compress", ["off", "lz4"])
+async def test_a_node_restarted_on_its_disk_serves_what_it_wrote(
+    tmp_path: Path, compress: str
+) -> None:
+    """Also with every block packed (lz4): the bytes read back are the bytes put."""
+    async with disk_node(tmp_path / "disk", disk_compress=compress) as (rig, tier):
         keys = blocks(24)
         sent = await _put_all(rig, keys)
         assert await tier.flush(TIMEOUT)
         first_id = rig.node.node_id
+        lz4 = tier.stats()["lz4"]
+        if compress == "lz4":  # bfloat16 randn: its byte planes compress
+            assert lz4["raw_bytes"] == 24 * 2 * chunks(keys[:1]).shape[1]
+            assert 0 < lz4["stored_bytes"] < lz4["raw_bytes"]
+            assert tier.store.live_bytes < lz4["raw_bytes"]
+            assert all(tier.store.index[NS.id, k].packed for k in keys)
+        else:
+            assert lz4["raw_bytes"] == 0
+            assert not any(tier.store.index[NS.id, k].packed for k in keys)
+        got = await _read_all(rig, keys)  # (partly from disk: 6 MiB in 4 MiB of memory)
+        assert set(got) == set(sent) and all(torch.equal(got[k], sent[k]) for k in sent)
     async with disk_node(tmp_path / "disk") as (rig, _):  # a new master: an empty index
         assert rig.node.node_id == first_id  # the id the disk was written by
         assert await rig.holders(keys) == [2] * 24

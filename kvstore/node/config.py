@@ -27,6 +27,9 @@ class NodeConfig:
     """A directory for the disk tier below host memory (empty: no disk tier)."""
     disk_size: int = 0
     """Bytes of segments the disk tier keeps at most (needed with ``disk_path``)."""
+    disk_compress: str = "auto"
+    """lz4 on the disk tier: ``auto`` where the measured disk and lz4 speeds say reads get
+    faster, ``lz4`` always, ``off`` never (``kvstore/node/disk_lz4.py``)."""
     disk_direct: bool | None = None
     """``O_DIRECT`` for the disk tier: None uses it where the file system takes it."""
     gpu_device: str = "cuda"

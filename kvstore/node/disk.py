@@ -11,6 +11,9 @@ A segment is a sequence of records, each starting on a :data:`ALIGN` (4 KiB) bou
     record: header (HEADER struct, owner, landed mask, u64 header check) | pad to 64
             payload: the landed chunks of one slot, in chunk order | pad to ALIGN
 
+A *packed* record (flag :data:`PACKED`) holds its chunks as byte planes + lz4 instead
+(``kvstore/node/disk_lz4.py`` draws that payload and says when the tier packs).
+
 The header names the slot (namespace id, block hash, parent, owner, geometry, landed mask),
 a sequence number (the newest record of a key wins), the payload's length and its xxh3_64.
 A record the node no longer wants (evicted by an operator, found bad) gets its magic
@@ -44,6 +47,7 @@ import os
 import re
 import struct
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +56,7 @@ import xxhash
 
 from kvstore.core.slots import SlotKey
 from kvstore.errors import ChecksumError, InvalidArgument
+from kvstore.node.disk_lz4 import pack_chunks, packed_size_ok, unpack_chunks
 
 __all__ = [
     "ALIGN",
@@ -85,9 +90,12 @@ DEAD_MAGIC = b"KVDX"
 _VERSION = 1
 HEADER = struct.Struct("<4sHHQ16s16s16sBBHIQQQQ")
 """magic, version, header bytes (with owner, mask and check), seq, ns id, block, parent,
-flags (1: has a parent), owner length, reserved, chunks, chunk bytes, slot bytes, payload
+flags (1: has a parent, 2: packed), owner length, reserved, chunks, chunk bytes, slot bytes, payload
 bytes, payload xxh3_64."""
 _CHECK = struct.Struct("<Q")
+HAS_PARENT = 1
+PACKED = 2
+"""Header flag: the payload is packed (``disk_lz4``), smaller than its chunks."""
 _SEGMENT_NAME = re.compile(r"seg-(\d{8})\.kvd")
 MAX_CHUNKS = 8 * (ALIGN - HEADER.size - 255 - _CHECK.size)
 """Chunks a slot may have and still get a record (its mask must fit the first page)."""
@@ -123,7 +131,11 @@ class Record:
     """Byte offset of the record in its segment (a multiple of :data:`ALIGN`)."""
     header_bytes: int
     payload_bytes: int
+    """Bytes of the payload as stored (packed: fewer than its chunks')."""
     payload_check: int
+    packed: bool = False
+    """The payload is byte planes + lz4 (asked of :meth:`DiskStore.write_batch`, which
+    stores it as it is where packing saves nothing)."""
 
     @classmethod
     def of(
@@ -135,13 +147,14 @@ class Record:
         chunk_bytes: int,
         num_chunks: int,
         mask: int,
+        packed: bool = False,
     ) -> Record:
         """The record a slot's landed chunks (``mask``) will get, not yet placed (see
-        :meth:`DiskStore.plan_batch`)."""
+        :meth:`DiskStore.plan_batch`); ``packed``: packed where that saves bytes."""
         hbytes = header_bytes_for(owner, num_chunks)
         payload = mask.bit_count() * chunk_bytes
         return cls(key, parent, owner, slot_bytes, chunk_bytes, num_chunks, mask, 0, 0, 0,
-                   hbytes, payload, 0)  # fmt: skip
+                   hbytes, payload, 0, packed)  # fmt: skip
 
     @property
     def span(self) -> int:
@@ -151,6 +164,11 @@ class Record:
     @property
     def payload_at(self) -> int:
         return _up(self.header_bytes, 64)
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes of the chunks the record holds (its payload's, unpacked)."""
+        return self.mask.bit_count() * self.chunk_bytes
 
     def chunk_indices(self) -> list[int]:
         return [i for i in range(self.mask.bit_length()) if self.mask >> i & 1]
@@ -164,6 +182,9 @@ class WritePlan:
     offset: int
     records: list[Record]
     nbytes: int
+    """Bytes the batch takes: what is reserved for it, then (once written) what packed
+    records left of that."""
+    reserved: int = 0
 
 
 @dataclass(eq=False)
@@ -185,7 +206,9 @@ def encode_header(rec: Record) -> bytes:
     mask = rec.mask.to_bytes(_up(max(rec.num_chunks, 1), 8) // 8, "little")
     body = HEADER.pack(
         RECORD_MAGIC, _VERSION, rec.header_bytes, rec.seq, rec.key[0], rec.key[1],
-        rec.parent or bytes(16), 1 if rec.parent is not None else 0, len(owner), 0,
+        rec.parent or bytes(16),
+        (HAS_PARENT if rec.parent is not None else 0) | (PACKED if rec.packed else 0),
+        len(owner), 0,
         rec.num_chunks, rec.chunk_bytes, rec.slot_bytes, rec.payload_bytes, rec.payload_check,
     ) + owner + mask  # fmt: skip
     return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
@@ -214,11 +237,13 @@ def parse_header(buf: bytes | memoryview, segment: int, offset: int) -> Record |
         return None
     owner = body[HEADER.size : HEADER.size + owner_len].decode(errors="replace")
     mask = int.from_bytes(body[HEADER.size + owner_len :], "little")
-    if mask >> chunks or payload_bytes != mask.bit_count() * chunk_bytes:
+    raw, packed = mask.bit_count() * chunk_bytes, bool(flags & PACKED)
+    if mask >> chunks or not (packed_size_ok(payload_bytes, raw, mask.bit_count()) if packed
+                              else payload_bytes == raw):  # fmt: skip
         return None
     return Record(
-        (ns_id, block), parent if flags & 1 else None, owner, slot_bytes, chunk_bytes, chunks,
-        mask, seq, segment, offset, hbytes, payload_bytes, check,
+        (ns_id, block), parent if flags & HAS_PARENT else None, owner, slot_bytes, chunk_bytes,
+        chunks, mask, seq, segment, offset, hbytes, payload_bytes, check, packed,
     )  # fmt: skip
 
 
@@ -413,6 +438,29 @@ class DiskStore:
         finally:
             probe.unlink(missing_ok=True)
 
+    def measure_read(self, nbytes: int = 16 * 2**20, unit: int = 4 * 2**20) -> float:
+        """Worker thread: this disk's sequential read GB/s, as the tier reads it (``unit``
+        reads of a file of ``nbytes`` written and flushed out of the page cache first)."""
+        probe = self.path / ".read-probe"
+        buf = mmap.mmap(-1, unit)
+        buf.write(os.urandom(min(unit, 2**16)) * (unit // min(unit, 2**16)))
+        try:
+            fd = self._open_fd(probe, create=not probe.exists())
+            try:
+                for at in range(0, nbytes, unit):
+                    os.pwrite(fd, buf, at)
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
+                t0 = time.perf_counter()
+                for at in range(0, nbytes, unit):
+                    os.preadv(fd, [buf], at)
+                return nbytes / (time.perf_counter() - t0) / 1e9
+            finally:
+                os.close(fd)
+        finally:
+            buf.close()
+            probe.unlink(missing_ok=True)
+
     @property
     def direct(self) -> bool:
         """Whether segments bypass the page cache (``O_DIRECT``)."""
@@ -570,7 +618,7 @@ class DiskStore:
         for rec in records:
             rec.segment, rec.offset = seg.number, offset
             offset += rec.span
-        plan = WritePlan(seg.number, seg.size, records, nbytes)
+        plan = WritePlan(seg.number, seg.size, records, nbytes, nbytes)
         self._resize(seg, seg.size + nbytes)  # reserved: the next plan goes after it
         return plan, dropped
 
@@ -648,23 +696,29 @@ class DiskStore:
     def write_batch(self, plan: WritePlan, views: list[list[memoryview]]) -> None:
         """Worker thread: write ``plan``'s records, their payloads from ``views`` (each
         record's landed chunks, one buffer each, in chunk order), in one aligned ``pwrite``.
-        Fills each record's payload check. Raises ``OSError`` (nothing of the batch is
-        indexed)."""
+        Packs the records asked to be where that saves bytes (the records after a packed
+        one move up: ``plan.nbytes`` is what the batch took); fills each record's payload
+        check. Raises ``OSError`` (nothing of the batch is indexed)."""
         if len(self._write_buf) < plan.nbytes:  # (one record past a batch: kept for the next)
             self._write_buf.close()
             self._write_buf = mmap.mmap(-1, _up(plan.nbytes, 2**20))
         buf = self._write_buf
         pos = 0
         for rec, chunks in zip(plan.records, views, strict=True):
+            if sum(len(c) for c in chunks) != rec.raw_bytes:
+                raise InvalidArgument(f"slot {rec.key[1].hex()}: payload size changed")
+            packed = pack_chunks(chunks) if rec.packed else None
+            rec.packed = packed is not None
+            parts: list[bytes | memoryview] = packed if packed is not None else list(chunks)
+            rec.payload_bytes = sum(len(p) for p in parts)
+            rec.offset = plan.offset + pos
             start = pos + rec.payload_at
             h = xxhash.xxh3_64()
             at = start
-            for chunk in chunks:
-                buf[at : at + len(chunk)] = chunk
-                h.update(chunk)
-                at += len(chunk)
-            if at - start != rec.payload_bytes:
-                raise InvalidArgument(f"slot {rec.key[1].hex()}: payload size changed")
+            for part in parts:
+                buf[at : at + len(part)] = part
+                h.update(part)
+                at += len(part)
             rec.payload_check = h.intdigest()
             head = encode_header(rec)
             buf[pos : pos + len(head)] = head
@@ -672,6 +726,7 @@ class DiskStore:
             end = pos + rec.span
             buf[at:end] = bytes(end - at)
             pos = end
+        plan.nbytes = pos
         seg = self._segments[plan.segment]
         done = os.pwrite(seg.fd, memoryview(buf)[: plan.nbytes], plan.offset)
         if done != plan.nbytes:
@@ -682,7 +737,7 @@ class DiskStore:
         """``plan``'s write failed: give its room back (it is the segment's last), so the
         next batch does not leave unreadable bytes between records."""
         seg = self._segments.get(plan.segment)
-        if seg is not None and not seg.doomed and seg.size == plan.offset + plan.nbytes:
+        if seg is not None and not seg.doomed and seg.size == plan.offset + plan.reserved:
             self._resize(seg, plan.offset)
 
     def commit(self, plan: WritePlan) -> list[Record]:
@@ -690,6 +745,8 @@ class DiskStore:
         seg = self._segments.get(plan.segment)
         if seg is None or seg.doomed:  # (dropped while written: nothing of it is kept)
             return []
+        if seg.size == plan.offset + plan.reserved:  # what packing saved goes to the next
+            self._resize(seg, plan.offset + plan.nbytes)
         return [old for rec in plan.records if (old := self._put(seg, rec)) is not None]
 
     def forget(self, key: SlotKey) -> Record | None:
@@ -729,10 +786,10 @@ class DiskStore:
             self._release(seg)
 
     def read(self, rec: Record, keep: bool = True) -> memoryview:
-        """Worker thread: ``rec``'s payload, its header and checksum verified; a view of a
-        reused buffer the caller hands back with :meth:`give_back` (``keep=False``: verify
-        only, returning an empty view). Raises :class:`ChecksumError` for a record that
-        does not verify, ``OSError`` when the read fails."""
+        """Worker thread: ``rec``'s chunks (unpacked), its header and checksum verified; a
+        view of a reused buffer the caller hands back with :meth:`give_back` (``keep=False``:
+        verify only, returning an empty view). Raises :class:`ChecksumError` for a record
+        that does not verify, ``OSError`` when the read fails."""
         seg = self._segments.get(rec.segment)
         if seg is None or seg.fd < 0:
             raise OSError(errno.ENOENT, f"segment {rec.segment} is gone")
@@ -754,7 +811,18 @@ class DiskStore:
         if not keep:
             self._read_bufs.give(buf)
             return memoryview(b"")
-        return memoryview(buf)[at:end]
+        if not rec.packed:
+            return memoryview(buf)[at:end]
+        out = self._read_bufs.take(rec.raw_bytes)
+        try:
+            unpack_chunks(memoryview(buf)[at:end], memoryview(out)[: rec.raw_bytes],
+                          rec.mask.bit_count(), rec.chunk_bytes)  # fmt: skip
+        except BaseException:
+            self._read_bufs.give(out)
+            raise
+        finally:
+            self._read_bufs.give(buf)
+        return memoryview(out)[: rec.raw_bytes]
 
     def give_back(self, payload: memoryview) -> None:
         """Return a :meth:`read`'s buffer for reuse (the view must not be used after)."""

@@ -14,6 +14,9 @@
   was read from disk recently (within the last :data:`RECENT_READS` disk reads) or read
   again while staged, past :data:`COLD_WINDOW_S` (the calls of one request's layers are
   one use), which is the admission rule.
+- **Packed where it pays.** Blocks are written as byte planes + lz4 where the policy
+  (:class:`~kvstore.node.disk_lz4.Lz4Policy`: the disk's and lz4's measured speeds, each
+  namespace's learnt ratio) says reads get faster; everywhere else as they are.
 - **Stored is stored.** A put naming chunks held only on disk is answered STORED for them
   (:meth:`~kvstore.node.tiers.Tiers.on_disk`), as for chunks in memory.
 - **Leaves the node only from disk**: when the disk needs room its oldest segment goes, and
@@ -45,6 +48,7 @@ from kvstore.dataplane.location import tier_mark, with_disk
 from kvstore.errors import ChecksumError, KVStoreError
 from kvstore.metrics import Metrics
 from kvstore.node.disk import MAX_BATCH_BYTES, DiskStore, Record
+from kvstore.node.disk_lz4 import Lz4Policy
 from kvstore.node.tiers import Tiers, landed_bits
 
 __all__ = [
@@ -99,8 +103,11 @@ class DiskTier:
 
     name = "disk"
 
-    def __init__(self, store: DiskStore, tiers: Tiers, metrics: Metrics) -> None:
+    def __init__(
+        self, store: DiskStore, tiers: Tiers, metrics: Metrics, lz4: Lz4Policy | None = None
+    ) -> None:
         self.store = store
+        self.lz4 = lz4 if lz4 is not None else Lz4Policy("off")
         self.tiers = tiers
         self.metrics = metrics
         self._queue: dict[SlotKey, None] = {}
@@ -211,7 +218,7 @@ class DiskTier:
                 later.append(key)  # its scrub is pending: write it once checked
                 continue
             rec = Record.of(key, slot.parent, slot.owner, slot.slot_bytes, slot.chunk_bytes,
-                            slot.num_chunks, slot.landed_mask)  # fmt: skip
+                            slot.num_chunks, slot.landed_mask, self.lz4.wants(key[0]))  # fmt: skip
             if not store.fits(rec):
                 continue
             leases.append(host.table.pin(slot))
@@ -234,6 +241,7 @@ class DiskTier:
             lease.release()
         if plan is None:
             return
+        asked = [rec.packed for rec in plan.records]
         t0 = time.perf_counter()
         try:
             loop = asyncio.get_running_loop()
@@ -248,8 +256,10 @@ class DiskTier:
             for lease in leases[:n]:
                 lease.release()
         store.commit(plan)
-        for rec in plan.records:  # the index learns these survive a restart
-            self._mark(rec.key, rec.mask, on_disk=True)
+        for rec, pack in zip(plan.records, asked, strict=True):
+            self._mark(rec.key, rec.mask, on_disk=True)  # the index learns it survives a restart
+            if pack:
+                self.lz4.learn(rec.key[0], rec.raw_bytes, rec.payload_bytes)
         self.fault = ""
         self.counters["written"] += n
         self.metrics.disk_bytes.labels(op="write").inc(plan.nbytes)
@@ -518,6 +528,7 @@ class DiskTier:
             "queued": len(self._queue),
             "writing": self.writing,
             "fault": self.fault,
+            "lz4": self.lz4.stats(),
             **self.counters,
         }
 

@@ -103,6 +103,7 @@ from kvstore.metrics import Metrics
 from kvstore.node.checks import ChunkChecks, LandedChunk
 from kvstore.node.config import NodeConfig
 from kvstore.node.disk import DiskStore
+from kvstore.node.disk_lz4 import MIN_PROBE_DISK, PROBE_BYTES, Lz4Policy, measure_decompress
 from kvstore.node.disk_tier import DiskTier
 from kvstore.node.master_link import MasterLink, NodeIdentity
 from kvstore.node.migrate import Migration
@@ -271,7 +272,8 @@ class StorageNode:
             DiskStore.open, cfg.disk_path, cfg.disk_size, node_id=self.node_id,
             secret=cfg.token, direct=cfg.disk_direct,
         )  # fmt: skip
-        self.disk = DiskTier(store, self.tiers, self.metrics)
+        lz4 = await asyncio.to_thread(self._lz4_policy, store)
+        self.disk = DiskTier(store, self.tiers, self.metrics, lz4)
         for raw, tenant in list(store.namespaces.values()):
             try:
                 self._namespace(raw, tenant)
@@ -279,9 +281,23 @@ class StorageNode:
                 logger.warning("disk tier: a saved namespace is unusable: %s", exc)
         logger.info(
             "disk tier %s: %d blocks in %d segments adopted in %.2f s (O_DIRECT %s, %d torn "
-            "bytes dropped)", cfg.disk_path, len(store), store.segments,
+            "bytes dropped; lz4 %s)", cfg.disk_path, len(store), store.segments,
             time.perf_counter() - t0, "on" if store.direct else "off", store.dropped_tail_bytes,
+            lz4.describe(),
         )  # fmt: skip
+
+    def _lz4_policy(self, store: DiskStore) -> Lz4Policy:
+        """Worker thread: the disk tier's lz4 policy, with the measurements ``auto`` rests
+        on (a disk too small for the read probe is not measured: nothing is packed)."""
+        mode = self.config.disk_compress
+        if mode != "auto" or store.capacity < MIN_PROBE_DISK:
+            return Lz4Policy(mode)
+        try:
+            disk = store.measure_read(PROBE_BYTES)
+        except OSError as exc:
+            logger.warning("disk tier: cannot measure the disk's read speed (%s); no lz4", exc)
+            return Lz4Policy(mode)
+        return Lz4Policy(mode, disk, measure_decompress())
 
     async def _check_master_authenticates(self) -> None:
         """A node with the cluster secret authenticates its data port, so its clients need
