@@ -29,7 +29,7 @@ from kvstore.dataplane import NodeClient
 from kvstore.dataplane.location import tier_of
 from kvstore.errors import ChecksumError, InvalidArgument
 from kvstore.master import MasterConfig, MasterServer
-from kvstore.node.disk import ALIGN, DiskStore, Record
+from kvstore.node.disk import ALIGN, READ_PIECE, DiskStore, Record
 from kvstore.node.disk_lz4 import LEARN_BYTES, RELEARN, Lz4Policy
 from kvstore.node.disk_tier import DiskTier
 from kvstore.node.server import NodeConfig, StorageNode
@@ -167,6 +167,32 @@ def test_the_oldest_segments_make_room_and_dead_records_stay_dead(tmp_path: Path
     again = DiskStore.open(tmp_path, 256 * 2**10, node_id="n1", segment_bytes=64 * 2**10)
     assert set(again) == set(kept[:-1])
     again.close()
+
+
+def test_a_record_larger_than_a_read_piece_is_read_in_pieces_and_checked_whole(
+    tmp_path: Path,
+) -> None:
+    """Records of 9 MiB are read in pieces of READ_PIECE at once: they read back whole,
+    and a flipped byte in any piece, or a record cut short, is never served."""
+    store = DiskStore.open(tmp_path, 64 * 2**20, node_id="n1")
+    items = _images(2, size=3 * 2**20, per=3)
+    records = _write(store, items)
+    assert records[0].span > 2 * READ_PIECE
+    for img, payloads in items:
+        assert _payload(store, img.key) == b"".join(payloads)
+    first, second = records
+    seg = tmp_path / f"seg-{first.segment:08d}.kvd"
+    with open(seg, "r+b") as f:  # a byte of the first record's middle piece
+        f.seek(first.offset + READ_PIECE + 4321)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(ChecksumError, match="checksum"):
+        store.read(first)
+    os.truncate(seg, second.offset + second.span - 2 * ALIGN)  # the last piece cut short
+    with pytest.raises(ChecksumError, match="short read"):
+        store.read(second)
+    store.close()
 
 
 def _kv_images(quant: str, n: int, first: int = 0) -> list[tuple[Record, list[bytes]]]:

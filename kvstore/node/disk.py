@@ -36,6 +36,7 @@ worker thread.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import contextlib
 import errno
 import hashlib
@@ -49,6 +50,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +82,11 @@ SEGMENT_BYTES = 64 * 2**20
 """A segment is closed to appends once it holds this many bytes (one record may pass it)."""
 MAX_BATCH_BYTES = 16 * 2**20
 """Bytes one write batch packs (one record larger than this goes alone)."""
+READ_PIECE = 4 * 2**20
+"""A record larger than this is read in pieces of this size, all at once, the payload
+hashed as each lands: read whole and then hashed, a 16 MiB record read at 0.71 of raw
+``O_DIRECT`` (the hash, ~2 ms of it, ran after the read)."""
+PIECE_THREADS = 4
 FORMAT = 1
 IDENTITY_FILE = "kvstore-disk.json"
 NAMESPACES_FILE = "namespaces.json"
@@ -99,6 +106,16 @@ PACKED = 2
 _SEGMENT_NAME = re.compile(r"seg-(\d{8})\.kvd")
 MAX_CHUNKS = 8 * (ALIGN - HEADER.size - 255 - _CHECK.size)
 """Chunks a slot may have and still get a record (its mask must fit the first page)."""
+
+
+class _Done:
+    """A read done on the caller's thread, shaped as a piece read's future."""
+
+    def __init__(self, got: int) -> None:
+        self._got = got
+
+    def result(self) -> int:
+        return self._got
 
 
 def pool_tag(secret: str) -> str:
@@ -311,6 +328,8 @@ class DiskStore:
         self._direct = direct
         self._write_buf = mmap.mmap(-1, MAX_BATCH_BYTES)
         self._read_bufs = _Buffers()
+        self._pieces: ThreadPoolExecutor | None = None
+        """Reads the pieces of a large record at once (made on the first one)."""
         self.namespaces: dict[bytes, tuple[bytes, str]] = {}
         """Pool id -> (the namespace's canonical bytes, its tenant), for the blocks here."""
         self.dropped_tail_bytes = 0
@@ -793,18 +812,10 @@ class DiskStore:
         seg = self._segments.get(rec.segment)
         if seg is None or seg.fd < 0:
             raise OSError(errno.ENOENT, f"segment {rec.segment} is gone")
-        span = rec.span
-        buf = self._read_bufs.take(span)
+        buf = self._read_bufs.take(rec.span)
+        at, end = rec.payload_at, rec.payload_at + rec.payload_bytes
         try:
-            got = os.preadv(seg.fd, [memoryview(buf)[:span]], rec.offset)
-            if got != span:
-                raise ChecksumError(f"record {rec.key[1].hex()}: short read ({got} of {span})")
-            again = parse_header(memoryview(buf)[:ALIGN], rec.segment, rec.offset)
-            if again is None or (again.key, again.seq) != (rec.key, rec.seq):
-                raise ChecksumError(f"record {rec.key[1].hex()}: header does not verify")
-            at, end = rec.payload_at, rec.payload_at + rec.payload_bytes
-            if xxhash.xxh3_64_intdigest(memoryview(buf)[at:end]) != rec.payload_check:
-                raise ChecksumError(f"record {rec.key[1].hex()}: payload checksum mismatch")
+            self._read_checked(seg.fd, rec, memoryview(buf)[: rec.span])
         except BaseException:
             self._read_bufs.give(buf)
             raise
@@ -824,6 +835,38 @@ class DiskStore:
             self._read_bufs.give(buf)
         return memoryview(out)[: rec.raw_bytes]
 
+    def _read_checked(self, fd: int, rec: Record, view: memoryview) -> None:
+        """Read ``rec`` into ``view``: its header checked, its payload hashed piece by piece
+        as the pieces land (a record of more than :data:`READ_PIECE` is read in pieces at
+        once, so the hash runs beside the reads). :class:`ChecksumError` if it fails."""
+        pieces = [(a, min(a + READ_PIECE, len(view))) for a in range(0, len(view), READ_PIECE)]
+        reads: list[_Done | Future[int]]
+        if len(pieces) == 1:
+            reads = [_Done(os.preadv(fd, [view], rec.offset))]
+        else:
+            if self._pieces is None:
+                self._pieces = ThreadPoolExecutor(PIECE_THREADS, "kvstore-disk-piece")
+            reads = [self._pieces.submit(os.preadv, fd, [view[a:b]], rec.offset + a)
+                     for a, b in pieces]  # fmt: skip
+        try:
+            at, end = rec.payload_at, rec.payload_at + rec.payload_bytes
+            h = xxhash.xxh3_64()
+            for (a, b), done in zip(pieces, reads, strict=True):
+                if (got := done.result()) != b - a:
+                    raise ChecksumError(f"record {rec.key[1].hex()}: short read ({got} of "
+                                        f"{b - a} at {a})")  # fmt: skip
+                if a == 0:
+                    again = parse_header(view[:ALIGN], rec.segment, rec.offset)
+                    if again is None or (again.key, again.seq) != (rec.key, rec.seq):
+                        raise ChecksumError(f"record {rec.key[1].hex()}: header does not verify")
+                if max(a, at) < min(b, end):
+                    h.update(view[max(a, at) : min(b, end)])
+            if h.intdigest() != rec.payload_check:
+                raise ChecksumError(f"record {rec.key[1].hex()}: payload checksum mismatch")
+        finally:
+            concurrent.futures.wait([r for r in reads if isinstance(r, Future)])  # (the buffer
+            # goes back to the pool: no piece may still be landing in it)
+
     def give_back(self, payload: memoryview) -> None:
         """Return a :meth:`read`'s buffer for reuse (the view must not be used after)."""
         base = payload.obj
@@ -840,3 +883,5 @@ class DiskStore:
         self._open.clear()
         self._used_bytes = 0
         self._write_buf.close()
+        if self._pieces is not None:
+            self._pieces.shutdown(wait=True)
