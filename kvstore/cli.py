@@ -436,5 +436,17 @@ def _wire_master_counters(master: MasterServer, metrics: Metrics) -> None:
     master.service.add_pool_observer(on_sweep)
 
 
+def entry() -> None:
+    """The ``kvstore`` command: :func:`main`; a process that loaded NIXL ends through
+    :func:`~kvstore.transport.nixl_binding.end_process` (its libraries' destructors crash
+    on RDMA hosts)."""
+    code = main()
+    from kvstore.transport import nixl_binding
+
+    if nixl_binding.loaded():
+        nixl_binding.end_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -4,11 +4,14 @@ translating its exceptions, and reading an agent's name from its metadata (see
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
+import os
 import struct
+import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from kvstore.errors import (
     KVStoreError,
@@ -18,7 +21,16 @@ from kvstore.errors import (
     UnknownScheme,
 )
 
-__all__ = ["NAME_MAX", "agent_name_of", "import_bindings", "segment", "translate", "translating"]
+__all__ = [
+    "NAME_MAX",
+    "agent_name_of",
+    "end_process",
+    "import_bindings",
+    "loaded",
+    "segment",
+    "translate",
+    "translating",
+]
 
 NAME_MAX = 256
 """Longest agent name NIXL metadata carries."""
@@ -59,6 +71,32 @@ def import_bindings() -> Any:
         return importlib.import_module("nixl_cu12._bindings")
     except (ImportError, OSError) as exc:
         raise UnknownScheme(f"ucx:// needs nixl-cu12: {exc}") from exc
+
+
+def loaded() -> bool:
+    """Whether this process has loaded the binding (and with it UCX and its libraries)."""
+    return "nixl_cu12._bindings" in sys.modules
+
+
+def end_process(code: int) -> NoReturn:
+    """End the process with status ``code`` once it has shut down in order: Python's exit
+    handlers run and the standard streams are flushed, but not the C libraries'
+    destructors (``os._exit``).
+
+    Why: the ``nixl-cu12`` wheel carries its own ``libibverbs`` and ``libnl-route-3``. On a
+    host with RDMA providers installed (Debian's ``ibverbs-providers``: every RDMA host),
+    that ``libibverbs`` loads the system's providers, which bring the system's
+    ``libnl-route-3``; at exit the two copies' destructors crash the process
+    (``SIGSEGV`` in ``rtnl_tc_unregister``, from ``_dl_fini``) after it has stopped
+    cleanly, so every ``ucx://`` node ended with status 139. Nothing is left for those
+    destructors to do by then."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 def segment(bindings: Any, mem: str) -> Any:
