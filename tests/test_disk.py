@@ -172,7 +172,7 @@ def test_the_oldest_segments_make_room_and_dead_records_stay_dead(tmp_path: Path
 def test_a_record_larger_than_a_read_piece_is_read_in_pieces_and_checked_whole(
     tmp_path: Path,
 ) -> None:
-    """Records of 9 MiB are read in pieces of READ_PIECE at once: they read back whole,
+    """Records of 9 MiB are read in two pieces at once: they read back whole,
     and a flipped byte in any piece, or a record cut short, is never served."""
     store = DiskStore.open(tmp_path, 64 * 2**20, node_id="n1")
     items = _images(2, size=3 * 2**20, per=3)
@@ -182,8 +182,8 @@ def test_a_record_larger_than_a_read_piece_is_read_in_pieces_and_checked_whole(
         assert _payload(store, img.key) == b"".join(payloads)
     first, second = records
     seg = tmp_path / f"seg-{first.segment:08d}.kvd"
-    with open(seg, "r+b") as f:  # a byte of the first record's middle piece
-        f.seek(first.offset + READ_PIECE + 4321)
+    with open(seg, "r+b") as f:  # a byte of the first record's last piece
+        f.seek(first.offset + first.span - READ_PIECE // 2)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x40]))

@@ -83,9 +83,9 @@ SEGMENT_BYTES = 64 * 2**20
 MAX_BATCH_BYTES = 16 * 2**20
 """Bytes one write batch packs (one record larger than this goes alone)."""
 READ_PIECE = 4 * 2**20
-"""A record larger than this is read in pieces of this size, all at once, the payload
-hashed as each lands: read whole and then hashed, a 16 MiB record read at 0.71 of raw
-``O_DIRECT`` (the hash, ~2 ms of it, ran after the read)."""
+"""A record of several times this is read in as many pieces (of equal aligned sizes), all
+at once, the payload hashed as each lands: read whole and then hashed, a 16 MiB record read
+at 0.71 of raw ``O_DIRECT`` (the hash, ~2 ms of it, ran after the read)."""
 PIECE_THREADS = 4
 FORMAT = 1
 IDENTITY_FILE = "kvstore-disk.json"
@@ -839,7 +839,9 @@ class DiskStore:
         """Read ``rec`` into ``view``: its header checked, its payload hashed piece by piece
         as the pieces land (a record of more than :data:`READ_PIECE` is read in pieces at
         once, so the hash runs beside the reads). :class:`ChecksumError` if it fails."""
-        pieces = [(a, min(a + READ_PIECE, len(view))) for a in range(0, len(view), READ_PIECE)]
+        n = max(1, round(len(view) / READ_PIECE))  # (a record just past a piece: one read)
+        size = _up(-(-len(view) // n))
+        pieces = [(a, min(a + size, len(view))) for a in range(0, len(view), size)]
         reads: list[_Done | Future[int]]
         if len(pieces) == 1:
             reads = [_Done(os.preadv(fd, [view], rec.offset))]
