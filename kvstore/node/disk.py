@@ -72,6 +72,7 @@ __all__ = [
     "Record",
     "WritePlan",
     "pool_tag",
+    "read_pieces",
 ]
 
 logger = logging.getLogger("kvstore.node")
@@ -106,6 +107,14 @@ PACKED = 2
 _SEGMENT_NAME = re.compile(r"seg-(\d{8})\.kvd")
 MAX_CHUNKS = 8 * (ALIGN - HEADER.size - 255 - _CHECK.size)
 """Chunks a slot may have and still get a record (its mask must fit the first page)."""
+
+
+def read_pieces(span: int) -> list[tuple[int, int]]:
+    """The byte ranges a record of ``span`` bytes is read in, at once (one range unless it
+    is several :data:`READ_PIECE` long: a record just past one piece is one read)."""
+    n = max(1, round(span / READ_PIECE))
+    size = _up(-(-span // n))
+    return [(a, min(a + size, span)) for a in range(0, span, size)]
 
 
 class _Done:
@@ -839,9 +848,7 @@ class DiskStore:
         """Read ``rec`` into ``view``: its header checked, its payload hashed piece by piece
         as the pieces land (a record of more than :data:`READ_PIECE` is read in pieces at
         once, so the hash runs beside the reads). :class:`ChecksumError` if it fails."""
-        n = max(1, round(len(view) / READ_PIECE))  # (a record just past a piece: one read)
-        size = _up(-(-len(view) // n))
-        pieces = [(a, min(a + size, len(view))) for a in range(0, len(view), size)]
+        pieces = read_pieces(len(view))
         reads: list[_Done | Future[int]]
         if len(pieces) == 1:
             reads = [_Done(os.preadv(fd, [view], rec.offset))]
