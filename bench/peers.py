@@ -1,0 +1,686 @@
+"""kvstore beside its peers: ``tcp://`` puts and gets next to Mooncake Store's, same run.
+
+    python bench/peers.py [--quick] [--sizes "512 KiB,4 MiB"] [--batches 8] [--plot out.png]
+
+Both stores move the same exchanges: N chunks of the same encoded size, from and into
+memory the client allocated and touched beforehand, one exchange at a time:
+
+- **kvstore**: a ``kvstore serve`` on loopback (pool ``--pool``) and this process as the
+  client, ``NodeClient.put`` (``put + chunks → ack``) and ``NodeClient.get`` (``get →
+  data``, straight into the client's rows) of pre-encoded chunks (``quant="none"``) over one
+  kept ``tcp://`` connection;
+- **Mooncake Store** (``mooncake-transfer-engine-non-cuda``, its TCP transport): a
+  ``mooncake_master`` on loopback with its HTTP metadata server, a *decode* process that
+  mounts a segment of ``--pool`` bytes (where every object lands) and a *prefill* process
+  with no segment of its own that ``batch_put_from`` / ``batch_get_into`` its registered
+  buffer, one batch of N objects per exchange. Every address it is given is loopback
+  (``MC_TCP_BIND_ADDRESS=127.0.0.1`` too), though 0.3.13 still listens on all interfaces
+  for its HTTP metadata server and its clients' RPC and TCP ports.
+
+A round, per chunk size and side: a put phase (``--budget`` bytes of fresh keys), then a get
+phase reading them back in the same order, then the store is emptied (untimed: kvstore
+``evict``, Mooncake ``remove_all``). GB/s is a phase's bytes over its wall time; each figure
+is the best of ``--rounds`` rounds, the sides alternating which goes first. The last
+exchange of each get phase is checked against what was put (untimed). Each side first puts
+and empties one round's bytes, untimed, so both work in touched memory.
+
+Mooncake is a benchmark-only dependency: this script installs it into a virtualenv of its own
+(``--mooncake-venv``, by default under the user's cache directory, outside the repository),
+with ``pip install mooncake-transfer-engine-non-cuda==0.3.13.post1``, and Debian's
+``libibverbs1`` (which its libraries link) by ``apt-get`` when missing and run as root. When
+Mooncake cannot be installed or started, the table says why and shows kvstore's side alone.
+Markdown goes to stdout, progress to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import inspect
+import json
+import os
+import re
+import selectors
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from _common import (
+    BarPanel,
+    BenchError,
+    KeptConnection,
+    Serve,
+    Table,
+    expect,
+    print_report,
+    progress,
+    save_bar_plot,
+)
+from transfer import MAX_EXCHANGE, SIZES, D, H, Point, block_keys, points
+
+from kvstore.core.arena import parse_size
+from kvstore.core.codec import ChunkKey, encode_blocks, verify_chunk
+from kvstore.dataplane import ChunkRef, NodeClient, PutChunk
+from kvstore.transport import Connection, connect
+
+MiB = 1 << 20
+MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+"""The Mooncake build measured: PyPI's CPU-only wheel (TCP transport; links libibverbs)."""
+MARK = "peers>"
+"""Prefix of the lines a Mooncake process answers with on stdout (the rest is its logs)."""
+IO_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 60.0
+ROUND_TIMEOUT_S = 300.0
+PIP_TIMEOUT_S = 900.0
+APT_TIMEOUT_S = 300.0
+FLUSH = 64 * MiB
+"""Bytes written after encoding to push the encoded chunks out of the CPU caches."""
+OPS = ("put", "get")
+SIDES = ("kvstore", "Mooncake")
+
+
+class MooncakeUnavailable(BenchError):
+    """Mooncake Store could not be installed, started or measured (the message says why)."""
+
+
+def default_venv(package: str) -> Path:
+    """Where the virtualenv of pip requirement ``package`` goes by default:
+    ``$XDG_CACHE_HOME`` (``~/.cache``) ``/kvstore-bench/<package>``, outside the repository
+    (no linter or test walks it); one per requirement, so each keeps its own build."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "kvstore-bench" / re.sub(r"[^\w.]+", "-", package)
+
+
+# ----------------------------------------------------------------------- what each round moves
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The exchanges of one point in a phase (``n`` of them, each ``point.exchange_bytes``)."""
+
+    point: Point
+    n: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.point.exchange_bytes
+
+
+def plans(pts: Sequence[Point], budget: int, min_n: int) -> list[Plan]:
+    """Exchanges per phase: about ``budget`` bytes, at least ``min_n`` exchanges."""
+    return [Plan(p, max(min_n, budget // p.exchange_bytes)) for p in pts]
+
+
+@dataclass
+class Results:
+    """GB/s of every round, by (point name, op, side); why Mooncake is missing, if it is."""
+
+    plans: list[Plan]
+    rounds: int
+    gbps: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)
+    mooncake_error: str = ""
+
+    def add(self, plan: Plan, side: str, put_s: float, get_s: float) -> None:
+        for op, seconds in zip(OPS, (put_s, get_s), strict=True):
+            runs = self.gbps.setdefault((plan.point.name, op, side), [])
+            runs.append(plan.nbytes / seconds / 1e9)
+
+    def best(self, plan: Plan, op: str, side: str) -> float | None:
+        runs = self.gbps.get((plan.point.name, op, side))
+        return max(runs) if runs else None
+
+
+# ----------------------------------------------------------------------- kvstore's side
+
+
+class KvSide:
+    """This process as a kvstore client of one node: one kept ``tcp://`` connection and a
+    ``region`` of touched memory, exchange ``i`` of a phase in its ``i``-th row block."""
+
+    def __init__(self, conn: Connection, data_uri: str, region_bytes: int) -> None:
+        self.conn = conn
+        self.node = NodeClient(data_uri, KeptConnection(conn), timeout_s=IO_TIMEOUT_S)
+        self.region = torch.zeros(region_bytes, dtype=torch.uint8)  # written: pages touched
+        self.scratch = torch.zeros(FLUSH, dtype=torch.uint8)
+        self.sources: dict[Point, torch.Tensor] = {}
+
+    @classmethod
+    async def open(cls, data_uri: str, region_bytes: int) -> KvSide:
+        return cls(await connect(data_uri, timeout=IO_TIMEOUT_S), data_uri, region_bytes)
+
+    def rows(self, plan: Plan, i: int) -> torch.Tensor:
+        """``[batch, chunk_bytes]``: exchange ``i``'s chunks in the region."""
+        p = plan.point
+        rows = self.region[i * p.exchange_bytes : (i + 1) * p.exchange_bytes]
+        return rows.view(p.batch, p.chunk_bytes)
+
+    def encode(self, plan: Plan, tag: str) -> list[list[bytes]]:
+        """Encode every exchange of a phase (fresh keys from ``tag``) into its rows, then
+        flush the caches; each exchange's block hashes."""
+        p = plan.point
+        if p not in self.sources:  # (under quant "none" the content is moot)
+            self.sources[p] = torch.randn(2, p.batch * p.tokens, H, D).bfloat16()
+        keys = [block_keys(tag, i, p.batch) for i in range(plan.n)]
+        for i, ks in enumerate(keys):
+            chunk_keys = [ChunkKey(k, 0, 0) for k in ks]
+            encode_blocks(self.sources[p], p.tokens, chunk_keys, "none", out=self.rows(plan, i))
+        self.scratch.add_(1)
+        return keys
+
+    async def round(self, plan: Plan, tag: str) -> tuple[float, float]:
+        """A put phase, a get phase (checked), the namespace evicted; seconds of each phase."""
+        p, keys = plan.point, self.encode(plan, tag)
+        ns = p.namespace()
+        ns_bytes, ns_id = ns.canonical_bytes(), ns.id
+        bufs = [[r.numpy() for r in self.rows(plan, i)] for i in range(plan.n)]
+        puts = [tuple(PutChunk(k, None, 0, p.chunk_bytes) for k in ks) for ks in keys]
+        gets = [[ChunkRef(k, 0) for k in ks] for ks in keys]
+        t0 = time.perf_counter()
+        for chunks, views in zip(puts, bufs, strict=True):
+            ack = await self.node.put(ns_bytes, chunks, views)
+            expect(ack.stored == p.batch, f"kvstore stored {ack.stored} of {p.batch} chunks")
+        put_s = time.perf_counter() - t0
+        self.rows(plan, plan.n - 1).zero_()  # what the last get brings must come from the node
+        t0 = time.perf_counter()
+        for refs, into in zip(gets, [_into(views) for views in bufs], strict=True):
+            found = await self.node.get(ns_id, refs, into)
+            expect(len(found) == p.batch, f"kvstore found {len(found)} of {p.batch} chunks")
+        get_s = time.perf_counter() - t0
+        for k, row in zip(keys[-1], self.rows(plan, plan.n - 1), strict=True):
+            verify_chunk(row, expect_key=ChunkKey(k, 0, 0))
+        await self.node.evict(ns_id)
+        return put_s, get_s
+
+    async def close(self) -> None:
+        await self.conn.close()
+
+
+def _into(views: list[Any]) -> Callable[[list[int]], list[Any]]:
+    """``NodeClient.get``'s ``into``: these buffers, whatever was found (checked after)."""
+    return lambda _found: views
+
+
+# ----------------------------------------------------------------------- Mooncake's side
+
+
+def mooncake_process(role: str, config: str) -> None:
+    """A Mooncake Store client; runs in the Mooncake virtualenv, which has neither kvstore
+    nor this module: its source is sent there, so it uses the standard library and
+    ``mooncake`` alone. ``config``: JSON with ``master`` and ``metadata`` (addresses),
+    ``pool`` and ``region`` (bytes) and ``mark`` (prefix of its answers on stdout).
+
+    ``decode`` mounts a segment of ``pool`` bytes and holds it until stdin closes.
+    ``prefill`` mounts none (every object lands in the decode's segment, over TCP),
+    registers a touched buffer of ``region`` bytes, then answers one JSON command per stdin
+    line: ``{"chunk", "batch", "n", "tag"}``: ``n`` exchanges of ``batch_put_from`` of
+    ``batch`` objects of ``chunk`` bytes (fresh keys), then ``batch_get_into`` of the same in
+    the same order, then ``remove_all``; it answers ``put_s`` and ``get_s`` (wall seconds of
+    each phase), or ``error``."""
+    import ctypes
+    import json
+    import sys
+    import time
+
+    from mooncake.store import MooncakeDistributedStore
+
+    cfg = json.loads(config)
+
+    def say(**answer: object) -> None:
+        print(cfg["mark"], json.dumps(answer), flush=True)
+
+    store = MooncakeDistributedStore()
+    segment = cfg["pool"] if role == "decode" else 0
+    rc = store.setup("127.0.0.1", cfg["metadata"], segment, 0, "tcp", "", cfg["master"])
+    if rc != 0:
+        say(error=f"{role}: setup returned {rc}")
+        return
+    if role == "decode":
+        say(ready=role)
+        sys.stdin.read()  # until the bench closes it
+        store.close()
+        return
+    region = ctypes.create_string_buffer(cfg["region"])
+    ctypes.memset(region, 1, cfg["region"])  # written: pages touched
+    base = ctypes.addressof(region)
+    rc = store.register_buffer(base, cfg["region"])
+    if rc != 0:
+        say(error=f"register_buffer returned {rc}")
+        return
+    say(ready=role)
+
+    def run_round(chunk: int, batch: int, n: int, tag: str) -> dict[str, object]:
+        keys = [[f"{tag}/{i}/{j}" for j in range(batch)] for i in range(n)]
+        ptrs = [[base + (i * batch + j) * chunk for j in range(batch)] for i in range(n)]
+        sizes, last, nbytes = [chunk] * batch, ptrs[-1][0], batch * chunk
+        for ks, ps in zip(keys, ptrs, strict=True):  # each object starts with its key
+            for k, p in zip(ks, ps, strict=True):
+                ctypes.memmove(p, k.encode(), len(k))
+        t0 = time.perf_counter()
+        for ks, ps in zip(keys, ptrs, strict=True):
+            codes = store.batch_put_from(ks, ps, sizes)
+            if any(codes):
+                raise RuntimeError(f"batch_put_from answered {codes}")
+        put_s = time.perf_counter() - t0
+        sent = ctypes.string_at(last, nbytes)
+        ctypes.memset(last, 0, nbytes)  # what the last get brings must come from the decode
+        t0 = time.perf_counter()
+        for ks, ps in zip(keys, ptrs, strict=True):
+            got = store.batch_get_into(ks, ps, sizes)
+            if got != sizes:
+                raise RuntimeError(f"batch_get_into answered {got}")
+        get_s = time.perf_counter() - t0
+        if ctypes.string_at(last, nbytes) != sent:
+            raise RuntimeError("the last get brought other bytes than were put")
+        store.remove_all(True)
+        return {"put_s": put_s, "get_s": get_s}
+
+    for line in sys.stdin:
+        try:
+            say(**run_round(**json.loads(line)))
+        except Exception as e:
+            say(error=f"{type(e).__name__}: {e}")
+    store.close()
+
+
+@dataclass
+class Child:
+    """A Mooncake subprocess: stdin and stdout pipes (binary), stderr to a temporary file;
+    ``grace``: seconds it is given to exit once its stdin is closed."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: IO[bytes]
+    grace: float = 10.0
+    pending: bytes = b""
+
+    @classmethod
+    def start(cls, name: str, argv: Sequence[str], grace: float = 10.0) -> Child:
+        log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
+        env = dict(os.environ)
+        env.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # (what it announces to peers)
+        proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=log, bufsize=0, env=env)  # fmt: skip
+        return cls(name, proc, log, grace)
+
+    def tail(self, lines: int = 3) -> str:
+        """The last ``lines`` lines of its stderr (its logs), on one line."""
+        if self.log.closed:
+            return ""
+        self.log.seek(0)
+        text = self.log.read()[-4000:].decode(errors="replace")
+        return " | ".join(line.strip() for line in text.splitlines()[-lines:])
+
+    def fail(self, what: str) -> MooncakeUnavailable:
+        return MooncakeUnavailable(f"{self.name}: {what}; its log ends: {self.tail()}")
+
+    def answer(self, timeout: float) -> dict[str, Any]:
+        """Its next ``MARK`` line as JSON, within ``timeout`` s; raises
+        :class:`MooncakeUnavailable` on an ``error`` answer, on EOF and on the timeout."""
+        out = self.proc.stdout
+        assert out is not None
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(out, selectors.EVENT_READ)
+            while True:
+                line, nl, rest = self.pending.partition(b"\n")
+                if nl:
+                    self.pending = rest
+                    text = line.decode(errors="replace")
+                    if not text.startswith(MARK):
+                        continue
+                    answer: dict[str, Any] = json.loads(text[len(MARK) :])
+                    if "error" in answer:
+                        raise self.fail(str(answer["error"]))
+                    return answer
+                if not sel.select(max(0.0, deadline - time.monotonic())):
+                    raise self.fail(f"no answer within {timeout:.0f} s")
+                chunk = os.read(out.fileno(), 1 << 16)
+                if not chunk:
+                    raise self.fail(f"exited ({self.proc.wait(5)})")
+                self.pending += chunk
+
+    def ask(self, timeout: float, **command: object) -> dict[str, Any]:
+        """Send one JSON command line; its answer (as :meth:`answer`)."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(command).encode() + b"\n")
+        except OSError as e:
+            raise self.fail(f"cannot be written to ({e})") from e
+        return self.answer(timeout)
+
+    def stop(self) -> None:
+        """Close its stdin (a client leaves), SIGTERM after ``grace`` s, SIGKILL after 5
+        more. Idempotent."""
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(self.grace)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+
+def _run_quiet(argv: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> str:
+    """Run ``argv``; its output. Raises :class:`MooncakeUnavailable` (with the output's tail)
+    when it fails or runs past ``timeout`` s."""
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+                              env=env, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise MooncakeUnavailable(f"`{' '.join(argv)}` failed: {e}") from e
+    out = (done.stdout + done.stderr).strip()
+    if done.returncode != 0:
+        lines = [line.strip() for line in out.splitlines() if line.strip()]
+        why = [line for line in lines if line.startswith(("ERROR", "E:"))] or lines[-3:]
+        raise MooncakeUnavailable(f"`{' '.join(argv)}` exited {done.returncode}: "
+                                  f"{' '.join(why)[-1500:]}")  # fmt: skip
+    return out
+
+
+def _import_error(python: Path) -> str:
+    """Empty when ``python`` imports ``mooncake.store``, else why not."""
+    try:
+        _run_quiet([str(python), "-c", "import mooncake.store"], 120)
+    except MooncakeUnavailable as e:
+        return str(e)
+    return ""
+
+
+def install_mooncake(venv: Path, package: str, step: Callable[[str], None]) -> Path:
+    """The Python of ``venv`` with ``package`` importable: the virtualenv is created and the
+    package installed by pip when missing, Debian's ``libibverbs1`` by apt-get when the
+    import misses ``libibverbs.so.1`` (as root). Raises :class:`MooncakeUnavailable`."""
+    python = venv / "bin" / "python"
+    if python.exists() and not _import_error(python):
+        return python
+    if not python.exists():
+        step(f"creating {venv}")
+        _run_quiet([sys.executable, "-m", "venv", str(venv)], 300)
+    step(f"pip install {package} into {venv}")
+    _run_quiet([str(python), "-m", "pip", "install", "-q", package], PIP_TIMEOUT_S)
+    why = _import_error(python)
+    if "libibverbs" in why:
+        if os.geteuid() != 0 or shutil.which("apt-get") is None:
+            raise MooncakeUnavailable(f"Mooncake needs Debian's libibverbs1 (apt-get install "
+                                      f"libibverbs1, as root): {why}")  # fmt: skip
+        step("apt-get install libibverbs1")
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        apt = ["apt-get", "install", "-y", "-q", "libibverbs1"]
+        try:
+            _run_quiet(apt, APT_TIMEOUT_S, env)
+        except MooncakeUnavailable:  # an old or empty package list: refresh it once
+            _run_quiet(["apt-get", "update", "-q"], APT_TIMEOUT_S, env)
+            _run_quiet(apt, APT_TIMEOUT_S, env)
+        why = _import_error(python)
+    if why:
+        raise MooncakeUnavailable(why)
+    return python
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free right now (a binary takes them after)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def _wait_listening(child: Child, ports: Sequence[int], timeout: float) -> None:
+    """Until every port accepts a connection; raises when ``child`` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    for port in ports:
+        while True:
+            if child.proc.poll() is not None:
+                raise child.fail(f"exited ({child.proc.returncode})")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if time.monotonic() > deadline:
+                raise child.fail(f"port {port} not listening after {timeout:.0f} s")
+            time.sleep(0.1)
+
+
+class MooncakeSide:
+    """A ``mooncake_master``, a decode (the segment) and a prefill (the client), started
+    with :meth:`start` on loopback; always :meth:`stop`."""
+
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+        self.prefill: Child | None = None
+
+    def start(self, python: Path, pool: int, region: int) -> None:
+        """Start the three processes (each wait bounded). Raises :class:`MooncakeUnavailable`."""
+        rpc, http, metrics = _free_ports(3)
+        master = Child.start("mooncake_master", [
+            str(python.with_name("mooncake_master")), f"--rpc_port={rpc}",
+            "--rpc_address=127.0.0.1", "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
+            "--metrics_host=127.0.0.1", f"--metrics_port={metrics}",
+        ], grace=0)  # fmt: skip
+        self.children.append(master)
+        _wait_listening(master, (rpc, http), START_TIMEOUT_S)
+        metadata = f"http://127.0.0.1:{http}/metadata"
+        config = json.dumps({"master": f"127.0.0.1:{rpc}", "metadata": metadata, "pool": pool,
+                             "region": region, "mark": MARK})  # fmt: skip
+        code = inspect.getsource(mooncake_process) + "\nimport sys\n"
+        code += "mooncake_process(*sys.argv[1:])\n"
+        for role in ("decode", "prefill"):  # (the decode's segment first: puts land there)
+            child = Child.start(f"mooncake {role}", [str(python), "-c", code, role, config])
+            self.children.append(child)
+            child.answer(START_TIMEOUT_S)
+        self.prefill = self.children[-1]
+
+    async def round(self, plan: Plan, tag: str) -> tuple[float, float]:
+        """One round (see :func:`mooncake_process`); seconds of the put and get phases.
+        Blocks the event loop meanwhile (nothing else runs)."""
+        if self.prefill is None:
+            raise MooncakeUnavailable("not started")
+        p = plan.point
+        answer = self.prefill.ask(ROUND_TIMEOUT_S, chunk=p.chunk_bytes, batch=p.batch,
+                                  n=plan.n, tag=tag)  # fmt: skip
+        return float(answer["put_s"]), float(answer["get_s"])
+
+    def stop(self) -> None:
+        """Stop the clients, then the master (reverse order). Idempotent."""
+        while self.children:
+            self.children.pop().stop()
+        self.prefill = None
+
+
+# ----------------------------------------------------------------------- orchestration
+
+
+Round = Callable[[Plan, str], Awaitable[tuple[float, float]]]
+"""A side's round of one plan (keys made of the tag): seconds of its put and get phases."""
+
+
+async def run(args: argparse.Namespace) -> Results:
+    """Install and start everything, measure, stop everything (also on failure). Whatever
+    goes wrong on Mooncake's side is reported in the results; kvstore's is still measured."""
+    todo = plans(points(args.sizes, args.batches), args.budget, args.min_n)
+    res = Results(todo, args.rounds)
+    region = max(plan.nbytes for plan in todo)
+    mooncake = MooncakeSide()
+    with contextlib.ExitStack() as stack, progress() as bar:
+        stack.callback(mooncake.stop)
+        total = 4 + args.rounds * len(todo) * len(SIDES)
+        task = bar.add_task("Mooncake", total=total)
+
+        def step(what: str, advance: int = 1) -> None:
+            bar.update(task, advance=advance, description=what)
+
+        def failed(e: Exception) -> None:
+            res.mooncake_error = f"{type(e).__name__}: {e}"
+            bar.console.print(f"[red]Mooncake Store failed[/red]: {res.mooncake_error}")
+            mooncake.stop()
+
+        if args.no_mooncake:
+            res.mooncake_error = "left out (--no-mooncake)"
+        else:
+            try:
+                step("installing Mooncake", 0)
+                python = install_mooncake(args.mooncake_venv, args.mooncake_package,
+                                          lambda what: step(what, 0))  # fmt: skip
+                step("starting Mooncake Store: master, decode, prefill")
+                mooncake.start(python, args.pool_bytes, region)
+            except Exception as e:  # (any failure: the bench goes on without Mooncake)
+                failed(e)
+        step("starting kvstore serve")
+        serve = stack.enter_context(Serve.start("--host-mem", args.pool))
+        kv = await KvSide.open(serve.addresses["data"], region)
+        sides: dict[str, Round] = {"kvstore": kv.round}
+        if not res.mooncake_error:
+            sides["Mooncake"] = mooncake.round
+
+        async def measure(side: str, plan: Plan, tag: str) -> tuple[float, float] | None:
+            try:
+                return await sides[side](plan, tag)
+            except Exception as e:
+                if side == "kvstore":
+                    raise
+                failed(e)
+                del sides[side]
+                return None
+
+        try:
+            step("one untimed round per side, so that pages are touched")
+            for side in list(sides):
+                await measure(side, max(todo, key=lambda plan: plan.nbytes), "fill")
+            for r in range(args.rounds):
+                for k, plan in enumerate(todo):
+                    for side in SIDES if (r + k) % 2 == 0 else SIDES[::-1]:
+                        step(f"round {r + 1} of {args.rounds}: {plan.point.name}, {side}")
+                        tag = f"round {r}/{plan.point.name}"
+                        if side in sides and (seconds := await measure(side, plan, tag)):
+                            res.add(plan, side, *seconds)
+        finally:
+            await kv.close()
+        bar.update(task, completed=total, description="stopped")
+    return res
+
+
+def report(res: Results, args: argparse.Namespace) -> Table:
+    """The Markdown table: each exchange, both stores' best GB/s and their ratio."""
+    table = Table(
+        "kvstore tcp:// beside Mooncake Store (TCP transport): the same exchanges, GB/s",
+        ["exchange", "kvstore GB/s", "Mooncake GB/s", "kvstore ÷ Mooncake"],
+    )
+    for plan in res.plans:
+        for op in OPS:
+            kv, mc = (res.best(plan, op, side) for side in SIDES)
+            ratio = f"{kv / mc:.2f}" if kv and mc else "-"
+            table.add(f"{op} {plan.point.name}", _gbps(kv), _gbps(mc), ratio)
+    if res.mooncake_error:
+        partly = any(side == "Mooncake" for _, _, side in res.gbps)
+        what = "stopped part-way (its figures: the rounds before)" if partly else "not measured"
+        table.notes.append(f"**Mooncake Store {what}**: {res.mooncake_error}")
+    phases = [f"{p.n} exchanges of {p.point.name} ({p.nbytes / MiB:.0f} MiB)" for p in res.plans]
+    rounds = f"{res.rounds} round{'s' * (res.rounds != 1)}"
+    table.notes += [
+        f"Each figure: the best of {rounds} of a phase's bytes over its wall time, "
+        "one exchange at a time, the two stores taking turns to go first. A phase: "
+        f"{'; '.join(phases)}.",
+        "A chunk is kvstore's encoded chunk (the payload and its header, quant none); "
+        "Mooncake's objects have the same size, so both move the same bytes.",
+        f"kvstore: `kvstore serve --host-mem {args.pool}` on loopback, this process as the "
+        "client on one kept connection (`NodeClient.put`: put + chunks → ack; "
+        "`NodeClient.get`: get → data into the client's rows).",
+        f"Mooncake Store: `{args.mooncake_package}` (its TCP transport) in "
+        f"`{args.mooncake_venv}`; `mooncake_master` with its HTTP metadata server on "
+        f"loopback, a decode process mounting a {args.pool} segment, a "
+        "prefill process with none (`batch_put_from` / `batch_get_into` of its registered "
+        "buffer, one batch per exchange).",
+        "After each round the store is emptied (kvstore `evict`, Mooncake `remove_all`), "
+        "untimed: puts land in free, touched memory on both sides.",
+    ]
+    return table
+
+
+def _gbps(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def plot(res: Results, path: str) -> None:
+    """Best GB/s per exchange and store: puts, then gets."""
+    labels = [plan.point.name for plan in res.plans]
+    panels = []
+    for op in OPS:
+        best = {side: [res.best(plan, op, side) for plan in res.plans] for side in SIDES}
+        series = {side: [v or 0.0 for v in values] for side, values in best.items() if any(values)}
+        panels.append(BarPanel(f"{op}, GB/s (best of {res.rounds})", "GB/s", labels, series))
+    save_bar_plot(path, panels, suptitle="bench/peers.py: kvstore tcp:// and Mooncake Store")
+
+
+# ----------------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; ``--quick`` shrinks every knob not given explicitly."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="under a minute: less per phase")
+    parser.add_argument("--sizes", default="512 KiB,4 MiB",
+                        help=f"chunk sizes, comma-separated, of: {', '.join(SIZES)}")  # fmt: skip
+    parser.add_argument("--batches", default="8", help="chunks per exchange, comma-separated")
+    parser.add_argument("--rounds", type=int, help="rounds per point; the best counts (3)")
+    parser.add_argument("--budget", type=parse_size, help="bytes per phase (512MiB)")
+    parser.add_argument("--min-n", type=int, default=4, help="fewest exchanges per phase (4)")
+    parser.add_argument("--pool", default="1GiB",
+                        help="kvstore's pool and Mooncake's segment (1GiB)")  # fmt: skip
+    parser.add_argument("--mooncake-venv", type=Path, help="Mooncake's virtualenv, made "
+                        f"when missing ({default_venv(MOONCAKE)})")  # fmt: skip
+    parser.add_argument("--mooncake-package", default=MOONCAKE, help="what pip installs there")
+    parser.add_argument("--no-mooncake", action="store_true", help="kvstore's side alone")
+    parser.add_argument("--plot", metavar="PNG", help="also write a bar chart here")
+    args = parser.parse_args(argv)
+    args.sizes = [s.strip() for s in args.sizes.split(",")]
+    if any(s not in SIZES for s in args.sizes):
+        parser.error(f"--sizes takes {', '.join(SIZES)}")
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.mooncake_venv = args.mooncake_venv or default_venv(args.mooncake_package)
+    args.rounds = args.rounds or (2 if args.quick else 3)
+    args.budget = args.budget or (128 * MiB if args.quick else 512 * MiB)
+    if min(args.batches) < 1 or args.rounds < 1 or args.min_n < 1:
+        parser.error("need batches >= 1, --rounds >= 1, --min-n >= 1")
+    pts = points(args.sizes, args.batches)
+    if not pts:
+        parser.error(f"every size x batch exceeds {MAX_EXCHANGE // MiB} MiB per exchange")
+    biggest = max(plan.nbytes for plan in plans(pts, args.budget, args.min_n))
+    try:
+        args.pool_bytes = parse_size(args.pool)
+    except ValueError as e:
+        parser.error(f"--pool: {e}")
+    if biggest > args.pool_bytes * 3 // 4:
+        parser.error(f"a phase moves {biggest / MiB:.0f} MiB: more than 3/4 of --pool "
+                     f"(Mooncake refuses puts into a full segment); raise --pool")  # fmt: skip
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print Markdown; 0 on success (also when Mooncake was not
+    measured: the table says why)."""
+    args = parse_args(argv)
+    res = asyncio.run(run(args))
+    print_report("kvstore beside Mooncake Store", "bench/peers.py", argv, [report(res, args)])
+    if args.plot:
+        plot(res, args.plot)
+        print(f"Plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
