@@ -113,7 +113,7 @@ def _same_both_ways(layer: torch.Tensor, block: int, n: int, quant: str) -> None
     block=st.integers(1, 9),
     n=st.integers(1, 4),
     h=st.integers(1, 3),
-    d=st.sampled_from([8, 16, 24, 40, 64, 136]),
+    d=st.sampled_from([8, 16, 24, 40, 64, 136, 9, 12, 30, 100, 130]),
     seed=st.integers(0, 2**16),
     loud=st.sampled_from([1.0, 1e-6, 30.0, 3e3]),
 )
@@ -133,6 +133,26 @@ def test_the_eager_bytes_at_engine_shapes(quant: str, dtype: torch.dtype) -> Non
     # 16-token blocks of a trace-like layer, and one 256-token block: H=8, D=128
     _same_both_ways(realistic_kv(48, 8, 128, dtype, seed=5), 16, 3, quant)
     _same_both_ways(realistic_kv(256, 8, 128, dtype, seed=6), 256, 1, quant)
+
+
+@pytest.mark.parametrize("quant", INT8)
+@pytest.mark.parametrize("d", [30, 100])
+def test_a_head_dim_off_the_vector_width_gives_the_eager_bytes_over_several_tiles(
+    quant: str, d: int
+) -> None:
+    """Channels padded to a multiple of 8 give the eager bytes and bits, the layer's blocks
+    in more than one tile of the padded copy."""
+    block, n, h = 128, 24, 16
+    assert n * block * h * native._padded(d) * 4 > native.PAD_TILE_BYTES  # (float32: 2 tiles)
+    x = realistic_kv(n * block + 1, h, d, torch.float32, seed=d)
+    x[0, :, 1, 3] += 25.0
+    _same_both_ways(x[:, 1:], block, n, quant)
+    # and it is the kernels that ran (before the padding they refused such a D)
+    k, v = (half[1:].reshape(n, block, h, d) for half in x)
+    per_token = [torch.empty(n, block, h, 1, dtype=torch.float16) for _ in range(2)]
+    codes = torch.empty(n, 2, block, h, d, dtype=torch.int8)
+    fused.set_mode("native")
+    assert native.quantize(k, v, codes, ([per_token[0]], [per_token[1]]), ("t", "t"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -173,11 +193,11 @@ def test_k_and_v_apart_and_one_chunk() -> None:
 
 
 def test_where_they_do_not_apply_the_codec_still_encodes() -> None:
-    x = realistic_kv(8, 2, 12, torch.float16, seed=4)  # D=12: not a multiple of 8
+    x = realistic_kv(8, 2, 6, torch.float16, seed=4)  # D=6: less than the kernels' 8
     fused.set_mode("native")
     rows = encode_blocks(x, 4, _keys(2))
-    codes = torch.empty(2, 2, 4, 2, 12, dtype=torch.int8)
-    assert not native.quantize(x[0][:8].view(2, 4, 2, 12), x[1][:8].view(2, 4, 2, 12), codes,
+    codes = torch.empty(2, 2, 4, 2, 6, dtype=torch.int8)
+    assert not native.quantize(x[0][:8].view(2, 4, 2, 6), x[1][:8].view(2, 4, 2, 6), codes,
                                ([], []), ("cc", "ct"))  # fmt: skip
     fused.set_mode("eager")
     assert torch.equal(torch.stack(list(rows)), torch.stack(list(encode_blocks(x, 4, _keys(2)))))
@@ -221,7 +241,9 @@ def test_a_big_layer_runs_k_and_v_on_two_threads_with_the_same_bytes() -> None:
 @pytest.mark.parametrize("quant", INT8)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [0x7E00, 0x7C00, 0xFC00])  # NaN, inf, -inf
-@pytest.mark.parametrize(("d", "which"), [(24, "each"), (32, "each"), (32, "token")])
+@pytest.mark.parametrize(
+    ("d", "which"), [(24, "each"), (32, "each"), (32, "token"), (30, "each"), (100, "token")]
+)
 def test_a_crafted_chunk_with_a_non_finite_scale_decodes_as_eager_does(
     quant: str, dtype: torch.dtype, bits: int, d: int, which: str
 ) -> None:
