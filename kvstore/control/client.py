@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import grpc
 
@@ -63,7 +63,7 @@ from kvstore.errors import (
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-__all__ = ["MasterClient", "error_for_status", "error_from_rpc"]
+__all__ = ["InProcessMaster", "MasterClient", "error_for_status", "error_from_rpc"]
 
 log = logging.getLogger("kvstore.control.client")
 
@@ -120,6 +120,16 @@ class _InProcessContext:
         raise error_for_status(code, details, self._method)
 
 
+class InProcessMaster(Protocol):
+    """A master service running in this process (``kvstore.master.MasterService``), as
+    :meth:`MasterClient.in_process` calls it: its gRPC handlers by name, and a commit that
+    takes the batch as records (no protobuf round trip)."""
+
+    async def commit_in_process(self, batch: CommitBatch, session: bytes | None = None) -> int:
+        """What the ``Commit`` handler does; the applied seq."""
+        ...
+
+
 class MasterClient:
     """gRPC channels to a master, or to several masters sharing one Redis
     (``"host-a:50051,host-b:50051"``). Methods are coroutines that block only their caller
@@ -137,7 +147,7 @@ class MasterClient:
         *,
         timeout_s: float = 10.0,
         max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
-        service: pb_grpc.MasterServicer | None = None,
+        service: InProcessMaster | None = None,
         token: str = "",
         tls: TlsFiles | None = None,
     ) -> None:
@@ -195,7 +205,7 @@ class MasterClient:
 
     @classmethod
     def in_process(
-        cls, service: pb_grpc.MasterServicer, *, timeout_s: float = 10.0, token: str = ""
+        cls, service: InProcessMaster, *, timeout_s: float = 10.0, token: str = ""
     ) -> MasterClient:
         """A client of a master service running in this process on the caller's event loop
         (``kvstore serve``'s own node): unary calls go straight to ``service``'s handlers,
@@ -315,7 +325,7 @@ class MasterClient:
     async def commit(self, batch: CommitBatch, *, timeout: float | None = None) -> int:
         """Apply a commit batch; returns the applied seq. Raises StaleEpoch if the epoch is
         not live (re-register and re-report), InvalidArgument on bad input."""
-        if self._service is not None and hasattr(self._service, "commit_in_process"):
+        if self._service is not None:
             return int(
                 await self._in_process(
                     self._service.commit_in_process(batch, self.session), "Commit", timeout

@@ -6,9 +6,10 @@ epoch and the next sequence number, so commits and evictions are applied in orde
 
 Group commit: one Commit RPC is in flight at a time and the next carries every caller queued
 meanwhile, so concurrent exchanges share RPCs instead of queueing for one each. Heartbeats
-run on their own thread with their own gRPC channel, so a busy event loop never costs the
-node its lease. A commit answered "stale epoch" (lease lost, master restarted) makes the
-node register again, which re-reports everything it holds.
+(:mod:`kvstore.control.heartbeat`) run on their own thread with their own gRPC channels, so
+a busy event loop never costs the node its lease. A commit answered "stale epoch" (lease
+lost, master restarted) makes the node register again, which re-reports everything it
+holds.
 """
 
 from __future__ import annotations
@@ -16,24 +17,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import grpc
-
 from kvstore import __version__
 from kvstore.control import wire
-from kvstore.control.auth import bearer
 from kvstore.control.client import MasterClient
+from kvstore.control.heartbeat import Heartbeats
 from kvstore.control.records import BlockAdd, BlockRef, CommitBatch, ObjectAdd, Tier
-from kvstore.control.tls import channel_credentials
 from kvstore.core.slots import ObjectStore, SlotKey
 from kvstore.errors import KVStoreError, StaleEpoch, TransportError
 from kvstore.metrics import Metrics
 from kvstore.node.tiers import Tiers
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 __all__ = ["MasterLink", "NodeIdentity"]
 
@@ -111,8 +107,7 @@ class MasterLink:
         self.on_quotas: Callable[[dict[str, int]], None] | None = None
         """Called on the node's loop with this node's tenant quotas from each heartbeat
         answer."""
-        self._hb_stop = threading.Event()
-        self._hb_thread: threading.Thread | None = None
+        self._heartbeats: Heartbeats | None = None
 
     async def register(self, me: NodeIdentity) -> None:
         """Register (again) and re-report every landed slot and object held. Raises what
@@ -223,58 +218,34 @@ class MasterLink:
             raise TransportError(f"node {node_id} is re-registering; retry") from exc
 
     def start_heartbeats(self, node_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        """Heartbeat every lease/3 on a thread of its own until :meth:`close`."""
-        self._hb_thread = threading.Thread(
-            target=self._heartbeats, args=(node_id, loop.call_soon_threadsafe),
-            name=f"kvstore-heartbeat-{node_id}", daemon=True,
-        )  # fmt: skip
-        self._hb_thread.start()
+        """Heartbeat every lease/3 (:class:`~kvstore.control.heartbeat.Heartbeats`) until
+        :meth:`close`; their answers are handled on ``loop``."""
+        call_soon = loop.call_soon_threadsafe
 
-    def _heartbeats(self, node_id: str, call_soon: Callable[..., object]) -> None:
-        """Every lease/3, a heartbeat to the current master; one that fails (the master
-        is down or silent) moves on to the next of several masters (``a:p,b:p``), which
-        knows this node's epoch from the Redis they share."""
-        targets = [t.strip() for t in self.address.split(",") if t.strip()]
-        tls = self.master.tls
-        creds = channel_credentials(tls) if tls is not None else None
-        channels = [
-            grpc.secure_channel(t, creds) if creds is not None else grpc.insecure_channel(t)
-            for t in targets
-        ]
-        current = 0
-        try:
-            while not self._hb_stop.wait(self.lease_s / 3):
-                for _ in channels:  # bounded: each master once per beat
-                    request = pb.HeartbeatRequest(
-                        node_id=node_id,
-                        epoch=self.epoch,
-                        tiers=wire.tiers_to_pb(self.usage),
-                        counters=self.counters,
-                        session=self.master.session,
-                        tenant_bytes=self.tenant_bytes,
-                        tenant_evictions=self.tenant_evictions,
-                    )
-                    try:
-                        reply = pb_grpc.MasterStub(channels[current]).Heartbeat(
-                            request,
-                            timeout=max(1.0, self.lease_s / (3 * len(channels))),
-                            metadata=bearer(self.master.token),
-                        )
-                    except grpc.RpcError as exc:
-                        logger.warning("heartbeat to %s failed: %s", targets[current], exc.code())
-                        current = (current + 1) % len(channels)
-                        continue
-                    if reply.reregister:
-                        call_soon(self.reregister.set)
-                    else:
-                        if self.on_draining is not None:
-                            call_soon(self.on_draining, reply.draining)
-                        if self.on_quotas is not None:
-                            call_soon(self.on_quotas, dict(reply.tenant_quotas))
-                    break
-        finally:
-            for channel in channels:
-                channel.close()
+        def beat() -> pb.HeartbeatRequest:  # (heartbeat thread: reads what the loop set)
+            return pb.HeartbeatRequest(
+                node_id=node_id,
+                epoch=self.epoch,
+                tiers=wire.tiers_to_pb(self.usage),
+                counters=self.counters,
+                tenant_bytes=self.tenant_bytes,
+                tenant_evictions=self.tenant_evictions,
+            )
+
+        def answered(reply: pb.HeartbeatResponse) -> None:
+            if reply.reregister:
+                call_soon(self.reregister.set)
+                return
+            if self.on_draining is not None:
+                call_soon(self.on_draining, reply.draining)
+            if self.on_quotas is not None:
+                call_soon(self.on_quotas, dict(reply.tenant_quotas))
+
+        self._heartbeats = Heartbeats(
+            self.master, self.address, lambda: self.lease_s / 3, beat, answered,
+            name=f"kvstore-heartbeat-{node_id}",
+        )  # fmt: skip
+        self._heartbeats.start()
 
     async def deregister(self, timeout: float = 2.0) -> None:
         """Tell the master this node leaves (its entries go at once, not a lease later);
@@ -291,7 +262,6 @@ class MasterLink:
         if self._flusher is not None:
             self._flusher.cancel()
             await asyncio.gather(self._flusher, return_exceptions=True)
-        self._hb_stop.set()
-        if self._hb_thread is not None:
-            await asyncio.to_thread(self._hb_thread.join, 5.0)
+        if self._heartbeats is not None:
+            await asyncio.to_thread(self._heartbeats.stop, 5.0)
         await self.master.close()
