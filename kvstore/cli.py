@@ -340,6 +340,7 @@ async def _run(
                     data_port=cfg["data_port"],
                     node_id=cfg["node_id"],
                     host_mem=cfg["host_mem"],
+                    prefault_memory=cfg["prefault_memory"],
                     gpu_mem=cfg["gpu_mem"],
                     disk_path=cfg["disk_path"] or "",
                     disk_size=cfg["disk_size"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 from fractions import Fraction
 
 import pytest
@@ -23,6 +25,7 @@ from kvstore.core.arena import (
     ExtentHeap,
     default_page_bytes,
     parse_size,
+    populate,
     slab_geometry,
 )
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
@@ -349,3 +352,25 @@ def test_slot_room_counts_the_slots_an_allocation_could_take_without_evicting() 
     assert small_free > 0 and small_total >= small_free
     with pytest.raises(CapacityError):
         arena.slot_room(8 * MiB)  # never fits
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise: Linux")
+def test_populate_maps_a_host_arena_now_and_keeps_what_it_holds() -> None:
+    arena = Arena(64 * 2**20)
+    view = arena.view(3 * 2**20, 4096)
+    view[:] = 7  # a page in use: populating keeps its bytes
+    before = _resident_bytes()
+    done = arena.populate()
+    if done == 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+    assert done >= 64 * 2**20 - 4096
+    assert _resident_bytes() - before >= 60 * 2**20
+    assert (view == 7).all()
+    stop = threading.Event()
+    stop.set()
+    assert populate(Arena(8 * 2**20).tensor, stop) == 0  # (stopped before its first step)
