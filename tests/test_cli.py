@@ -91,6 +91,38 @@ def test_node_and_master_split_and_sigterm() -> None:
     assert rc == 0, out
 
 
+async def test_a_node_started_before_its_master_waits_for_it() -> None:
+    """A node whose master is not up yet (started together, or the master restarting)
+    waits for it and registers once it answers, instead of exiting."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    node = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.cli", "node", "--master", f"127.0.0.1:{port}",
+         "--data-port", "0", "--metrics-port", "0", "--host-mem", "32MiB", "--node-id",
+         "n-early"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    master = None
+    try:
+        time.sleep(3.0)  # the node has tried the master and found nobody
+        assert node.poll() is None, node.communicate(timeout=5)
+        master = start_server("master", "--grpc-port", str(port), "--metrics-port", "0")
+        async with MasterClient(master.grpc) as mc:
+            deadline = time.monotonic() + 30
+            while not await mc.nodes() and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            [entry] = await mc.nodes()
+        assert entry.node_id == "n-early" and entry.alive
+    finally:
+        node.terminate()
+        out, err = node.communicate(timeout=20)
+        if master is not None:
+            master.stop()
+    assert node.returncode == 0, err
+    assert "kvstore ready" in out and "waiting up to" in err, err
+
+
 async def test_a_node_restarted_under_its_id_waits_for_its_old_lease() -> None:
     """kill -9 of a node, restarted at once with the same ``--node-id``: its old
     registration (another process's key) holds the id until its lease ends, so the new

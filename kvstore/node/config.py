@@ -69,8 +69,9 @@ class NodeConfig:
     """TLS to the master (``--tls-ca``, and ``--tls-cert``/``--tls-key`` as the node's
     client certificate); None: plaintext."""
     register_wait_s: float = 60.0
-    """How long a starting node waits for an older live registration of its id (its own,
-    before a restart) to end before it gives up with NodeIdTaken."""
+    """How long a starting node waits for its master to answer (it may start after the
+    node, or be restarting) and for an older live registration of its id (its own, before
+    a restart) to end, before it gives up with the master's error."""
     max_header_bytes: int = 512 * 2**10
     """Longest frame header read. The largest request, a put naming 4096 chunks, measured
     337 KiB (a 126-layer, TP-8 namespace) and 364 KiB with every field at its widest."""

@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -99,6 +100,7 @@ from kvstore.errors import (
     PermissionDenied,
     ProtocolError,
     TransportError,
+    Unreachable,
 )
 from kvstore.metrics import Metrics
 from kvstore.node.checks import ChunkChecks, LandedChunk
@@ -263,10 +265,11 @@ class StorageNode:
         self.data_uri = self.migration.own_uri = self._listener.address
         if cfg.transport == "ucx":
             await self._start_nixl()
-        await self._check_master_authenticates()
+        deadline = time.monotonic() + cfg.register_wait_s
+        await self._when_master_answers(self._check_master_authenticates, deadline)
         if cfg.disk_path:
             await self._open_disk()
-        await self._first_registration()
+        await self._when_master_answers(self._first_registration, deadline)
         self._refresh_usage()
         self.link.start_heartbeats(self.node_id, asyncio.get_running_loop())
         self._tasks.append(asyncio.create_task(self._sweeper(), name="kvstore-node-sweeper"))
@@ -334,22 +337,29 @@ class StorageNode:
             )
 
     async def _first_registration(self) -> None:
-        """Register; while another process's live registration holds this node id (this
-        node restarted within its old lease), retry until that lease ends, at most
-        ``register_wait_s``, then raise :class:`NodeIdTaken`."""
-        deadline = time.monotonic() + self.config.register_wait_s
-        warned = False
+        await self.link.register(self._identity())
+
+    async def _when_master_answers(
+        self, step: Callable[[], Awaitable[None]], deadline: float
+    ) -> None:
+        """Run ``step`` (a call to the master), again while the master does not answer (it
+        starts after this node, or is restarting) or while another process's live
+        registration holds this node id (this node restarted within its old lease), until
+        ``deadline`` (``register_wait_s`` after the start); then its error is raised. Said
+        once in the log for each reason."""
+        warned: set[type[Exception]] = set()
         while True:
             try:
-                await self.link.register(self._identity())
+                await step()
                 return
-            except NodeIdTaken as exc:
-                if time.monotonic() >= deadline:
+            except (NodeIdTaken, Unreachable, KVTimeout) as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     raise
-                if not warned:
-                    logger.warning("%s; waiting up to %.0f s", exc, self.config.register_wait_s)
-                    warned = True
-                await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+                if type(exc) not in warned:
+                    logger.warning("%s; waiting up to %.0f s more", exc, left)
+                    warned.add(type(exc))
+                await asyncio.sleep(min(0.5, left))
 
     def _identity(self) -> NodeIdentity:
         cfg = self.config
