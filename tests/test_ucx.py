@@ -305,7 +305,7 @@ async def test_layers_after_the_first_are_written_in_one_round_trip(master: Serv
             await kvclient.KVClient.connect(master.grpc, ns) as b,
         ):
             assert await a.put_layer(tokens, 0, kv_of[0]) == n
-            assert len(a._grants) == 4 and (await node_stats(node.data))["grants"] == 4
+            assert len(a._writes.grants) == 4 and (await node_stats(node.data))["grants"] == 4
             assert await a.put_layer(tokens, 1, kv_of[1]) == n  # WRITE + write: grants used
             assert (await node_stats(node.data))["grants"] == 4  # ... and layer 2's granted
             assert await b.put_layer(tokens, 2, kv_of[2]) == n  # waits out a's grant
@@ -321,7 +321,7 @@ async def test_layers_after_the_first_are_written_in_one_round_trip(master: Serv
             assert forged.stored == 0 and forged.failed == (0, 1, 2, 3)
         async with await kvclient.KVClient.connect(master.grpc, ns, write_layers=range(1)) as pp:
             assert await pp.put_layer(_tokens(14, n), 0, kv_of[0]) == n  # a PP rank: layer 0
-            assert len(pp._grants) == 0 and (await node_stats(node.data))["grants"] == 0
+            assert len(pp._writes.grants) == 0 and (await node_stats(node.data))["grants"] == 0
         async with await kvclient.KVClient.connect(master.grpc, ns, ucx=False) as tcp:
             for layer in range(3):
                 got = await tcp.get_layer(tokens, layer)

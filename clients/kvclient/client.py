@@ -16,10 +16,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import contextvars
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self, TypeVar
 
@@ -41,8 +39,7 @@ from kvstore.core.codec import (
 )
 from kvstore.core.hashing import Namespace, block_hashes, dtype_name
 from kvstore.core.placement import Candidate, rank_nodes, unplaceable_reason, weight_for_free
-from kvstore.dataplane import NodeClient, PutChunk
-from kvstore.dataplane.messages import Ready
+from kvstore.dataplane import NodeClient
 from kvstore.errors import (
     BadShape,
     Closed,
@@ -54,7 +51,7 @@ from kvstore.errors import (
 )
 
 from . import args
-from .encoding import Encoded, copy_rows, launch
+from .encoding import Encoded, launch
 from .engine import EngineOps
 from .handles import all_of, prefix_len
 from .objects import ObjectOps
@@ -62,7 +59,8 @@ from .pool import ConnectionPool
 from .reads import ChunkReader, LayerRead, NodeEntry, batches
 from .routing import RoutingOps
 from .stream import StreamOps
-from .ucx import DEFAULT_STAGING_BYTES, Grants, UcxPath, prefer_ucx, staging_device
+from .ucx import DEFAULT_STAGING_BYTES, UcxPath, prefer_ucx, staging_device
+from .writes import PUT_DEADLINE, ChunkWriter
 
 __all__ = ["DEFAULT_MAX_OBJECT_BYTES", "ClientCore", "KVClient"]
 
@@ -84,14 +82,6 @@ _MAX_HELD = 65536
 
 _MAX_NODE_CLIENTS = 4096
 """Node clients kept (one per data URI; dropped all at once past this)."""
-
-
-_PUT_DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("kvclient_put_deadline")
-"""The running put's deadline (loop time), set for its task by ``_tracked_put``."""
-
-_WAIT_SHARE = 0.5
-"""Share of a put's remaining time it may spend waiting on a node for another writer's
-transfer of the same chunk; the rest is left for storing the chunk itself."""
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -160,13 +150,6 @@ class ClientCore:
         self._held: dict[bytes, float] = {}
         self._holds: dict[str, list[tuple[tuple[bytes, ...], tuple[str, str]]]] = {}  # by tag
         """Block hash → loop time its pins (by ``match_prefix(hold_s=...)``) surely last."""
-        self._writer = uuid.uuid4().hex
-        """Who this client is to nodes' grants."""
-        self._grants = Grants()
-        self._write_layers = range(ns.num_layers) if write_layers is None else write_layers
-        """The layers this client writes (a pipeline-parallel rank: its own); a ``ucx://``
-        put of layer l asks for a grant of layer l + 1 only when it is in here, so the
-        next rank never waits on a grant of this one."""
         self._allow_ucx = ucx
         self._ucx = UcxPath(staging_bytes)
         self._nodes_at = -1e9
@@ -187,6 +170,18 @@ class ClientCore:
             discard=self._pool.discard,
             run_codec=self._run_codec,
             report_node=self._master.report_node,
+        )
+        self._writes = ChunkWriter(
+            ns_raw=self._ns_raw,
+            tp_size=ns.tp_size,
+            chunk_bytes=self._chunk_bytes,
+            write_layers=range(ns.num_layers) if write_layers is None else write_layers,
+            min_replicas=self.min_replicas,
+            timeout_s=self.timeout_s,
+            node_timeout_s=self.node_timeout_s,
+            ucx=self._ucx,
+            node=self._node,
+            run_codec=self._run_codec,
         )
         self._loop = asyncio.get_running_loop()
         self._closed = False
@@ -474,11 +469,11 @@ class ClientCore:
                 raise
 
         limit = self._limit(timeout)
-        token = _PUT_DEADLINE.set(asyncio.get_running_loop().time() + limit)
+        token = PUT_DEADLINE.set(asyncio.get_running_loop().time() + limit)
         try:
             task = asyncio.ensure_future(put_or_abort())  # (takes a copy of the context)
         finally:
-            _PUT_DEADLINE.reset(token)
+            PUT_DEADLINE.reset(token)
         self._inflight[task] = hashes
         task.add_done_callback(lambda t: self._inflight.pop(t, None))
         try:
@@ -491,122 +486,12 @@ class ClientCore:
     async def _send_chunks(
         self, hashes: list[bytes], index: int, chunks: Sequence[torch.Tensor]
     ) -> set[int]:
-        """Send chunk ``i`` of ``hashes[i]`` to its placement nodes, all at once; the
-        indices stored on ``min_replicas`` of them."""
+        """Send chunk ``i`` of ``hashes[i]`` to its placement nodes (:class:`ChunkWriter`);
+        the indices stored on ``min_replicas`` of them."""
         nodes = await self._live_nodes()
-        groups: dict[str, list[int]] = {}
-        by_id: dict[str, NodeEntry] = {}
-        placed = [0] * len(hashes)
-        for i, h in enumerate(hashes):
-            for node in self._place(h, nodes):
-                groups.setdefault(node.node_id, []).append(i)
-                by_id[node.node_id] = node
-                placed[i] += 1
-        parts = [(nid, part) for nid, idx in groups.items() for part in batches(idx)]
-        host = chunks
-        if chunks and chunks[0].device.type != "cpu" and not all(n.ucx for n in by_id.values()):
-            # A device chunk bound for a tcp:// node: copied to the host once, off the loop.
-            host = await self._run_codec(lambda: [c.cpu() for c in chunks])
-        pending = {
-            asyncio.ensure_future(self._put_to_node(by_id[nid], part, hashes, index, chunks, host))
-            for nid, part in parts
-        }
-        # Stored: on min_replicas of its nodes (on all of them, when fewer are placeable).
-        need = [min(self.min_replicas, n) for n in placed]
-        copies = [0] * len(hashes)
-        errors: list[KVStoreError] = []
-        grace_until: float | None = None
-        try:
-            while pending:
-                wait_s = None if grace_until is None else grace_until - time.monotonic()
-                if wait_s is not None and wait_s <= 0:
-                    break
-                done, pending = await asyncio.wait(
-                    pending, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
-                )
-                fatal = None
-                for task in done:  # (every finished task's outcome is read)
-                    exc = task.exception()
-                    if exc is None:
-                        for i in task.result():
-                            copies[i] += 1
-                    elif isinstance(exc, KVStoreError):
-                        errors.append(exc)
-                    else:
-                        fatal = fatal or exc
-                if fatal is not None:
-                    raise fatal
-                if grace_until is None and all(c >= n for c, n in zip(copies, need, strict=True)):
-                    # Every block has its min_replicas copies: the other replicas get one
-                    # per-node deadline more, so a frozen one costs that, not the call.
-                    grace_until = time.monotonic() + self.node_timeout_s
-        finally:
-            for task in pending:
-                task.cancel()
-                task.add_done_callback(lambda t: t.cancelled() or t.exception())
-            if pending:
-                await asyncio.wait(pending, timeout=min(2.0, self.timeout_s))
-        stored = {i for i, c in enumerate(copies) if c >= need[i]}
-        if errors and not stored:
-            raise errors[0]
-        return stored
-
-    async def _put_to_node(
-        self,
-        node: NodeEntry,
-        idx: list[int],
-        hashes: list[bytes],
-        index: int,
-        chunks: Sequence[torch.Tensor],
-        host: Sequence[torch.Tensor],
-    ) -> set[int]:
-        """One put exchange: ``put`` → READY → data → ack over ``tcp://`` (sending
-        ``host``, the chunks in host memory), or ``reserve`` → spans → one-sided WRITE →
-        ``landed`` → ack over ``ucx://`` (from ``chunks``, wherever they are)."""
-        spec = [PutChunk(hashes[i], hashes[i - 1] if i else None, index, self._chunk_bytes)
-                for i in idx]  # fmt: skip
-        now = asyncio.get_running_loop().time()
-        wait_s = max(0.0, _PUT_DEADLINE.get(now + self.timeout_s) - now) * _WAIT_SHARE
-        peer = self._node(node.data_uri)
-        if node.ucx:
-            nxt = index + self.ns.tp_size  # this shard's next layer: granted with the ack
-            grant = (nxt,) if nxt // self.ns.tp_size in self._write_layers else ()
-            blocks = [hashes[i] for i in idx]
-            granter = f"{node.node_id}@{node.epoch}"  # a restarted node grants afresh
-            spans = self._grants.take(granter, blocks, index, self._chunk_bytes)
-            if spans is not None:  # one round trip: WRITE, then say so
-                await self._write_ucx(node, spans, [chunks[i] for i in idx])
-                ack = await peer.write(self._ns_raw, spec, self._writer, grant, wait_s)
-            else:
-
-                async def write(ready: Ready) -> None:
-                    picked = [chunks[idx[k]] for k in ready.sending()]
-                    await self._write_ucx(node, list(ready.spans or ()), picked)
-
-                ack = await peer.reserve(
-                    self._ns_raw, spec, write, wait_s, writer=self._writer, grant=grant
-                )
-            self._grants.keep(granter, blocks, ack.grants, ack.grant_s)
-        else:
-            ack = await peer.put(self._ns_raw, spec, [host[i].numpy() for i in idx], wait_s)
-        # Failed a check, or busy (another writer's transfer did not end in time): not stored.
-        return set(idx) - {idx[k] for k in ack.not_stored()}
-
-    async def _write_ucx(self, node: NodeEntry, spans: Any, chunks: list[torch.Tensor]) -> None:
-        if not chunks:
-            return
-        peer = await self._ucx.peer(node.nixl_metadata, node.host)
-        if all(self._ucx.holds(c) for c in chunks):  # encoded straight into staging
-            await self._ucx.write(peer, spans, chunks, self.timeout_s)
-            self._ucx.stats.written_in_place += len(chunks)
-            return
-        step = self._ucx.rows_per_transfer(self._chunk_bytes)
-        for lo in range(0, len(chunks), step):
-            part = chunks[lo : lo + step]
-            async with self._ucx.staging(len(part), self._chunk_bytes, part[0].device) as rows:
-                staged = await self._run_codec(copy_rows, rows, part)  # done before the WRITE
-                await self._ucx.write(peer, spans[lo : lo + step], staged, self.timeout_s)
-                self._ucx.stats.written_copied += len(part)
+        return await self._writes.send(
+            hashes, index, chunks, [self._place(h, nodes) for h in hashes]
+        )
 
     async def _abort(self, hashes: list[bytes], reason: str) -> None:
         """Tell watchers that this writer gave up (best effort, short deadline)."""
