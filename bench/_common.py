@@ -45,7 +45,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from rich.console import Console
 from rich.progress import (
@@ -67,6 +67,7 @@ __all__ = [
     "SpawnedServer",
     "Table",
     "WindowCpu",
+    "exit_with",
     "expect",
     "in_flight",
     "latency_stats",
@@ -716,3 +717,14 @@ async def _raw_serve(sock: socket.socket, region: memoryview) -> None:
                 await (loop.sock_sendall(sock, view) if op == b"G" else _recv_exactly(sock, view))
             if op == b"P":
                 await loop.sock_sendall(sock, b"k")
+
+
+def exit_with(status: int) -> NoReturn:
+    """End a benchmark with ``status``. A process that loaded NIXL ends without its C
+    libraries' destructors, which crash it on RDMA hosts after its work is done
+    (``kvstore.transport.nixl_binding.end_process`` says why)."""
+    from kvstore.transport import nixl_binding
+
+    if nixl_binding.loaded():
+        nixl_binding.end_process(status)
+    sys.exit(status)

@@ -407,4 +407,6 @@ def tables(results: list[Result], args: argparse.Namespace, total: int,
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _common import exit_with
+
+    exit_with(main())

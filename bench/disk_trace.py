@@ -53,7 +53,6 @@ import asyncio
 import contextlib
 import heapq
 import shutil
-import sys
 import tempfile
 import time
 from collections import OrderedDict
@@ -604,4 +603,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _common import exit_with
+
+    exit_with(main())

@@ -31,7 +31,6 @@ import contextlib
 import multiprocessing as mp
 import statistics
 import struct
-import sys
 from collections.abc import Awaitable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -829,4 +828,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _common import exit_with
+
+    exit_with(main())

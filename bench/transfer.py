@@ -30,7 +30,6 @@ import contextlib
 import functools
 import itertools
 import os
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -962,4 +961,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _common import exit_with
+
+    exit_with(main())

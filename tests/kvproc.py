@@ -185,4 +185,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvstore.transport import nixl_binding
+
+    status = main()
+    if nixl_binding.loaded():  # (its libraries' destructors crash on RDMA hosts: see there)
+        nixl_binding.end_process(status)
+    sys.exit(status)
