@@ -27,6 +27,7 @@ import argparse
 import os
 import socket
 import sys
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -441,9 +442,21 @@ def entry() -> None:
     """The ``kvstore`` command: :func:`main`; a process that loaded NIXL ends through
     :func:`~kvstore.transport.nixl_binding.end_process` (its libraries' destructors crash
     on RDMA hosts)."""
-    code = main()
     from kvstore.transport import nixl_binding
 
+    try:
+        code = main()
+    except SystemExit as exc:  # (argparse's usage errors and --help)
+        if not nixl_binding.loaded():
+            raise
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        if not nixl_binding.loaded():
+            raise
+        traceback.print_exc()
+        code = 1
     if nixl_binding.loaded():
         nixl_binding.end_process(code)
     sys.exit(code)

@@ -6,9 +6,11 @@ given, in this process against a real master and in real processes killed with S
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
+import struct
 import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import lz4.block
 import pytest
 import torch
 
@@ -30,7 +33,7 @@ from kvstore.dataplane.location import tier_of
 from kvstore.errors import ChecksumError, InvalidArgument
 from kvstore.master import MasterConfig, MasterServer
 from kvstore.node.disk import ALIGN, READ_PIECE, DiskStore, Record
-from kvstore.node.disk_lz4 import LEARN_BYTES, RELEARN, Lz4Policy
+from kvstore.node.disk_lz4 import LEARN_BYTES, LZ4, RELEARN, Lz4Policy, unpack_chunks
 from kvstore.node.disk_tier import DiskTier
 from kvstore.node.server import NodeConfig, StorageNode
 from kvstore.transport import connect
@@ -624,3 +627,37 @@ async def _put_prompts(
             await asyncio.sleep(0.02)
         assert d["slots"] == 4 * (p + 1), d
     return prompts, kv
+
+
+def test_a_format_1_disk_is_adopted_and_marked_2_and_an_unknown_format_refused(
+    tmp_path: Path,
+) -> None:
+    """Format 2 may hold packed records: a disk of format 1 is read as it is and marked 2,
+    so a binary knowing only format 1 refuses it rather than cut packed records off; a
+    format this binary does not know is refused."""
+    store = DiskStore.open(tmp_path, 4 * 2**20, node_id="n1")
+    items = _images(3)
+    _write(store, items)
+    store.close()
+    ident = tmp_path / "kvstore-disk.json"
+    meta = json.loads(ident.read_text())
+    assert meta["format"] == 2
+    ident.write_text(json.dumps(meta | {"format": 1}))
+    again = DiskStore.open(tmp_path, 4 * 2**20, node_id="n1")
+    assert len(again) == 3 and _payload(again, items[0][0].key) == b"".join(items[0][1])
+    again.close()
+    assert json.loads(ident.read_text())["format"] == 2
+    ident.write_text(json.dumps(meta | {"format": 3}))
+    with pytest.raises(InvalidArgument, match="format 1 or 2"):
+        DiskStore.open(tmp_path, 4 * 2**20, node_id="n1")
+
+
+def test_a_packed_chunk_that_unpacks_short_is_a_checksum_error() -> None:
+    """lz4 returns a short block without a word when a stream ends early: the unpacking
+    says so (the stored bytes' checksum passed, so only a writer's bug could make one)."""
+    raw = os.urandom(4096)
+    stream = lz4.block.compress(raw[:1000] * 2, store_size=False)  # 2,000 bytes, not 4,096
+    table = struct.pack("<II", len(stream) | LZ4, 0)
+    out = bytearray(4096)
+    with pytest.raises(ChecksumError, match="unpacks to 2000 bytes"):
+        unpack_chunks(memoryview(table + stream), memoryview(out), 1, 4096)

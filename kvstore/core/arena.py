@@ -751,8 +751,9 @@ def _allocate(nbytes: int, device: str | torch.device, pin_memory: bool | None) 
 MADV_POPULATE_WRITE = 23
 """``madvise`` advice (Linux 5.14+): map the range's pages writable now, keeping the bytes
 of those already mapped."""
-POPULATE_STEP = 256 * 2**20
-"""Bytes mapped per ``madvise`` call (a stop request is seen between calls)."""
+POPULATE_STEP = 32 * 2**20
+"""Bytes mapped per ``madvise`` call (a stop request is seen between calls, and the process's
+memory map lock is let go: other threads' page faults and mappings wait at most one step)."""
 
 
 def populate(t: torch.Tensor, stop: threading.Event | None = None) -> int:

@@ -128,9 +128,12 @@ def unpack_chunks(payload: memoryview, dst: memoryview, chunks: int, chunk_bytes
             raise ChecksumError(f"packed chunk {j} runs past its record")
         if entry & LZ4:
             try:
-                _unplane(lz4.block.decompress(src, uncompressed_size=chunk_bytes), into)
+                planes = lz4.block.decompress(src, uncompressed_size=chunk_bytes)
             except (lz4.block.LZ4BlockError, ValueError) as exc:
                 raise ChecksumError(f"packed chunk {j} does not decompress: {exc}") from exc
+            if len(planes) != chunk_bytes:  # (lz4 returns a short block without a word)
+                raise ChecksumError(f"packed chunk {j} unpacks to {len(planes)} bytes")
+            _unplane(planes, into)
         elif size == chunk_bytes:
             into[:] = np.frombuffer(src, np.uint8)
         else:

@@ -246,7 +246,7 @@ class DiskTier:
         try:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._writer, store.write_batch, plan, views[:n])
-        except (OSError, KVStoreError) as exc:
+        except Exception as exc:  # (OSError; anything else packing raised: the same, counted)
             store.abandon(plan)
             self._fault("write", exc)
             for rec in wanted[:n]:

@@ -163,11 +163,11 @@ class StorageNode:
         restarted on its disk is the same node."""
         self.metrics = metrics or Metrics()
         self.tiers = Tiers(config.host_mem, config.gpu_mem, config.gpu_device, self.metrics)
+        """Fastest first: ``[gpu, host]`` with ``--gpu-mem``, else ``[host]``."""
         self._prefault_stop = threading.Event()
         self._prefault = threading.Thread(
             target=self._populate_host, name="kvstore-node-prefault", daemon=True
         )
-        """Fastest first: ``[gpu, host]`` with ``--gpu-mem``, else ``[host]``."""
         self.objects = ObjectStore(
             self.tiers.host.arena,
             max_object_bytes=config.max_object_bytes,
@@ -265,11 +265,10 @@ class StorageNode:
         self.data_uri = self.migration.own_uri = self._listener.address
         if cfg.transport == "ucx":
             await self._start_nixl()
-        deadline = time.monotonic() + cfg.register_wait_s
-        await self._when_master_answers(self._check_master_authenticates, deadline)
+        await self._when_master_answers(self._check_master_authenticates)
         if cfg.disk_path:
             await self._open_disk()
-        await self._when_master_answers(self._first_registration, deadline)
+        await self._when_master_answers(self._first_registration)
         self._refresh_usage()
         self.link.start_heartbeats(self.node_id, asyncio.get_running_loop())
         self._tasks.append(asyncio.create_task(self._sweeper(), name="kvstore-node-sweeper"))
@@ -339,14 +338,13 @@ class StorageNode:
     async def _first_registration(self) -> None:
         await self.link.register(self._identity())
 
-    async def _when_master_answers(
-        self, step: Callable[[], Awaitable[None]], deadline: float
-    ) -> None:
+    async def _when_master_answers(self, step: Callable[[], Awaitable[None]]) -> None:
         """Run ``step`` (a call to the master), again while the master does not answer (it
         starts after this node, or is restarting) or while another process's live
-        registration holds this node id (this node restarted within its old lease), until
-        ``deadline`` (``register_wait_s`` after the start); then its error is raised. Said
-        once in the log for each reason."""
+        registration holds this node id (this node restarted within its old lease), for at
+        most ``register_wait_s``; then its error is raised. Said once in the log for each
+        reason."""
+        deadline = time.monotonic() + self.config.register_wait_s
         warned: set[type[Exception]] = set()
         while True:
             try:
