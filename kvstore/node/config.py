@@ -29,7 +29,8 @@ class NodeConfig:
     """Bytes of segments the disk tier keeps at most (needed with ``disk_path``)."""
     prefault_memory: bool = True
     """Map host memory's pages when the node starts, on a thread of its own, so puts do not
-    pay a page fault per page they first write (``kvstore.core.arena.populate``)."""
+    pay a page fault per page they first write (``kvstore.core.arena.populate``); not with
+    ``transport="ucx"``, whose registration of the arena maps it for RDMA."""
     disk_compress: str = "auto"
     """lz4 on the disk tier: ``auto`` where the measured disk and lz4 speeds say reads get
     faster, ``lz4`` always, ``off`` never (``kvstore/node/disk_lz4.py``)."""

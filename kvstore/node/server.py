@@ -253,7 +253,9 @@ class StorageNode:
         client raises when the master does not answer.
         """
         cfg = self.config
-        if cfg.prefault_memory:
+        if cfg.prefault_memory and cfg.transport != "ucx":
+            # (ucx: registering the arena for RDMA maps and pins its pages anyway, and UCX
+            # hooks the process's memory calls: a madvise beside its start crashed once)
             self._prefault.start()
         scheme, tls_opts = ("tls", {"ssl_context": cfg.data_tls}) if cfg.data_tls else ("tcp", {})
         self._listener = listen(
