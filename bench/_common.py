@@ -74,6 +74,7 @@ __all__ = [
     "machine_info",
     "machine_markdown",
     "meter",
+    "open_direct",
     "percentile",
     "print_report",
     "proc_stat",
@@ -728,3 +729,12 @@ def exit_with(status: int) -> NoReturn:
     if nixl_binding.loaded():
         nixl_binding.end_process(status)
     sys.exit(status)
+
+
+def open_direct(path: str | Path, flags: int) -> tuple[int, bool]:
+    """``path`` opened with ``O_DIRECT`` where the file system takes it, else buffered (tmpfs
+    on older kernels); the fd and whether it is direct."""
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o600), True
+    except OSError:
+        return os.open(path, flags, 0o600), False

@@ -52,7 +52,7 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import BarPanel, Table, best_of, print_report, progress, save_bar_plot
+from _common import BarPanel, Table, best_of, open_direct, print_report, progress, save_bar_plot
 
 from kvstore.core.sizes import format_size, parse_size
 from kvstore.node.disk import ALIGN, SEGMENT_BYTES, DiskStore, Record
@@ -103,14 +103,6 @@ def rounds(pair: Sequence[tuple[Side, Callable[[], float]]], reps: int, tick: Ca
                 for lst in (side.wall, side.cpu, side.fsync):
                     lst.pop()
         tick()
-
-
-def open_direct(path: str | Path, flags: int) -> tuple[int, bool]:
-    """``path`` opened with ``O_DIRECT`` where the file system takes it, else buffered."""
-    try:
-        return os.open(path, flags | os.O_DIRECT, 0o600), True
-    except OSError:
-        return os.open(path, flags, 0o600), False
 
 
 class Run:

@@ -62,6 +62,7 @@ from _common import (
     Table,
     best_of,
     expect,
+    open_direct,
     print_report,
     progress,
     save_bar_plot,
@@ -104,12 +105,8 @@ def disk_gbps(directory: str, total: int) -> tuple[float, float, str]:
     path = os.path.join(directory, "kvstore-lz4-bench.tmp")
     buf = mmap.mmap(-1, UNIT)  # page-aligned, as O_DIRECT needs
     buf.write(os.urandom(UNIT))
-    how = "O_DIRECT"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
-    except OSError:
-        how = "buffered (O_DIRECT refused)"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd, direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    how = "O_DIRECT" if direct else "buffered (O_DIRECT refused)"
     try:
         t0 = time.perf_counter()
         for _ in range(total // UNIT):
@@ -118,8 +115,7 @@ def disk_gbps(directory: str, total: int) -> tuple[float, float, str]:
         write = total / (time.perf_counter() - t0) / 1e9
     finally:
         os.close(fd)
-    flags = os.O_RDONLY | (os.O_DIRECT if how == "O_DIRECT" else 0)
-    fd = os.open(path, flags)
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
     try:
         t0 = time.perf_counter()
         while os.readv(fd, [buf]) == UNIT:

@@ -63,7 +63,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import BenchError, Table, percentile, print_report, progress
+from _common import BenchError, Table, open_direct, percentile, print_report, progress
 
 from kvstore.core.sizes import format_size, parse_size
 from kvstore.transport.nixl_binding import end_process, import_bindings
@@ -160,14 +160,6 @@ def agent_name(mode: str) -> str:
     return f"nixl-file-{mode}"
 
 
-def open_direct(path: Path) -> tuple[int, bool]:
-    """``path`` opened read-only with ``O_DIRECT`` where the file system takes it."""
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT), True
-    except OSError:
-        return os.open(path, os.O_RDONLY), False
-
-
 def write_file(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -262,7 +254,7 @@ def modes_table(b: Any, root: Path) -> tuple[Table, dict[str, Any]]:
     data = os.urandom(PROBE_BYTES)
     path = root / "probe.bin"
     write_file(path, data)
-    fd, _ = open_direct(path)
+    fd, _ = open_direct(path, os.O_RDONLY)
     buf = mmap.mmap(-1, PROBE_BYTES)
     working: dict[str, Any] = {}
     for mode, params in {"default": {}, **MODES}.items():
@@ -325,7 +317,7 @@ def _owner(conn: Connection, path: str, nbytes: int) -> None:
     agent = b.nixlAgent("file-owner", config)
     agent.createBackend("UCX", {})
     agent.createBackend("POSIX", {})
-    fd, _ = open_direct(Path(path))
+    fd, _ = open_direct(path, os.O_RDONLY)
     buf = mmap.mmap(-1, nbytes)
     agent.registerMem(b.nixlRegDList(b.DRAM_SEG, [(addr_of(buf), nbytes, 0, "")]))
     agent.registerMem(b.nixlRegDList(b.FILE_SEG, [(0, nbytes, fd, "")]))
@@ -454,7 +446,7 @@ class Reads:
         self.b, self.size, self.n, self.data = b, size, n, data
         self.path = root / f"records-{size}.bin"
         write_file(self.path, data)
-        self.fd, self.direct = open_direct(self.path)
+        self.fd, self.direct = open_direct(self.path, os.O_RDONLY)
         self.region = mmap.mmap(-1, n * size)
         self.base = addr_of(self.region)
         view = memoryview(self.region)
