@@ -724,11 +724,9 @@ def exit_with(status: int) -> NoReturn:
     """End a benchmark with ``status``. A process that loaded NIXL ends without its C
     libraries' destructors, which crash it on RDMA hosts after its work is done
     (``kvstore.transport.nixl_binding.end_process`` says why)."""
-    from kvstore.transport import nixl_binding
+    from kvstore.transport.nixl_binding import exit_process
 
-    if nixl_binding.loaded():
-        nixl_binding.end_process(status)
-    sys.exit(status)
+    exit_process(status)
 
 
 def open_direct(path: str | Path, flags: int) -> tuple[int, bool]:

@@ -457,9 +457,7 @@ def entry() -> None:
             raise
         traceback.print_exc()
         code = 1
-    if nixl_binding.loaded():
-        nixl_binding.end_process(code)
-    sys.exit(code)
+    nixl_binding.exit_process(code)
 
 
 if __name__ == "__main__":

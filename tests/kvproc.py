@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 
 import torch
@@ -185,9 +184,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from kvstore.transport import nixl_binding
+    from kvstore.transport.nixl_binding import exit_process
 
-    status = main()
-    if nixl_binding.loaded():  # (its libraries' destructors crash on RDMA hosts: see there)
-        nixl_binding.end_process(status)
-    sys.exit(status)
+    exit_process(main())  # (NIXL's libraries' destructors crash on RDMA hosts: see there)

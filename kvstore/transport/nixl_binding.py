@@ -25,6 +25,7 @@ __all__ = [
     "NAME_MAX",
     "agent_name_of",
     "end_process",
+    "exit_process",
     "import_bindings",
     "loaded",
     "segment",
@@ -97,6 +98,14 @@ def end_process(code: int) -> NoReturn:
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(code)
+
+
+def exit_process(status: int) -> NoReturn:
+    """End the process with ``status``: through :func:`end_process` once the binding is
+    loaded, else as ``sys.exit`` does."""
+    if loaded():
+        end_process(status)
+    sys.exit(status)
 
 
 def segment(bindings: Any, mem: str) -> Any:
