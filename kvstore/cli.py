@@ -379,6 +379,7 @@ async def _run(
         msrv = MetricsServer(metrics, cfg["host"], cfg["metrics_port"])
         exits.callback(msrv.close)
         parts.append(f"metrics={msrv.address}")
+        _freeze_startup_objects()
         print(f"kvstore ready {' '.join(parts)}", flush=True)
         await stop.wait()
         logging.getLogger("kvstore").info("stopping")
@@ -390,6 +391,20 @@ async def _run(
     pins = node.pinned_slots if node is not None else 0
     print(f"kvstore stopped pinned_slots={pins}", flush=True)
     return 0
+
+
+def _freeze_startup_objects() -> None:
+    """Move every object alive once the process is ready (modules, torch's, the pool's
+    tables: ~200,000 here) out of the cyclic collector's reach, after one collection.
+
+    Measured on a node taking 8 x 512 KiB puts: each full collection walked all of them,
+    a pause of up to 135 ms on whatever put was in flight, several times a minute; with
+    them frozen a full collection walks the ~17,000 objects made since (docs/decisions.md).
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 async def _ucx_uri(node: StorageNode) -> str:
