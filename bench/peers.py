@@ -15,7 +15,11 @@ memory the client allocated and touched beforehand, one exchange at a time:
   with no segment of its own that ``batch_put_from`` / ``batch_get_into`` its registered
   buffer, one batch of N objects per exchange. Every address it is given is loopback
   (``MC_TCP_BIND_ADDRESS=127.0.0.1`` too), though 0.3.13 still listens on all interfaces
-  for its HTTP metadata server and its clients' RPC and TCP ports.
+  for its HTTP metadata server and its clients' RPC and TCP ports;
+- **raw sockets**, the ceiling of a store written on asyncio: a plain asyncio server in a
+  process of its own (``bench/_common.py``'s ``serve_raw_sockets``) and this process moving
+  the same rows with ``sock_sendall`` / ``sock_recv_into`` (a 9-byte header, the bytes, a
+  1-byte ack per put): no framing, no allocation, no check, no index.
 
 A round, per chunk size and side: a put phase (``--budget`` bytes of fresh keys), then a get
 phase reading them back in the same order, then the store is emptied (untimed: kvstore
@@ -59,11 +63,16 @@ from _common import (
     BenchError,
     KeptConnection,
     Serve,
+    SpawnedServer,
     Table,
     expect,
     print_report,
     progress,
+    raw_socket_connect,
+    raw_socket_get,
+    raw_socket_put,
     save_bar_plot,
+    serve_raw_sockets,
 )
 from transfer import MAX_EXCHANGE, SIZES, D, H, Point, block_keys, points
 
@@ -85,7 +94,7 @@ APT_TIMEOUT_S = 300.0
 FLUSH = 64 * MiB
 """Bytes written after encoding to push the encoded chunks out of the CPU caches."""
 OPS = ("put", "get")
-SIDES = ("kvstore", "Mooncake")
+SIDES = ("kvstore", "Mooncake", "raw sockets")
 
 
 class MooncakeUnavailable(BenchError):
@@ -207,6 +216,35 @@ class KvSide:
 def _into(views: list[Any]) -> Callable[[list[int]], list[Any]]:
     """``NodeClient.get``'s ``into``: these buffers, whatever was found (checked after)."""
     return lambda _found: views
+
+
+# ----------------------------------------------------------------------- raw sockets
+
+
+class RawSide:
+    """The same exchanges over plain asyncio sockets to a :func:`serve_raw_sockets` server,
+    from and into ``kv``'s rows (the server writes puts into, and reads gets from, touched
+    memory of its own)."""
+
+    def __init__(self, server: SpawnedServer, kv: KvSide) -> None:
+        self.sock = raw_socket_connect(server.address, IO_TIMEOUT_S)
+        self.kv = kv
+
+    async def round(self, plan: Plan, tag: str) -> tuple[float, float]:
+        """A put phase, then a get phase; seconds of each (``tag`` unused: nothing is kept)."""
+        del tag
+        bufs = [[memoryview(r.numpy()) for r in self.kv.rows(plan, i)] for i in range(plan.n)]
+        t0 = time.perf_counter()
+        for views in bufs:
+            await asyncio.wait_for(raw_socket_put(self.sock, views), IO_TIMEOUT_S)
+        put_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for views in bufs:
+            await asyncio.wait_for(raw_socket_get(self.sock, views), IO_TIMEOUT_S)
+        return put_s, time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 # ----------------------------------------------------------------------- Mooncake's side
@@ -518,7 +556,7 @@ async def run(args: argparse.Namespace) -> Results:
     mooncake = MooncakeSide()
     with contextlib.ExitStack() as stack, progress() as bar:
         stack.callback(mooncake.stop)
-        total = 4 + args.rounds * len(todo) * len(SIDES)
+        total = 5 + args.rounds * len(todo) * len(SIDES)
         task = bar.add_task("Mooncake", total=total)
 
         def step(what: str, advance: int = 1) -> None:
@@ -543,7 +581,12 @@ async def run(args: argparse.Namespace) -> Results:
         step("starting kvstore serve")
         serve = stack.enter_context(Serve.start("--host-mem", args.pool))
         kv = await KvSide.open(serve.addresses["data"], region)
-        sides: dict[str, Round] = {"kvstore": kv.round}
+        step("starting the raw socket server")
+        raw_server = SpawnedServer.start(serve_raw_sockets, START_TIMEOUT_S)
+        stack.callback(raw_server.stop)
+        raw = RawSide(raw_server, kv)
+        stack.callback(raw.close)
+        sides: dict[str, Round] = {"kvstore": kv.round, "raw sockets": raw.round}
         if not res.mooncake_error:
             sides["Mooncake"] = mooncake.round
 
@@ -551,7 +594,7 @@ async def run(args: argparse.Namespace) -> Results:
             try:
                 return await sides[side](plan, tag)
             except Exception as e:
-                if side == "kvstore":
+                if side != "Mooncake":
                     raise
                 failed(e)
                 del sides[side]
@@ -575,16 +618,18 @@ async def run(args: argparse.Namespace) -> Results:
 
 
 def report(res: Results, args: argparse.Namespace) -> Table:
-    """The Markdown table: each exchange, both stores' best GB/s and their ratio."""
+    """The Markdown table: each exchange, each side's best GB/s and their ratios."""
     table = Table(
-        "kvstore tcp:// beside Mooncake Store (TCP transport): the same exchanges, GB/s",
-        ["exchange", "kvstore GB/s", "Mooncake GB/s", "kvstore ÷ Mooncake"],
-    )
+        "kvstore tcp:// beside Mooncake Store (TCP transport) and raw asyncio sockets: the "
+        "same exchanges, GB/s",
+        ["exchange", "kvstore GB/s", "Mooncake GB/s", "raw sockets GB/s", "kvstore ÷ Mooncake",
+         "raw ÷ Mooncake", "kvstore ÷ raw"],
+    )  # fmt: skip
     for plan in res.plans:
         for op in OPS:
-            kv, mc = (res.best(plan, op, side) for side in SIDES)
-            ratio = f"{kv / mc:.2f}" if kv and mc else "-"
-            table.add(f"{op} {plan.point.name}", _gbps(kv), _gbps(mc), ratio)
+            kv, mc, raw = (res.best(plan, op, side) for side in SIDES)
+            table.add(f"{op} {plan.point.name}", _gbps(kv), _gbps(mc), _gbps(raw),
+                      _ratio(kv, mc), _ratio(raw, mc), _ratio(kv, raw))  # fmt: skip
     if res.mooncake_error:
         partly = any(side == "Mooncake" for _, _, side in res.gbps)
         what = "stopped part-way (its figures: the rounds before)" if partly else "not measured"
@@ -593,7 +638,7 @@ def report(res: Results, args: argparse.Namespace) -> Table:
     rounds = f"{res.rounds} round{'s' * (res.rounds != 1)}"
     table.notes += [
         f"Each figure: the best of {rounds} of a phase's bytes over its wall time, "
-        "one exchange at a time, the two stores taking turns to go first. A phase: "
+        "one exchange at a time, the sides taking turns to go first. A phase: "
         f"{'; '.join(phases)}.",
         "A chunk is kvstore's encoded chunk (the payload and its header, quant none); "
         "Mooncake's objects have the same size, so both move the same bytes.",
@@ -607,12 +652,20 @@ def report(res: Results, args: argparse.Namespace) -> Table:
         "buffer, one batch per exchange).",
         "After each round the store is emptied (kvstore `evict`, Mooncake `remove_all`), "
         "untimed: puts land in free, touched memory on both sides.",
+        "raw sockets: a plain asyncio server in a process of its own, `sock_sendall` / "
+        "`sock_recv_into` of the same rows, a 9-byte header per exchange and a 1-byte ack "
+        "per put; no framing, allocation, checks or index: what a store written on asyncio "
+        "can reach here at most, so raw ÷ Mooncake bounds kvstore ÷ Mooncake.",
     ]
     return table
 
 
 def _gbps(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
 
 
 def plot(res: Results, path: str) -> None:
@@ -623,7 +676,8 @@ def plot(res: Results, path: str) -> None:
         best = {side: [res.best(plan, op, side) for plan in res.plans] for side in SIDES}
         series = {side: [v or 0.0 for v in values] for side, values in best.items() if any(values)}
         panels.append(BarPanel(f"{op}, GB/s (best of {res.rounds})", "GB/s", labels, series))
-    save_bar_plot(path, panels, suptitle="bench/peers.py: kvstore tcp:// and Mooncake Store")
+    title = "bench/peers.py: kvstore tcp://, Mooncake Store, raw sockets"
+    save_bar_plot(path, panels, suptitle=title)
 
 
 # ----------------------------------------------------------------------- command line
