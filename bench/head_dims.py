@@ -6,10 +6,10 @@
 Encodes a layer of ``--tokens`` tokens (8 KV heads, bfloat16, ``int8`` scheme, blocks of
 512 tokens, ``encode_blocks``) and decodes its chunks into a layer (``decode_chunk`` with
 ``out``), one thread, for each ``--dims`` D and for the multiple of 16 nearest to it
-(ties: the one above). A D that is not a multiple of 8 runs the C kernels on a copy padded
-to the next multiple of 8 (``kvstore/core/native.py``). Reports the best of ``--reps``
-calls per D and direction, and D's time over its neighbour's (the target: ≤ 2). Markdown on
-stdout, progress on stderr.
+(ties: the one above). The C kernels take any D from 8 on, a row's last vector overlapping
+the one before it where the vector width does not divide D (``kvstore/core/native.py``).
+Reports the best of ``--reps`` calls per D and direction, and D's time over its
+neighbour's (the target: ≤ 2). Markdown on stdout, progress on stderr.
 """
 
 from __future__ import annotations

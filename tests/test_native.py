@@ -12,6 +12,7 @@ import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -113,7 +114,7 @@ def _same_both_ways(layer: torch.Tensor, block: int, n: int, quant: str) -> None
     block=st.integers(1, 9),
     n=st.integers(1, 4),
     h=st.integers(1, 3),
-    d=st.sampled_from([8, 16, 24, 40, 64, 136, 9, 12, 30, 100, 130]),
+    d=st.sampled_from([8, 16, 24, 40, 64, 136, 9, 12, 15, 17, 30, 50, 100, 130, 255]),
     seed=st.integers(0, 2**16),
     loud=st.sampled_from([1.0, 1e-6, 30.0, 3e3]),
 )
@@ -135,24 +136,75 @@ def test_the_eager_bytes_at_engine_shapes(quant: str, dtype: torch.dtype) -> Non
     _same_both_ways(realistic_kv(256, 8, 128, dtype, seed=6), 256, 1, quant)
 
 
+ODD_D = [9, 15, 17, 30, 50, 100, 250, 255]
+"""Head dims that 8 (encode's vector) or 16 (decode's) does not divide: under 16 (decode's
+8-wide rows), just over a vector, and the last vector overlapping by 1 to 15 channels."""
+
+
+def _ran_native(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """What each call of native.quantize and native.dequantize returned from now on."""
+    calls: list[tuple[str, bool]] = []
+    for name in ("quantize", "dequantize"):
+        real = getattr(native, name)
+
+        def spy(*args: object, _real: Any = real, _name: str = name) -> bool:
+            ran: bool = _real(*args)
+            calls.append((_name, ran))
+            return ran
+
+        monkeypatch.setattr(native, name, spy)
+    return calls
+
+
 @pytest.mark.parametrize("quant", INT8)
-@pytest.mark.parametrize("d", [30, 100])
-def test_a_head_dim_off_the_vector_width_gives_the_eager_bytes_over_several_tiles(
-    quant: str, d: int
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", ODD_D)
+def test_a_head_dim_off_the_vector_width_gives_the_eager_bytes(
+    quant: str, dtype: torch.dtype, d: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Channels padded to a multiple of 8 give the eager bytes and bits, the layer's blocks
-    in more than one tile of the padded copy."""
-    block, n, h = 128, 24, 16
-    assert n * block * h * native._padded(d) * 4 > native.PAD_TILE_BYTES  # (float32: 2 tiles)
+    """Each row's last vector overlaps the one before it: the eager bytes and bits, from the
+    kernels, and nothing written past a head's last channel."""
+    block, n, h = 5, 3, 3
     x = realistic_kv(n * block + 1, h, d, torch.float32, seed=d)
-    x[0, :, 1, 3] += 25.0
+    x[0, :, 1, -1] += 25.0  # a K channel with a large offset, in the last vector only
+    x[1, 4, 2, -1] = 9.0  # a loud last channel: its token's scale
+    x[0, 7, 0, -2] = -9.0  # and a loud negative one beside it
+    layer = x.to(dtype)[:, 1:]
+    _same_both_ways(layer, block, n, quant)
+    calls = _ran_native(monkeypatch)
+    rows = _encode("native", layer, block, n, quant)
+    outs = {}
+    for mode in ("eager", "native"):  # heads of a wider layer: channels D.. keep their 7s
+        wide = torch.full((2, n * block, h, d + 5), 7.0, dtype=dtype)
+        _decode(mode, rows, wide[..., :d], block)
+        outs[mode] = wide
+    assert torch.equal(_bits(outs["eager"]), _bits(outs["native"]))
+    assert (outs["native"][..., d:] == 7).all()
+    # the kernels encoded and decoded (in the eager mode they decline)
+    assert calls == [("quantize", True), *[("dequantize", False)] * n, *[("dequantize", True)] * n]
+
+
+@pytest.mark.parametrize("quant", INT8)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h", [9, 12, 16, 20])
+def test_many_heads_give_the_eager_bytes(quant: str, dtype: torch.dtype, h: int) -> None:
+    """A token's heads are encoded 8 at a time (their per-token scales in one vector): more
+    than 8 heads, in whole groups and with a short last one."""
+    x = realistic_kv(33, h, 100, torch.float32, seed=h)
+    x[1, 5, h - 1] *= 50.0  # a loud head in the last group
+    x[1, 6, 8] = 0.0  # a zero head: the 2**-14 floor
+    _same_both_ways(x.to(dtype)[:, 1:], 16, 2, quant)
+
+
+@pytest.mark.parametrize("quant", INT8)
+def test_an_odd_head_dim_gives_the_eager_bytes_over_several_tiles(quant: str) -> None:
+    """Blocks of 512 tokens at D=250 in float32: each block's heads in two tiles of the
+    encode (_native.c's TILE_BYTES), decoded into a slice of a layer."""
+    block, n, h, d = 512, 2, 3, 250
+    assert block * d * 4 * h > 1 << 20  # more than one tile of 1 MiB
+    x = realistic_kv(n * block + 1, h, d, torch.float32, seed=3)
+    x[0, :, 2, -3] += 25.0
     _same_both_ways(x[:, 1:], block, n, quant)
-    # and it is the kernels that ran (before the padding they refused such a D)
-    k, v = (half[1:].reshape(n, block, h, d) for half in x)
-    per_token = [torch.empty(n, block, h, 1, dtype=torch.float16) for _ in range(2)]
-    codes = torch.empty(n, 2, block, h, d, dtype=torch.int8)
-    fused.set_mode("native")
-    assert native.quantize(k, v, codes, ([per_token[0]], [per_token[1]]), ("t", "t"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -171,10 +223,14 @@ def test_extreme_values_give_the_eager_bytes(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("quant", INT8)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 3e38])
-def test_bad_kv_is_refused_as_eager_refuses_it(quant: str, bad: float) -> None:
+@pytest.mark.parametrize(("d", "channel"), [(16, 9), (30, 29), (12, 11)])
+def test_bad_kv_is_refused_as_eager_refuses_it(
+    quant: str, bad: float, d: int, channel: int
+) -> None:
+    # (D=30, 12: in the channels only a row's last, overlapping vector reads)
     for half in (0, 1):
-        x = realistic_kv(8, 2, 16, torch.float32, seed=2)
-        x[half, 5, 1, 9] = bad
+        x = realistic_kv(8, 2, d, torch.float32, seed=2)
+        x[half, 5, 1, channel] = bad
         fused.set_mode("native")
         with pytest.raises(InvalidArgument, match="NaN/inf"):
             encode_chunk(x, quant, key=_keys(1)[0])

@@ -6,20 +6,21 @@ the C kernels do not apply, and the codec runs :mod:`kvstore.core.fused` or its 
 kernels instead. The bytes are the eager path's, bit for bit (``_native.c`` says how;
 ``tests/test_native.py`` compares them).
 
-A head dim that is not a multiple of 8 (the kernels' vector width) is encoded on a copy with
-its channels padded with zeros to the next multiple (:func:`_quantize_padded`): a zero
-channel changes no other channel's statistics, nor a token's absolute maximum (a
-channel-smoothed zero stays zero), so the real channels get the unpadded bytes, bit for
-bit. The copies cost far less than the eager encode they replace (``bench/head_dims.py``:
-a layer of 9,216 tokens at D=30 in 3.9 against 12.0 ms; 1.5 ms at D=32). Decoding such a
-chunk stays eager's: padded, its per-chunk copies made it slower (3.3 against 2.1 ms).
+Any head dim from 8 on runs in place: where the vector width (8 channels; 16 for decode's
+stores) does not divide D, each row ends with one more vector that overlaps the one before
+it (``_native.c`` says why that gives the same bytes). Measured on a layer of 9,216 tokens,
+H=8, bfloat16 (one thread): encode at D=30 in 2.7 ms against 5.1 ms on a copy padded with
+zeros to D=32 (what ran before; 2.9 against 5.7 at D=50, 28.8 against 39.6 at D=250), and
+decode, which ran eager's kernels at such a D (2.1-2.3 ms at D=30), in 0.86 ms at D=30,
+0.82 at D=32; 1.17 at D=50, 0.96 at D=48; 0.75 at D=17, 0.66 at D=16
+(``bench/head_dims.py`` prints the table).
 
 Where they apply: the extension was built (``pip install`` compiles
 ``kvstore/core/_native.c``; it is optional, and a build without a C compiler installs
 without it), the CPU has AVX2, FMA and F16C, the tensors are on the CPU in float16,
-bfloat16 or float32 with contiguous channels, D is 8 to 4096 (decode: a multiple of 8), and the
-codec's path (:func:`kvstore.core.fused.get_mode`) is ``auto`` or ``native``. ``eager``
-and ``fused`` turn them off.
+bfloat16 or float32 with contiguous channels, D is 8 to 4096, and the codec's path
+(:func:`kvstore.core.fused.get_mode`) is ``auto`` or ``native``. ``eager`` and ``fused``
+turn them off.
 
 Why C: the eager encode is ~40 torch ops and 16 full passes per block, and the compiled
 (Inductor) CPU code loses to it on decode (docs/codec.md, "Fused kernels"). Each kernel
@@ -36,7 +37,6 @@ at run time); everything else runs AVX2.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -120,20 +120,22 @@ def available() -> bool:
 def _enabled(dtype: torch.dtype, h: int, d: int, modes: Sequence[str]) -> bool:
     """Whether the kernels run at all for this dtype, head count, head dim and modes (the
     tensors' own checks follow in each caller)."""
-    if _lib is None or dtype not in _DTYPES or fused.get_mode() not in ("auto", "native"):
+    if _lib is None or fused.get_mode() not in ("auto", "native"):
         return False
-    if not 8 <= d <= _MAX_D or h * _padded(d) > _MAX_HD:
+    return _fits(dtype, h, d, tuple(modes))
+
+
+@lru_cache(maxsize=256)
+def _fits(dtype: torch.dtype, h: int, d: int, modes: tuple[str, ...]) -> bool:
+    """:func:`_enabled` but for the mode: cached, as decode asks it per chunk."""
+    if dtype not in _DTYPES or not 8 <= d <= _MAX_D or h * _row_floats(d) > _MAX_HD:
         return False
     return all(m in _MODES for m in modes)
 
 
-def _padded(d: int) -> int:
-    """The head dim the kernels run ``d`` at: the next multiple of 8."""
-    return -(-d // 8) * 8
-
-
-_PER_CHANNEL = {"c": (True,), "cc": (True, True), "t": (False,), "ct": (True, False)}
-"""Per mode, whether each of its scale views is per channel (else per token)."""
+def _row_floats(d: int) -> int:
+    """A head's row in the kernels' scratch (_native.c's ROW_FLOATS): ``d`` rounded up to 16."""
+    return -(-d // 16) * 16
 
 
 def _reset_after_fork() -> None:  # a forked child has no helper thread
@@ -186,7 +188,7 @@ def _consistent(
     for views, mode in zip(scales, modes, strict=True):
         if [tuple(x.shape) for x in views] != want[mode]:
             return False
-        if any(x.dtype != torch.float16 or x.device.type != "cpu" for x in views):
+        if any(x.dtype != torch.float16 or not x.is_cpu for x in views):
             return False
     return True
 
@@ -243,12 +245,10 @@ def quantize(
     n, t, h, d = k.shape
     if not _enabled(k.dtype, h, d, modes):
         return False
-    if not all(x.device.type == "cpu" and x.stride(-1) == 1 for x in (k, v, codes)):
+    if not all(x.is_cpu and x.stride(-1) == 1 for x in (k, v, codes)):
         return False
     if not _consistent(k, v, codes, scales, modes):
         raise ValueError("native.quantize: K, V, codes and scales do not match (a codec bug)")
-    if d % 8:
-        return _quantize_padded(k, v, codes, scales, modes)
     assert _lib is not None
     lib = _lib
 
@@ -261,62 +261,6 @@ def quantize(
         )  # fmt: skip
 
     _both_halves(run, k.numel() * k.element_size())
-    return True
-
-
-PAD_TILE_BYTES = 4 << 20
-"""Blocks of a padded encode are copied in tiles of about this many input bytes, into
-scratch reused from call to call: a fresh zeroed copy of a whole layer cost more in page
-faults (11 ms for 30 MB) than the encode it served."""
-_scratch = threading.local()
-
-
-def _scratch_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """A reused tensor of ``shape`` for this thread (grown when too small; bounded by the
-    largest tile seen)."""
-    bufs: dict[tuple[str, torch.dtype], Tensor] = _scratch.__dict__.setdefault("bufs", {})
-    numel = math.prod(shape)
-    buf = bufs.get((name, dtype))
-    if buf is None or buf.numel() < numel:
-        buf = bufs[name, dtype] = torch.empty(numel, dtype=dtype)
-    return buf[:numel].view(shape)
-
-
-def _quantize_padded(
-    k: Tensor,
-    v: Tensor,
-    codes: Tensor,
-    scales: tuple[list[Tensor], list[Tensor]],
-    modes: tuple[str, str],
-) -> bool:
-    """:func:`quantize` of a head dim that is not a multiple of 8, tile by tile: K and V
-    copied with their channels padded with zeros, encoded, and the real channels' codes
-    and scales copied out."""
-    n, t, h, d = k.shape
-    dp = _padded(d)
-    g = max(1, min(n, PAD_TILE_BYTES // (t * h * dp * k.element_size())))
-    kp = _scratch_tensor("k", (g, t, h, dp), k.dtype)
-    vp = _scratch_tensor("v", (g, t, h, dp), v.dtype)
-    cp = _scratch_tensor("codes", (g, 2, t, h, dp), torch.int8)
-    kp[..., d:] = 0
-    vp[..., d:] = 0
-    wide = [_scratch_tensor(f"scales{i}", (g, 1, h, dp), torch.float16) for i in range(4)]
-    for i in range(0, n, g):
-        m = min(g, n - i)
-        kp[:m, ..., :d] = k[i : i + m]
-        vp[:m, ..., :d] = v[i : i + m]
-        sp: tuple[list[Tensor], list[Tensor]] = ([], [])
-        back: list[tuple[Tensor, Tensor]] = []  # (a per-channel view, its padded scales)
-        pads = iter(wide)
-        for half in (0, 1):
-            for view, per_channel in zip(scales[half], _PER_CHANNEL[modes[half]], strict=True):
-                sp[half].append(next(pads)[:m] if per_channel else view[i : i + m])
-                if per_channel:
-                    back.append((view[i : i + m], sp[half][-1]))
-        quantize(kp[:m], vp[:m], cp[:m], sp, modes)
-        codes[i : i + m].copy_(cp[:m, ..., :d])
-        for view, pad in back:
-            view.copy_(pad[..., :d])
     return True
 
 
@@ -336,13 +280,15 @@ def dequantize(
     every torch view of it would cost 3-10 µs more."""
     t, h, d = shape
     dtype = out[0].dtype
-    if d % 8 or not _enabled(dtype, h, d, modes) or buf.device.type != "cpu":
-        return False  # (a padded decode measured slower than eager's: 3.3 against 2.1 ms)
-    strides = (out[0].stride(), out[1].stride())  # one call each: torch attributes cost µs here
+    # torch attributes cost µs here, so each is read once, and the cheap ones first
+    # (is_cpu: 0.04 µs, device.type: 0.25-0.45 µs)
+    if not (buf.is_cpu and out[0].is_cpu and out[1].is_cpu and _enabled(dtype, h, d, modes)):
+        return False
+    strides = (out[0].stride(), out[1].stride())
     for o, st in zip(out, strides, strict=True):
-        if st[2] != 1 or o.device.type != "cpu":
+        if st[2] != 1:
             return False
-        if any(s == 0 and n > 1 for s, n in zip(st, o.shape, strict=True)):
+        if 0 in st and any(s == 0 and n > 1 for s, n in zip(st, o.shape, strict=True)):
             return False  # eager's copy_ raises for outputs whose elements share memory
     plan = _plan(modes, shape, tuple(scale_slots), offsets)
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < plan.nbytes:
