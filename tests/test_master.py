@@ -7,10 +7,14 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvstore.control import wire
 from kvstore.control.records import EventKind, Holding, IndexEvent
 from kvstore.errors import (
     CapacityError,
@@ -649,3 +653,69 @@ def test_watch_view_turns_node_death_into_evicts() -> None:
         (WatchKind.EVICT, 2, (2,), "gone"),
     ]
     assert view.apply(IndexEvent(EventKind.NODE_DEAD, node_id="b", epoch=2)) == []
+
+
+_add = st.builds(
+    BlockAdd,
+    st.just(NS),
+    st.sampled_from([bh(1), bh(2)]),
+    st.lists(st.integers(0, 65535) | st.just(True), max_size=3).map(tuple),
+    st.sampled_from([b"", b"\x02\x00", bytes(20), bytes(32)]),
+)
+_batch = st.builds(
+    CommitBatch,
+    st.just("a"),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.lists(_add, min_size=1, max_size=3).map(tuple),
+    st.lists(st.builds(BlockRef, st.just(NS), st.just(bh(3))), max_size=2).map(tuple),
+    tiers=st.lists(st.builds(Tier, st.just("host"), st.just(1)), max_size=2).map(tuple),
+)
+
+
+def _first_add(batch: CommitBatch, **fields: object) -> CommitBatch:
+    first = replace(batch.adds[0], **fields)  # type: ignore[arg-type]
+    return replace(batch, adds=(first, *batch.adds[1:]))
+
+
+_CORRUPTIONS = [  # one field of a valid batch made invalid, or of another type
+    lambda b: b,
+    lambda b: replace(b, node_id="has space"),
+    lambda b: replace(b, seq=0),
+    lambda b: _first_add(b, ns_id=NS[:15]),
+    lambda b: _first_add(b, ns_id=bytearray(NS)),
+    lambda b: _first_add(b, block_hash=b"short"),
+    lambda b: _first_add(b, chunks=(0, 65536)),
+    lambda b: _first_add(b, chunks=(-1,)),
+    lambda b: _first_add(b, chunks=[0]),
+    lambda b: _first_add(b, location=bytes(33)),
+    lambda b: _first_add(b, location=bytearray(2)),
+    lambda b: replace(b, adds=list(b.adds)),
+    lambda b: replace(b, evicts=(*b.evicts, BlockRef(NS, b"y"))),
+    lambda b: replace(b, evicts=(*b.evicts, BlockRef(b"x", bh(3)))),
+    lambda b: replace(b, object_adds=(ObjectAdd("k", 1),)),
+    lambda b: replace(b, object_adds=(ObjectAdd("", 1),)),
+    lambda b: replace(b, object_removes=("",)),
+    lambda b: replace(b, tiers=(Tier("t" * 257, 1),)),
+]
+
+
+@pytest.mark.parametrize("corrupt", _CORRUPTIONS)
+@settings(max_examples=25, deadline=None)
+@given(batch=_batch)
+def test_check_commit_passes_a_plain_batch_as_the_full_check_would(
+    corrupt: Callable[[CommitBatch], CommitBatch], batch: CommitBatch
+) -> None:
+    """A batch of exact records and tuples skips the rebuild; the answer is the full
+    check's (lists instead of tuples take that one): an equal batch or the same error."""
+
+    def outcome(b: CommitBatch) -> str:
+        try:
+            return repr(wire.check_commit(b))  # (repr: bytes and bytearray compare equal)
+        except InvalidArgument as exc:
+            return str(exc)
+
+    batch = corrupt(batch)
+    lists = {"adds": list(batch.adds), "evicts": list(batch.evicts), "tiers": list(batch.tiers)}
+    full = replace(batch, **lists)  # type: ignore[arg-type]
+    assert outcome(batch) == outcome(full)

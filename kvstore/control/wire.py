@@ -134,7 +134,8 @@ def check_node_id(node_id: str) -> str:
     """``node_id`` if non-empty, printable, without whitespace and at most MAX_NAME_LEN."""
     if not node_id or len(node_id) > MAX_NAME_LEN:
         raise InvalidArgument(f"node id must be 1..{MAX_NAME_LEN} characters")
-    if not node_id.isprintable() or any(c.isspace() for c in node_id):
+    # (Of the printable characters only " " is whitespace: one search, not one call a character.)
+    if not node_id.isprintable() or " " in node_id:
         raise InvalidArgument(f"node id {node_id!r} has whitespace or unprintable characters")
     return node_id
 
@@ -281,10 +282,18 @@ def commit_from_pb(req: pb.CommitRequest) -> CommitBatch:
 
 def check_commit(batch: CommitBatch) -> CommitBatch:
     """``batch`` with every field checked as a Commit request's is (seq >= 1, counts, id and
-    hash lengths, chunk indices, object keys); InvalidArgument otherwise."""
+    hash lengths, chunk indices, object keys); InvalidArgument otherwise.
+
+    A batch already made of valid records and tuples (a node's, or :func:`commit_from_pb`'s)
+    is returned as it is: rebuilding it gives an equal one, and took 14 µs of the ~100 µs
+    that a commit of 8 adds and 8 evictions cost the master (``bench/commit_path.py``; the
+    test alone: 2.5 µs). Anything else is checked and rebuilt field by field, which also
+    gives every error its message."""
     check_node_id(batch.node_id)
     if batch.seq < 1:
         raise InvalidArgument("commit seq must be >= 1")
+    if _plain(batch):
+        return batch
     for items, what in (
         (batch.adds, "adds"),
         (batch.evicts, "evicts"),
@@ -306,6 +315,54 @@ def check_commit(batch: CommitBatch) -> CommitBatch:
     removes = tuple(check_key(k) for k in batch.object_removes)
     tiers = tiers_from_pb(batch.tiers)
     return CommitBatch(batch.node_id, batch.epoch, batch.seq, adds, evicts, objects, removes, tiers)
+
+
+def _plain(batch: CommitBatch) -> bool:
+    """True if :func:`check_commit` would accept ``batch`` and rebuild it into an equal
+    batch: exact records in tuples, every id, hash, chunk index, location and tier name
+    within its bounds, no object changes (rare; those take the full check). False says
+    nothing about validity; it never raises."""
+    if type(batch) is not CommitBatch or batch.object_adds or batch.object_removes:
+        return False
+    adds, evicts, tiers = batch.adds, batch.evicts, batch.tiers
+    if type(adds) is not tuple or type(evicts) is not tuple or type(tiers) is not tuple:
+        return False
+    if len(adds) > MAX_COMMIT_ITEMS or len(evicts) > MAX_COMMIT_ITEMS or len(tiers) > MAX_TIERS:
+        return False
+    try:
+        for a in adds:
+            if type(a) is not BlockAdd:
+                return False
+            ns_id, block_hash, chunks, location = a.ns_id, a.block_hash, a.chunks, a.location
+            if (
+                type(ns_id) is not bytes
+                or len(ns_id) != ID_BYTES
+                or type(block_hash) is not bytes
+                or len(block_hash) != ID_BYTES
+                or type(chunks) is not tuple
+                or len(chunks) > MAX_CHUNKS
+                or type(location) is not bytes
+                or len(location) > MAX_LOCATION_BYTES
+            ):
+                return False
+            for c in chunks:  # (the test _check_chunks makes, inline)
+                if not 0 <= c < MAX_CHUNKS:
+                    return False
+        for e in evicts:
+            if (
+                type(e) is not BlockRef
+                or type(e.ns_id) is not bytes
+                or len(e.ns_id) != ID_BYTES
+                or type(e.block_hash) is not bytes
+                or len(e.block_hash) != ID_BYTES
+            ):
+                return False
+        for t in tiers:
+            if type(t) is not Tier or type(t.name) is not str or len(t.name) > MAX_NAME_LEN:
+                return False
+    except Exception:  # (a malformed item: the full check says what is wrong with it)
+        return False
+    return True
 
 
 def _check_location(raw: bytes) -> bytes:

@@ -386,10 +386,8 @@ class MemoryIndexStore(IndexStore):
         applied = self._applied.get(node, 0)
         if batch.seq <= applied:
             return applied
-        for ref in batch.evicts:
-            self._evict(node, ref)
-        for add in batch.adds:
-            self._add(node, batch.epoch, add)
+        self._evict_blocks(node, batch.epoch, batch.evicts)
+        self._add_blocks(node, batch.epoch, batch.adds)
         for key in batch.object_removes:
             self._remove_object(node, key)
         for obj in batch.object_adds:
@@ -496,37 +494,66 @@ class MemoryIndexStore(IndexStore):
             out.append({n: h for n, h in holders.items() if self._is_live(n, h.epoch)})
         return out
 
-    def _add(self, node: str, epoch: int, add: BlockAdd) -> None:
-        key = (add.ns_id, add.block_hash)
-        holders = self._blocks.setdefault(key, {})
-        old = holders.get(node)
-        mask, location = mask_of(add.chunks), add.location
-        if old is not None and old.epoch == epoch:
-            mask |= old.mask
-            location = location or old.location
-        holders[node] = Holding(epoch, mask, location)
-        self._node_blocks.setdefault(node, set()).add(key)
-        chunks = tuple(sorted(set(add.chunks)))
-        self._publish(
-            IndexEvent(
-                EventKind.COMMIT, add.ns_id, add.block_hash, node, epoch, chunks, "", location
-            )
-        )
+    # (_add_blocks and _evict_blocks run once per commit, for every block of it: the lookups
+    # they share are made once a batch, and an event is built only for a block watched.)
 
-    def _evict(self, node: str, ref: BlockRef) -> None:
-        key = (ref.ns_id, ref.block_hash)
-        holders = self._blocks.get(key)
-        old = holders.pop(node, None) if holders is not None else None
-        if old is None:
+    def _add_blocks(self, node: str, epoch: int, adds: Sequence[BlockAdd]) -> None:
+        """OR each add's chunks into ``node``'s entry for its block (an entry of an older
+        epoch is replaced); COMMIT to the block's watchers."""
+        if not adds:
             return
-        if not holders:
-            del self._blocks[key]
-        _discard(self._node_blocks, node, key)
-        if self._is_live(node, old.epoch):
-            chunks = tuple(old.chunks())
-            self._publish(
-                IndexEvent(EventKind.EVICT, ref.ns_id, ref.block_hash, node, old.epoch, chunks)
-            )
+        blocks, watchers = self._blocks, self._watchers
+        keys = self._node_blocks.get(node)
+        if keys is None:
+            keys = self._node_blocks[node] = set()
+        for add in adds:
+            key = (add.ns_id, add.block_hash)
+            holders = blocks.get(key)
+            if holders is None:
+                holders = blocks[key] = {}
+            old = holders.get(node)
+            mask, location = mask_of(add.chunks), add.location
+            if old is not None and old.epoch == epoch:
+                mask |= old.mask
+                location = location or old.location
+            holders[node] = Holding(epoch, mask, location)
+            keys.add(key)
+            subs = watchers.get(key)
+            if subs:
+                chunks = tuple(sorted(set(add.chunks)))
+                event = IndexEvent(
+                    EventKind.COMMIT, add.ns_id, add.block_hash, node, epoch, chunks, "", location
+                )
+                for sub in subs:
+                    sub.push(event)
+
+    def _evict_blocks(self, node: str, epoch: int, refs: Sequence[BlockRef]) -> None:
+        """Drop ``node``'s entries of these blocks; EVICT to a block's watchers when the
+        entry dropped was live. ``epoch`` is the node's live epoch (:meth:`apply` checked
+        it, and nothing changes it while this runs), so an entry is live iff of it."""
+        if not refs:
+            return
+        blocks, watchers = self._blocks, self._watchers
+        keys = self._node_blocks.get(node)
+        for ref in refs:
+            key = (ref.ns_id, ref.block_hash)
+            holders = blocks.get(key)
+            old = holders.pop(node, None) if holders is not None else None
+            if old is None:
+                continue
+            if not holders:
+                del blocks[key]
+            if keys is not None:
+                keys.discard(key)
+            subs = watchers.get(key)
+            if subs and old.epoch == epoch:
+                event = IndexEvent(
+                    EventKind.EVICT, ref.ns_id, ref.block_hash, node, old.epoch, tuple(old.chunks())
+                )
+                for sub in subs:
+                    sub.push(event)
+        if keys is not None and not keys:
+            del self._node_blocks[node]
 
     def _add_object(self, node: str, epoch: int, obj: ObjectAdd) -> None:
         self._objects.setdefault(obj.key, {})[node] = ObjectHolder(node, epoch, obj.nbytes)
