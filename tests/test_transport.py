@@ -527,6 +527,45 @@ async def test_payload_timeout_closes_the_connection(raw_case: Case) -> None:
             await server.recv_header(timeout=5)
 
 
+async def test_a_payload_wait_asks_for_its_bytes_and_a_header_wait_for_one(
+    raw_case: Case,
+) -> None:
+    """A payload receive that runs dry waits for up to 512 KiB of what the frame still owes
+    (SO_RCVLOWAT), however the sender trickles the rest; the next header wait asks for one
+    byte again, so a 20-byte frame wakes it."""
+    size = 1 * MiB
+    payload = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8).tobytes()
+    async with accepted(raw_case) as (listener, conns), raw_socket(listener.address) as (_, w):
+        w.write(encode_prefix({"op": "data"}, [size]) + payload[:100_000])
+        await w.drain()
+        server = await asyncio.wait_for(conns.get(), 5)
+        await server.recv_header(timeout=5)
+        into = np.zeros(size, dtype=np.uint8)
+        seen: list[int] = []
+        task = asyncio.create_task(
+            server.recv_payload_into([into], 10, lambda _i, upto: seen.append(upto))
+        )
+        sock = server._sock  # type: ignore[attr-defined]
+        for _ in range(200):  # (bounded: until the receive has run dry and waits)
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) > 1:
+                break
+            await asyncio.sleep(0.005)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 512 * 1024
+        for at in range(100_000, size, 48_000):  # trickled: no write is the mark's size
+            w.write(payload[at : at + 48_000])
+            await w.drain()
+            await asyncio.sleep(0.002)
+        await asyncio.wait_for(task, 10)
+        assert into.tobytes() == payload
+        assert seen[-1] == size and seen == sorted(seen)
+        header = asyncio.create_task(server.recv_header(timeout=5))
+        await asyncio.sleep(0.05)  # (the header wait has begun, with nothing to read)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+        w.write(encode_prefix({"op": "ping"}, []))
+        await w.drain()
+        assert (await asyncio.wait_for(header, 5)).header == {"op": "ping"}
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 

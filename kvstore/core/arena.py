@@ -598,7 +598,8 @@ class Arena:
     # ---- accounting ------------------------------------------------------------------
 
     def stats(self) -> ArenaStats:
-        """The current :class:`ArenaStats` (O(1), no locks, nothing blocks)."""
+        """The current :class:`ArenaStats` (O(spans): it counts slab spans; no locks,
+        nothing blocks). :attr:`free_bytes` alone is O(1)."""
         free = (
             self._pages.free_units * self.page_bytes
             + self._slab_free_bytes

@@ -583,7 +583,8 @@ class SlotTable:
     # ---- accounting ------------------------------------------------------------------
 
     def stats(self) -> TierStats:
-        """The tier's :class:`TierStats` (O(1); the arena is shared with objects)."""
+        """The tier's :class:`TierStats` (the arena's stats are O(spans); the arena is
+        shared with objects)."""
         arena = self.arena.stats()
         return TierStats(
             device=str(self.arena.device),

@@ -213,6 +213,8 @@ class _TlsSocket:
 class TlsConnection(TcpConnection):
     """A :class:`TcpConnection` whose bytes travel inside TLS (see the module docstring)."""
 
+    _LOWAT = False
+
     def __init__(
         self,
         sock: socket.socket,
