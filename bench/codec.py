@@ -136,8 +136,8 @@ def _in_mode(mode: str, fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
-# kvstore.core.fused's modes, measured in turn; where decode has AVX-512, the C kernels
-# also with decode held to AVX2 (side by side: what the wider rows bring)
+# kvstore.core.fused's modes, measured in turn; where the C kernels have AVX-512, also with
+# them (encode and decode) held to AVX2 (side by side: what the wider rows bring)
 CODECS = ("eager", "native", *(("native-avx2",) if native.isa() == "avx512" else ()), "fused")
 _LABEL = {"eager": "eager", "native": "native", "native-avx2": "native avx2", "fused": "fused"}
 
@@ -196,8 +196,8 @@ def fused_tables(quick: bool) -> list[Table]:
     if native.available():
         native.set_isa("auto")
     if "native-avx2" in CODECS:
-        speed.notes.append("native: decode in AVX-512 rows (this CPU has AVX-512 BF16); "
-                           "native avx2: the same kernels with decode held to AVX2")  # fmt: skip
+        speed.notes.append("native: encode and decode in AVX-512 rows (this CPU has AVX-512 "
+                           "BF16); native avx2: the same kernels held to AVX2")  # fmt: skip
     speed.notes.append("x / copy_: the codec's speed as a fraction of copy_'s on the same KV bytes")
     speed.notes.append("decode: each chunk into its slice of a layer (what get_layer does)")
     first.notes.append("fused graphs compiled: " + "; ".join(

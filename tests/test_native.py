@@ -1,7 +1,7 @@
 """The codec's C kernels (kvstore.core.native): the eager codec's bytes and decoded bits on
 every INT8 scheme, dtype and odd shape, refusals where they do not apply, and bad KV
-refused as the eager path refuses it. Every test runs once per instruction set decode can
-use (AVX2, and AVX-512 where the CPU has it)."""
+refused as the eager path refuses it. Every test runs once per instruction set the kernels
+can use (AVX2, and AVX-512 where the CPU has it), encode and decode alike."""
 
 from __future__ import annotations
 
@@ -223,11 +223,12 @@ def test_extreme_values_give_the_eager_bytes(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("quant", INT8)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 3e38])
-@pytest.mark.parametrize(("d", "channel"), [(16, 9), (30, 29), (12, 11)])
+@pytest.mark.parametrize(("d", "channel"), [(16, 9), (30, 29), (12, 11), (128, 70), (80, 75)])
 def test_bad_kv_is_refused_as_eager_refuses_it(
     quant: str, bad: float, d: int, channel: int
 ) -> None:
-    # (D=30, 12: in the channels only a row's last, overlapping vector reads)
+    # (D=30, 12: in the channels only a row's last, overlapping vector reads; D=128: in
+    # AVX-512's 64 codes to a store, D=80: in its 16 after them)
     for half in (0, 1):
         x = realistic_kv(8, 2, d, torch.float32, seed=2)
         x[half, 5, 1, channel] = bad
