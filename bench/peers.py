@@ -26,7 +26,9 @@ phase reading them back in the same order, then the store is emptied (untimed: k
 ``evict``, Mooncake ``remove_all``). GB/s is a phase's bytes over its wall time; each figure
 is the best of ``--rounds`` rounds, the sides alternating which goes first. The last
 exchange of each get phase is checked against what was put (untimed). Each side first puts
-and empties one round's bytes, untimed, so both work in touched memory.
+and empties one round's bytes, untimed, so both work in touched memory. A second table
+gives the CPU per GB each side spent in each phase: its server (the processes holding the
+memory, read from ``/proc``) and its client.
 
 Mooncake is a benchmark-only dependency: this script installs it into a virtualenv of its own
 (``--mooncake-venv``, by default under the user's cache directory, outside the repository),
@@ -129,23 +131,75 @@ def plans(pts: Sequence[Point], budget: int, min_n: int) -> list[Plan]:
     return [Plan(p, max(min_n, budget // p.exchange_bytes)) for p in pts]
 
 
+ROLES = ("server", "client")
+"""Whose CPU a phase is billed: the side that holds the memory (kvstore's node with its
+master, the raw server, Mooncake's decode with its master) and the side that puts and gets."""
+
+
+@dataclass
+class Phases:
+    """One round of one side: wall seconds of its put and get phases and the CPU seconds
+    each role spent in each (all threads of its processes, over the phase)."""
+
+    put_s: float
+    get_s: float
+    cpu: dict[tuple[str, str], float]
+    """(op, role) → CPU seconds."""
+
+
 @dataclass
 class Results:
-    """GB/s of every round, by (point name, op, side); why Mooncake is missing, if it is."""
+    """GB/s and CPU s/GB of every round, by (point name, op, side) and role; why Mooncake is
+    missing, if it is."""
 
     plans: list[Plan]
     rounds: int
     gbps: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)
+    cpu: dict[tuple[str, str, str, str], list[float]] = field(default_factory=dict)
     mooncake_error: str = ""
 
-    def add(self, plan: Plan, side: str, put_s: float, get_s: float) -> None:
-        for op, seconds in zip(OPS, (put_s, get_s), strict=True):
-            runs = self.gbps.setdefault((plan.point.name, op, side), [])
-            runs.append(plan.nbytes / seconds / 1e9)
+    def add(self, plan: Plan, side: str, phases: Phases) -> None:
+        gb = plan.nbytes / 1e9
+        for op, seconds in zip(OPS, (phases.put_s, phases.get_s), strict=True):
+            self.gbps.setdefault((plan.point.name, op, side), []).append(gb / seconds)
+            for role in ROLES:
+                key = (plan.point.name, op, side, role)
+                self.cpu.setdefault(key, []).append(phases.cpu[op, role] / gb)
 
     def best(self, plan: Plan, op: str, side: str) -> float | None:
         runs = self.gbps.get((plan.point.name, op, side))
         return max(runs) if runs else None
+
+    def least_cpu(self, plan: Plan, op: str, side: str, role: str) -> float | None:
+        """The round with the least CPU per GB (as GB/s, the best of the rounds)."""
+        runs = self.cpu.get((plan.point.name, op, side, role))
+        return min(runs) if runs else None
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process ``pid`` has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuWatch:
+    """CPU of the server's processes (``/proc``) and of this process (``process_time``)
+    over a stretch: :meth:`start`, then :meth:`stop` → (server, client) seconds."""
+
+    def __init__(self, server_pids: Sequence[int]) -> None:
+        self.pids = list(server_pids)
+        self._at = (0.0, 0.0)
+
+    def _now(self) -> tuple[float, float]:
+        return sum(proc_cpu(p) for p in self.pids), time.process_time()
+
+    def start(self) -> None:
+        self._at = self._now()
+
+    def stop(self) -> tuple[float, float]:
+        now = self._now()
+        return now[0] - self._at[0], now[1] - self._at[1]
 
 
 # ----------------------------------------------------------------------- kvstore's side
@@ -155,16 +209,18 @@ class KvSide:
     """This process as a kvstore client of one node: one kept ``tcp://`` connection and a
     ``region`` of touched memory, exchange ``i`` of a phase in its ``i``-th row block."""
 
-    def __init__(self, conn: Connection, data_uri: str, region_bytes: int) -> None:
+    def __init__(self, conn: Connection, data_uri: str, region_bytes: int, server_pid: int) -> None:
         self.conn = conn
+        self.watch = CpuWatch([server_pid])
         self.node = NodeClient(data_uri, KeptConnection(conn), timeout_s=IO_TIMEOUT_S)
         self.region = torch.zeros(region_bytes, dtype=torch.uint8)  # written: pages touched
         self.scratch = torch.zeros(FLUSH, dtype=torch.uint8)
         self.sources: dict[Point, torch.Tensor] = {}
 
     @classmethod
-    async def open(cls, data_uri: str, region_bytes: int) -> KvSide:
-        return cls(await connect(data_uri, timeout=IO_TIMEOUT_S), data_uri, region_bytes)
+    async def open(cls, data_uri: str, region_bytes: int, server_pid: int) -> KvSide:
+        conn = await connect(data_uri, timeout=IO_TIMEOUT_S)
+        return cls(conn, data_uri, region_bytes, server_pid)
 
     def rows(self, plan: Plan, i: int) -> torch.Tensor:
         """``[batch, chunk_bytes]``: exchange ``i``'s chunks in the region."""
@@ -185,29 +241,35 @@ class KvSide:
         self.scratch.add_(1)
         return keys
 
-    async def round(self, plan: Plan, tag: str) -> tuple[float, float]:
-        """A put phase, a get phase (checked), the namespace evicted; seconds of each phase."""
+    async def round(self, plan: Plan, tag: str) -> Phases:
+        """A put phase, a get phase (checked), the namespace evicted."""
         p, keys = plan.point, self.encode(plan, tag)
         ns = p.namespace()
         ns_bytes, ns_id = ns.canonical_bytes(), ns.id
         bufs = [[r.numpy() for r in self.rows(plan, i)] for i in range(plan.n)]
         puts = [tuple(PutChunk(k, None, 0, p.chunk_bytes) for k in ks) for ks in keys]
         gets = [[ChunkRef(k, 0) for k in ks] for ks in keys]
+        cpu: dict[tuple[str, str], float] = {}
+        self.watch.start()
         t0 = time.perf_counter()
         for chunks, views in zip(puts, bufs, strict=True):
             ack = await self.node.put(ns_bytes, chunks, views)
             expect(ack.stored == p.batch, f"kvstore stored {ack.stored} of {p.batch} chunks")
         put_s = time.perf_counter() - t0
+        cpu["put", "server"], cpu["put", "client"] = self.watch.stop()
         self.rows(plan, plan.n - 1).zero_()  # what the last get brings must come from the node
+        intos = [_into(views) for views in bufs]
+        self.watch.start()
         t0 = time.perf_counter()
-        for refs, into in zip(gets, [_into(views) for views in bufs], strict=True):
+        for refs, into in zip(gets, intos, strict=True):
             found = await self.node.get(ns_id, refs, into)
             expect(len(found) == p.batch, f"kvstore found {len(found)} of {p.batch} chunks")
         get_s = time.perf_counter() - t0
+        cpu["get", "server"], cpu["get", "client"] = self.watch.stop()
         for k, row in zip(keys[-1], self.rows(plan, plan.n - 1), strict=True):
             verify_chunk(row, expect_key=ChunkKey(k, 0, 0))
         await self.node.evict(ns_id)
-        return put_s, get_s
+        return Phases(put_s, get_s, cpu)
 
     async def close(self) -> None:
         await self.conn.close()
@@ -229,19 +291,22 @@ class RawSide:
     def __init__(self, server: SpawnedServer, kv: KvSide) -> None:
         self.sock = raw_socket_connect(server.address, IO_TIMEOUT_S)
         self.kv = kv
+        self.watch = CpuWatch([server.pid])
 
-    async def round(self, plan: Plan, tag: str) -> tuple[float, float]:
-        """A put phase, then a get phase; seconds of each (``tag`` unused: nothing is kept)."""
+    async def round(self, plan: Plan, tag: str) -> Phases:
+        """A put phase, then a get phase (``tag`` unused: nothing is kept)."""
         del tag
         bufs = [[memoryview(r.numpy()) for r in self.kv.rows(plan, i)] for i in range(plan.n)]
-        t0 = time.perf_counter()
-        for views in bufs:
-            await asyncio.wait_for(raw_socket_put(self.sock, views), IO_TIMEOUT_S)
-        put_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for views in bufs:
-            await asyncio.wait_for(raw_socket_get(self.sock, views), IO_TIMEOUT_S)
-        return put_s, time.perf_counter() - t0
+        cpu: dict[tuple[str, str], float] = {}
+        seconds = []
+        for op, exchange in (("put", raw_socket_put), ("get", raw_socket_get)):
+            self.watch.start()
+            t0 = time.perf_counter()
+            for views in bufs:
+                await asyncio.wait_for(exchange(self.sock, views), IO_TIMEOUT_S)
+            seconds.append(time.perf_counter() - t0)
+            cpu[op, "server"], cpu[op, "client"] = self.watch.stop()
+        return Phases(seconds[0], seconds[1], cpu)
 
     def close(self) -> None:
         self.sock.close()
@@ -259,14 +324,24 @@ def mooncake_process(role: str, config: str) -> None:
     ``decode`` mounts a segment of ``pool`` bytes and holds it until stdin closes.
     ``prefill`` mounts none (every object lands in the decode's segment, over TCP),
     registers a touched buffer of ``region`` bytes, then answers one JSON command per stdin
-    line: ``{"chunk", "batch", "n", "tag"}``: ``n`` exchanges of ``batch_put_from`` of
-    ``batch`` objects of ``chunk`` bytes (fresh keys), then ``batch_get_into`` of the same in
-    the same order, then ``remove_all``; it answers ``put_s`` and ``get_s`` (wall seconds of
-    each phase), or ``error``."""
+    line: ``{"chunk", "batch", "n", "tag", "servers"}``: ``n`` exchanges of
+    ``batch_put_from`` of ``batch`` objects of ``chunk`` bytes (fresh keys), then
+    ``batch_get_into`` of the same in the same order, then ``remove_all``; it answers
+    ``put_s`` and ``get_s`` (wall seconds of each phase) and ``cpu`` (per phase, the CPU
+    seconds of the ``servers`` pids and of this process), or ``error``."""
     import ctypes
     import json
+    import os
     import sys
     import time
+
+    def used(pids: list[int]) -> tuple[float, float]:
+        total = 0.0
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total, time.process_time()
 
     from mooncake.store import MooncakeDistributedStore
 
@@ -295,31 +370,38 @@ def mooncake_process(role: str, config: str) -> None:
         return
     say(ready=role)
 
-    def run_round(chunk: int, batch: int, n: int, tag: str) -> dict[str, object]:
+    def run_round(
+        chunk: int, batch: int, n: int, tag: str, servers: list[int]
+    ) -> dict[str, object]:
         keys = [[f"{tag}/{i}/{j}" for j in range(batch)] for i in range(n)]
         ptrs = [[base + (i * batch + j) * chunk for j in range(batch)] for i in range(n)]
         sizes, last, nbytes = [chunk] * batch, ptrs[-1][0], batch * chunk
         for ks, ps in zip(keys, ptrs, strict=True):  # each object starts with its key
             for k, p in zip(ks, ps, strict=True):
                 ctypes.memmove(p, k.encode(), len(k))
-        t0 = time.perf_counter()
+        cpu = {}
+        c0, t0 = used(servers), time.perf_counter()
         for ks, ps in zip(keys, ptrs, strict=True):
             codes = store.batch_put_from(ks, ps, sizes)
             if any(codes):
                 raise RuntimeError(f"batch_put_from answered {codes}")
         put_s = time.perf_counter() - t0
+        c1 = used(servers)
+        cpu["put"] = [c1[0] - c0[0], c1[1] - c0[1]]
         sent = ctypes.string_at(last, nbytes)
         ctypes.memset(last, 0, nbytes)  # what the last get brings must come from the decode
-        t0 = time.perf_counter()
+        c0, t0 = used(servers), time.perf_counter()
         for ks, ps in zip(keys, ptrs, strict=True):
             got = store.batch_get_into(ks, ps, sizes)
             if got != sizes:
                 raise RuntimeError(f"batch_get_into answered {got}")
         get_s = time.perf_counter() - t0
+        c1 = used(servers)
+        cpu["get"] = [c1[0] - c0[0], c1[1] - c0[1]]
         if ctypes.string_at(last, nbytes) != sent:
             raise RuntimeError("the last get brought other bytes than were put")
         store.remove_all(True)
-        return {"put_s": put_s, "get_s": get_s}
+        return {"put_s": put_s, "get_s": get_s, "cpu": cpu}
 
     for line in sys.stdin:
         try:
@@ -523,15 +605,18 @@ class MooncakeSide:
             child.answer(START_TIMEOUT_S)
         self.prefill = self.children[-1]
 
-    async def round(self, plan: Plan, tag: str) -> tuple[float, float]:
-        """One round (see :func:`mooncake_process`); seconds of the put and get phases.
-        Blocks the event loop meanwhile (nothing else runs)."""
+    async def round(self, plan: Plan, tag: str) -> Phases:
+        """One round (see :func:`mooncake_process`). Blocks the event loop meanwhile
+        (nothing else runs)."""
         if self.prefill is None:
             raise MooncakeUnavailable("not started")
         p = plan.point
+        servers = [c.proc.pid for c in self.children if c is not self.prefill]
         answer = self.prefill.ask(ROUND_TIMEOUT_S, chunk=p.chunk_bytes, batch=p.batch,
-                                  n=plan.n, tag=tag)  # fmt: skip
-        return float(answer["put_s"]), float(answer["get_s"])
+                                  n=plan.n, tag=tag, servers=servers)  # fmt: skip
+        cpu = {(op, role): float(answer["cpu"][op][k])
+               for op in OPS for k, role in enumerate(ROLES)}  # fmt: skip
+        return Phases(float(answer["put_s"]), float(answer["get_s"]), cpu)
 
     def stop(self) -> None:
         """Stop the clients, then the master (reverse order). Idempotent."""
@@ -543,8 +628,8 @@ class MooncakeSide:
 # ----------------------------------------------------------------------- orchestration
 
 
-Round = Callable[[Plan, str], Awaitable[tuple[float, float]]]
-"""A side's round of one plan (keys made of the tag): seconds of its put and get phases."""
+Round = Callable[[Plan, str], Awaitable[Phases]]
+"""A side's round of one plan (keys made of the tag): its put and get phases."""
 
 
 async def run(args: argparse.Namespace) -> Results:
@@ -580,7 +665,7 @@ async def run(args: argparse.Namespace) -> Results:
                 failed(e)
         step("starting kvstore serve")
         serve = stack.enter_context(Serve.start("--host-mem", args.pool))
-        kv = await KvSide.open(serve.addresses["data"], region)
+        kv = await KvSide.open(serve.addresses["data"], region, serve.proc.pid)
         step("starting the raw socket server")
         raw_server = SpawnedServer.start(serve_raw_sockets, START_TIMEOUT_S)
         stack.callback(raw_server.stop)
@@ -590,7 +675,7 @@ async def run(args: argparse.Namespace) -> Results:
         if not res.mooncake_error:
             sides["Mooncake"] = mooncake.round
 
-        async def measure(side: str, plan: Plan, tag: str) -> tuple[float, float] | None:
+        async def measure(side: str, plan: Plan, tag: str) -> Phases | None:
             try:
                 return await sides[side](plan, tag)
             except Exception as e:
@@ -609,8 +694,8 @@ async def run(args: argparse.Namespace) -> Results:
                     for side in SIDES if (r + k) % 2 == 0 else SIDES[::-1]:
                         step(f"round {r + 1} of {args.rounds}: {plan.point.name}, {side}")
                         tag = f"round {r}/{plan.point.name}"
-                        if side in sides and (seconds := await measure(side, plan, tag)):
-                            res.add(plan, side, *seconds)
+                        if side in sides and (phases := await measure(side, plan, tag)):
+                            res.add(plan, side, phases)
         finally:
             await kv.close()
         bar.update(task, completed=total, description="stopped")
@@ -656,6 +741,32 @@ def report(res: Results, args: argparse.Namespace) -> Table:
         "`sock_recv_into` of the same rows, a 9-byte header per exchange and a 1-byte ack "
         "per put; no framing, allocation, checks or index: what a store written on asyncio "
         "can reach here at most, so raw ÷ Mooncake bounds kvstore ÷ Mooncake.",
+    ]
+    return table
+
+
+def cpu_report(res: Results) -> Table:
+    """CPU seconds per GB moved, each side's server and client, each exchange."""
+    table = Table(
+        "CPU per GB moved (s/GB): the side holding the memory (server) and the one putting "
+        "and getting (client)",
+        ["exchange", *(f"{side} {role}" for side in SIDES for role in ROLES)],
+    )
+    for plan in res.plans:
+        for op in OPS:
+            cells = [res.least_cpu(plan, op, side, role) for side in SIDES for role in ROLES]
+            table.add(f"{op} {plan.point.name}", *("-" if c is None else f"{c:.3f}"
+                                                   for c in cells))  # fmt: skip
+    table.notes += [
+        "Each figure: the round with the least CPU per GB (of the same rounds as the GB/s "
+        "above); CPU of every thread, user and system, over the phase: the server's from "
+        "/proc (ticks of 10 ms), the client's from its process time.",
+        "server: kvstore's `serve` (its node and its master in one process), the raw socket "
+        "server, Mooncake's decode process and its `mooncake_master`. client: this process "
+        "(kvstore, raw sockets) or Mooncake's prefill process.",
+        "Over loopback TCP a put's kernel copy into the server is billed to the server, a "
+        "get's to the client; the raw server's figure is that copy plus asyncio, the least a "
+        "server on sockets spends here.",
     ]
     return table
 
@@ -729,7 +840,8 @@ def main(argv: list[str] | None = None) -> int:
     measured: the table says why)."""
     args = parse_args(argv)
     res = asyncio.run(run(args))
-    print_report("kvstore beside Mooncake Store", "bench/peers.py", argv, [report(res, args)])
+    tables = [report(res, args), cpu_report(res)]
+    print_report("kvstore beside Mooncake Store", "bench/peers.py", argv, tables)
     if args.plot:
         plot(res, args.plot)
         print(f"Plot: {args.plot}")
