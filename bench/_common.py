@@ -541,7 +541,8 @@ class SpawnedServer:
         if not parent.poll(timeout):
             proc.kill()
             proc.join(5)
-            raise RuntimeError(f"{target.__name__} did not report an address")
+            name = getattr(target, "__name__", None) or getattr(target, "func", target)
+            raise RuntimeError(f"{getattr(name, '__name__', name)} did not report an address")
         return cls(proc, parent.recv())
 
     @property

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import os
@@ -667,7 +668,9 @@ async def run(args: argparse.Namespace) -> Results:
         serve = stack.enter_context(Serve.start("--host-mem", args.pool))
         kv = await KvSide.open(serve.addresses["data"], region, serve.proc.pid)
         step("starting the raw socket server")
-        raw_server = SpawnedServer.start(serve_raw_sockets, START_TIMEOUT_S)
+        raw_server = SpawnedServer.start(
+            functools.partial(serve_raw_sockets, region_bytes=region), START_TIMEOUT_S
+        )
         stack.callback(raw_server.stop)
         raw = RawSide(raw_server, kv)
         stack.callback(raw.close)

@@ -696,6 +696,8 @@ _CORRUPTIONS = [  # one field of a valid batch made invalid, or of another type
     lambda b: replace(b, object_adds=(ObjectAdd("k", 1),)),
     lambda b: replace(b, object_adds=(ObjectAdd("", 1),)),
     lambda b: replace(b, object_removes=("",)),
+    lambda b: replace(b, object_adds=[]),  # (empty, but not the tuple a rebuild makes)
+    lambda b: replace(b, object_removes=[]),
     lambda b: replace(b, tiers=(Tier("t" * 257, 1),)),
 ]
 

@@ -322,8 +322,8 @@ def _plain(batch: CommitBatch) -> bool:
     batch: exact records in tuples, every id, hash, chunk index, location and tier name
     within its bounds, no object changes (rare; those take the full check). False says
     nothing about validity; it never raises."""
-    if type(batch) is not CommitBatch or batch.object_adds or batch.object_removes:
-        return False
+    if type(batch) is not CommitBatch or batch.object_adds != () or batch.object_removes != ():
+        return False  # (not `()`: object changes, lists, None: the full check says which)
     adds, evicts, tiers = batch.adds, batch.evicts, batch.tiers
     if type(adds) is not tuple or type(evicts) is not tuple or type(tiers) is not tuple:
         return False

@@ -310,13 +310,20 @@ class TcpConnection(Connection):
 
     def _lowat(self, sock: socket.socket, want: int) -> None:
         """Have the socket report readable only once ``min(want, 512 KiB)`` bytes are
-        queued (``SO_RCVLOWAT``, one system call when it changes; 1 for every wait but a
-        payload's). A payload otherwise wakes the loop for each segment the sender's
-        kernel hands over, and each wake-up costs a loop turn and a reader registration
-        (docs/decisions.md). ``want`` never exceeds what the frame still owes, so an honest
-        peer always brings it; a stalled one meets the receive's timeout as before.
-        Linux raises the socket's receive buffer to fit the mark itself."""
-        target = max(1, min(want, _LOWAT_BYTES)) if self._LOWAT else 1
+        queued (``SO_RCVLOWAT``; 1 for every wait but a payload's). A payload otherwise
+        wakes the loop for each segment the sender's kernel hands over, and each wake-up
+        costs a loop turn and a reader registration (docs/decisions.md). ``want`` never
+        exceeds what the frame still owes, so an honest peer always brings it; a stalled
+        one meets the receive's timeout as before. The mark is also kept to a quarter of
+        the socket's receive buffer, which the sender can always fill: a kernel older than
+        4.18, or a buffer pinned by ``socket_buffer_bytes``, does not grow the buffer to
+        fit a mark, and a mark it cannot meet would stall the payload until its timeout.
+        System calls: one to read the buffer and one to set the mark, only when it
+        changes."""
+        target = 1
+        if want > 1 and self._LOWAT:
+            room = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4
+            target = max(1, min(want, _LOWAT_BYTES, room))
         if target != self._lowat_now:
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, target)
