@@ -185,6 +185,50 @@ async def test_bad_chunks_in_a_split_batch_are_refused_one_by_one(
         await conn.close()
 
 
+SMALL = Namespace(model="node-test-small", revision="1", num_layers=1, num_kv_heads=2,
+                  head_dim=16, dtype=torch.bfloat16, block_tokens=16, quant="int8")  # fmt: skip
+
+
+async def test_small_tcp_chunks_of_a_known_form_are_still_checked_in_full(rig: Rig) -> None:
+    """tcp:// chunks of ~1.3 KB: once a header form passed the full check, later chunks of
+    it are compared and hashed only, and every kind of damage is still refused."""
+    if rig.node.config.transport != "tcp":
+        pytest.skip("a tcp:// put")
+    keys = blocks(12)
+    kv = torch.randn(2, 12 * 16, 2, 16).bfloat16()
+    good = torch.stack(encode_blocks(kv, 16, [ChunkKey(k, 0, 0) for k in keys], "int8"))
+    rows = good.clone()
+    rows[7, 200] ^= 0x04  # payload
+    rows[8, -2] ^= 0x80  # stored checksum
+    rows[9] = good[3]  # another block's chunk: wrong key
+    rows[10, 30] ^= 0x01  # header (its check no longer matches)
+    size = rows.shape[1]
+
+    async def put_small(idx: list[int]) -> Ack:
+        spec = tuple(PutChunk(keys[i], None, 0, size) for i in idx)
+        request = Put(SMALL.canonical_bytes(), spec).header()
+        await conn.send(request, [rows[i].numpy() for i in idx], timeout=TIMEOUT)
+        return expect((await conn.recv_header(TIMEOUT)).header, Ack)
+
+    conn = await connect(rig.node.data_uri, timeout=TIMEOUT)
+    try:
+        ack = await put_small([0, 1, 2])  # the form passes the full check here
+        assert (ack.stored, ack.failed) == (3, ())
+        ack = await put_small(list(range(3, 12)))
+        assert (ack.stored, ack.failed) == (5, (4, 5, 6, 7))  # positions of 7, 8, 9, 10
+        spec = tuple(ChunkRef(k, 0) for k in keys)
+        await conn.send(Get(SMALL.id, spec).header(), timeout=TIMEOUT)
+        frame = await conn.recv_header(TIMEOUT)
+        found = list(expect(frame.header, Found).found)
+        assert found == [0 if i in (7, 8, 9, 10) else 1 for i in range(12)]
+        bufs = [torch.empty(n, dtype=torch.uint8) for n in frame.sizes]
+        await conn.recv_payload_into([b.numpy() for b in bufs], TIMEOUT)
+        kept = [i for i in range(12) if found[i]]
+        assert all(torch.equal(b, good[i]) for b, i in zip(bufs, kept, strict=True))
+    finally:
+        await conn.close()
+
+
 async def test_concurrent_puts_share_commits(rig: Rig) -> None:
     """Exchanges on four connections at once: every chunk is committed, in fewer Commit
     RPCs than exchanges once they overlap, never more."""
