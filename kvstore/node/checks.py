@@ -177,13 +177,19 @@ class ChunkChecks:
         if items and all(it.view.numel() <= SMALL_CHUNK_BYTES and not bounce(it.view)
                          for it in items):  # fmt: skip
             return await self._receive_small(conn, ns, targets, timeout)
-        hosts = [_host_buffer(it.view) if bounce(it.view) else it.view for it in items]
         spec = self.spec(ns)
         forms = self._streamed.setdefault(ns.id, set())
         streams: list[_Streamed | None] = [None] * len(targets)
-        for it, buf in zip(items, hosts, strict=True):
+        bounced: list[tuple[LandedChunk, torch.Tensor]] = []
+        for k, it in enumerate(targets):
+            if it is None:
+                continue
+            buf = it.view
+            if bounce(buf):
+                buf = _host_buffer(buf)
+                bounced.append((it, buf))
             key = ChunkKey(it.block, *divmod(it.chunk, ns.tp_size))
-            streams[it.position] = _Streamed(buf.numpy(), key, it.position)
+            streams[k] = _Streamed(buf.numpy(), key, it.position)
         failed: list[int] = []
 
         def arrived(k: int, upto: int) -> None:
@@ -202,8 +208,8 @@ class ChunkChecks:
 
         views = [None if st is None else st.host for st in streams]
         await conn.recv_payload_into(views, timeout, arrived)
-        for it, buf in zip(items, hosts, strict=True):
-            if buf is not it.view and it.position not in failed:
+        for it, buf in bounced:
+            if it.position not in failed:
                 it.view.copy_(buf)
         return failed
 

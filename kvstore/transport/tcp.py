@@ -318,19 +318,18 @@ class TcpConnection(Connection):
         the socket's receive buffer, which the sender can always fill: a kernel older than
         4.18, or a buffer pinned by ``socket_buffer_bytes``, does not grow the buffer to
         fit a mark, and a mark it cannot meet would stall the payload until its timeout.
-        System calls: one to read the buffer and one to set the mark, only when it
-        changes."""
-        target = 1
-        if want > 1 and self._LOWAT:
-            room = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4
-            target = max(1, min(want, _LOWAT_BYTES, room))
-        if target != self._lowat_now:
-            try:
+        System calls: one to read the buffer at each payload wait, one to set the mark
+        when it changes."""
+        try:
+            target = 1
+            if want > 1 and self._LOWAT:
+                room = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4
+                target = max(1, min(want, _LOWAT_BYTES, room))
+            if target != self._lowat_now:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, target)
-            except OSError:  # not supported here: every wait then wakes for any byte
-                self._LOWAT = False
-                return
-            self._lowat_now = target
+                self._lowat_now = target
+        except OSError:  # not supported here: every wait then wakes for any byte
+            self._LOWAT = False
 
     # -- readiness and teardown -------------------------------------------------------------
 
