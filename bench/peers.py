@@ -70,6 +70,7 @@ from _common import (
     Table,
     expect,
     print_report,
+    proc_stat,
     progress,
     raw_socket_connect,
     raw_socket_get,
@@ -177,13 +178,6 @@ class Results:
         return min(runs) if runs else None
 
 
-def proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system, every thread) process ``pid`` has used so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class CpuWatch:
     """CPU of the server's processes (``/proc``) and of this process (``process_time``)
     over a stretch: :meth:`start`, then :meth:`stop` → (server, client) seconds."""
@@ -193,7 +187,7 @@ class CpuWatch:
         self._at = (0.0, 0.0)
 
     def _now(self) -> tuple[float, float]:
-        return sum(proc_cpu(p) for p in self.pids), time.process_time()
+        return sum(proc_stat(p).cpu_s for p in self.pids), time.process_time()
 
     def start(self) -> None:
         self._at = self._now()

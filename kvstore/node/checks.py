@@ -3,12 +3,11 @@ header, key, the namespace's spec (shape, dtype, quantization) and checksum.
 
 Over ``tcp://`` each chunk is hashed piece by piece as its bytes arrive, while they are in
 this core's cache (measured: xxh3 of a just-received 128 KiB piece ~60 GB/s, of a chunk read
-back from memory ~8.5 GB/s). Its header is then checked the way
-:class:`~kvstore.core.headers.HeaderChecks` checks a ``ucx://`` chunk's: the first chunk of
-a header form gets the full check (:func:`~kvstore.core.codec.verify_host_bytes`), later
-chunks of a form that passed it with an ``xxh3_64`` checksum are only compared, key and
-header check included, and their streamed hash compared with the stored one. A verdict is
-never weaker than :func:`~kvstore.core.codec.verify_chunk`'s.
+back from memory ~8.5 GB/s). The whole chunk is then checked by the namespace's
+:class:`~kvstore.core.headers.HeaderChecks` (its ``verify_host``): the first chunk of a
+header form in full, later chunks of a form that passed with an ``xxh3_64`` checksum by
+comparing the header and the streamed hash. A verdict is never weaker than
+:func:`~kvstore.core.codec.verify_chunk`'s.
 
 Over ``ucx://`` another process wrote the bytes, so they are read once from memory: a
 batch in host memory of at most :data:`INLINE_VERIFY_BYTES` on the event loop, a larger one
@@ -29,17 +28,10 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstore.core.codec import (
-    HEADER_NBYTES,
-    ChunkKey,
-    ChunkSpec,
-    header_form,
-    verify_chunk,
-    verify_host_bytes,
-)
+from kvstore.core.codec import ChunkKey, ChunkSpec, verify_chunk, verify_host_bytes
 from kvstore.core.hashing import Namespace
-from kvstore.core.headers import MAX_FORMS, HeaderChecks
-from kvstore.errors import ChecksumError, ChunkError
+from kvstore.core.headers import HeaderChecks
+from kvstore.errors import ChunkError
 from kvstore.transport.base import Connection
 
 __all__ = ["INLINE_VERIFY_BYTES", "SMALL_CHUNK_BYTES", "ChunkChecks", "LandedChunk"]
@@ -75,9 +67,6 @@ class ChunkChecks:
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvstore-verify")
         self._specs: dict[bytes, ChunkSpec] = {}
         self._headers: dict[bytes, HeaderChecks] = {}
-        self._streamed: dict[bytes, set[tuple[object, ...]]] = {}
-        """Per namespace: header forms whose chunks carry an ``xxh3_64`` checksum and passed
-        the full check, so a streamed hash settles the rest of a chunk of theirs."""
 
     def close(self) -> None:
         """Stop the verifier threads (waits for checks in flight)."""
@@ -90,7 +79,6 @@ class ChunkChecks:
             if len(self._specs) >= _MAX_SPECS:
                 self._specs.clear()
                 self._headers.clear()
-                self._streamed.clear()
             spec = self._specs[ns.id] = ChunkSpec.of(ns)
         return spec
 
@@ -177,8 +165,7 @@ class ChunkChecks:
         if items and all(it.view.numel() <= SMALL_CHUNK_BYTES and not bounce(it.view)
                          for it in items):  # fmt: skip
             return await self._receive_small(conn, ns, targets, timeout)
-        spec = self.spec(ns)
-        forms = self._streamed.setdefault(ns.id, set())
+        checks = self.header_checks(ns)
         streams: list[_Streamed | None] = [None] * len(targets)
         bounced: list[tuple[LandedChunk, torch.Tensor]] = []
         for k, it in enumerate(targets):
@@ -201,7 +188,8 @@ class ChunkChecks:
                 st.done = stop
             if upto == st.host.size:
                 try:
-                    _finish(st, spec, forms)
+                    whole = st.done == st.end  # (else the check hashes it again)
+                    checks.verify_host(st.host, st.key, st.hash.intdigest() if whole else None)
                 except ChunkError as exc:
                     logger.warning("rejected chunk from %s: %s", conn.peer, exc)
                     failed.append(st.position)
@@ -218,7 +206,7 @@ class ChunkChecks:
     ) -> list[int]:
         """:meth:`receive` for chunks of at most :data:`SMALL_CHUNK_BYTES` in host memory:
         the payload lands in one host buffer, each chunk is checked there as numpy bytes
-        (:func:`_check_host`, no tensors built per chunk) and copied into its slot if
+        (:meth:`HeaderChecks.verify_host`, no tensors built per chunk) and copied into its slot if
         it passes (one more copy of a small chunk, cheaper than the per-chunk tensor work
         it saves)."""
         sizes = [t.view.numel() if t is not None else 0 for t in targets]
@@ -227,14 +215,13 @@ class ChunkChecks:
         views = [scratch[bounds[k] : bounds[k + 1]] if t is not None else None
                  for k, t in enumerate(targets)]  # fmt: skip
         await conn.recv_payload_into(views, timeout)
-        spec = self.spec(ns)
-        forms = self._streamed.setdefault(ns.id, set())
+        checks = self.header_checks(ns)
         failed: list[int] = []
         for t, buf in zip(targets, views, strict=True):
             if t is None or buf is None:
                 continue
             try:
-                _check_host(buf, ChunkKey(t.block, *divmod(t.chunk, ns.tp_size)), spec, forms)
+                checks.verify_host(buf, ChunkKey(t.block, *divmod(t.chunk, ns.tp_size)))
             except ChunkError as exc:
                 logger.warning("rejected chunk from %s: %s", conn.peer, exc)
                 failed.append(t.position)
@@ -256,45 +243,6 @@ class _Streamed:
         self.end = max(0, host.size - 8)
         self.done = 0
         self.hash = xxhash.xxh3_64()
-
-
-def _finish(st: _Streamed, spec: ChunkSpec, forms: set[tuple[object, ...]]) -> None:
-    """Check a streamed chunk whose bytes all arrived (:func:`_check_host`, with the hash
-    made as they arrived when it covers them all)."""
-    whole = st.done == st.end
-    _check_host(st.host, st.key, spec, forms, st.hash.intdigest() if whole else None)
-
-
-def _check_host(
-    host: np.ndarray,
-    key: ChunkKey,
-    spec: ChunkSpec,
-    forms: set[tuple[object, ...]],
-    digest: int | None = None,
-) -> None:
-    """Check a received host chunk; raises as :func:`verify_chunk`. A header of a form in
-    ``forms`` (its key and header check included, :func:`header_form`) is only compared,
-    and the xxh3_64 of all but the last 8 bytes (``digest``, made as they arrived, or made
-    here) settles the payload; any other chunk gets the full check, and a form that passes
-    it with an ``xxh3_64`` checksum joins ``forms`` (at most
-    :data:`~kvstore.core.headers.MAX_FORMS`). Measured on a 1,352-byte chunk: 2.1 µs
-    against 3.9 for the full check."""
-    size = host.size
-    form = header_form(host[:HEADER_NBYTES].tobytes(), size, key)
-    if form is not None and size >= HEADER_NBYTES + 8 and form in forms:
-        end = size - 8
-        want = int(host[end:].view("<u8")[0])
-        actual = xxhash.xxh3_64_intdigest(host[:end].data) if digest is None else digest
-        if actual != want:
-            raise ChecksumError(
-                f"chunk {key.block_hash.hex()[:16]} layer {key.layer} shard {key.shard} "
-                f"fails its xxh3_64 checksum (stored {want:#018x}, computed {actual:#018x}): "
-                "bits flipped in flight"
-            )
-        return
-    header = verify_host_bytes(host, key, spec)
-    if form is not None and header.checksum == "xxh3_64" and len(forms) < MAX_FORMS:
-        forms.add(form)  # (the full check read this chunk's checksum at size - 8 as well)
 
 
 def _verify(view: torch.Tensor, key: ChunkKey, spec: ChunkSpec) -> object:
