@@ -14,7 +14,8 @@ Starts a ``kvstore serve --transport ucx`` (loopback; its node serves ``tcp://``
    depth D, D requests posted and polled from one thread), raw asyncio sockets
    (``sock_sendall`` / ``sock_recv_into``, D sockets) and a one-thread ``copy_`` (depth 1);
 3. the node's CPU per GB, and (3b) the node's and client's CPU per exchange with what a
-   100 or 400 Gb/s RDMA link would leave of an exchange; 4. kvstore ÷ baseline at the same
+   100 or 400 Gb/s RDMA link would leave of an exchange, (3c) the client's CPU per GB
+   beside the raw NIXL writer's and the raw socket client's; 4. kvstore ÷ baseline at the same
    depth, and one prompt end to end through ``KVClient.put_layer`` / ``get_layer`` (codec
    included); 5. the node's idle CPU.
 Puts use fresh keys; the pool is filled first (puts evict and land in touched memory, as in
@@ -62,6 +63,7 @@ from _common import (
 from _transfer_report import (
     STATS_PROBE,
     baseline_table,
+    client_cpu_table,
     cpu_table,
     e2e_table,
     exchange_table,
@@ -950,7 +952,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     res = run(args)
     tables = (kv_table(res, WARMUP, REGION), probe_table(res, PROBES), baseline_table(res),
-              cpu_table(res), exchange_table(res), ratio_table(res), e2e_table(res),
+              cpu_table(res), exchange_table(res), client_cpu_table(res), ratio_table(res),
+              e2e_table(res),
               idle_table(res))  # fmt: skip
     print_report("Data plane: kvstore tcp:// and ucx:// beside their baselines",
                  "bench/transfer.py", argv, tables)  # fmt: skip
