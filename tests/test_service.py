@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from kvclient.errors import (
     Unreachable,
 )
 from kvstore.control.client import MasterClient
+from kvstore.core.codec import decode_chunk, encode_chunk
 from kvstore.core.kvgen import realistic_kv
 from kvstore.dataplane.messages import Ack, expect
 from kvstore.transport import connect
@@ -283,6 +285,46 @@ async def test_put_skips_blocks_a_held_match_pinned(server: Server, transport: s
     async with await kvclient.KVClient.connect(server.grpc, ns) as other:  # no holds of its own
         with pytest.raises(kvclient.errors.KVStoreError):
             await other.put_layer(tokens[:512], 1, poison)
+
+
+async def test_small_host_codec_work_runs_on_the_loop(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put and a get of at most ``INLINE_CODEC_BYTES`` of host chunks encode and decode on
+    the client's loop (the codec thread's hand-off costs more than such work); larger ones
+    on the codec thread. Either way the pool gives back what a local encode and decode of
+    each block gives."""
+    seen: list[tuple[str, str]] = []
+    real_encode, real_decode = kvclient.client.encode_blocks, kvclient.reads.ChunkReader._decode_all
+
+    def encode(*args: object, **kwargs: object) -> object:
+        seen.append(("encode", threading.current_thread().name))
+        return real_encode(*args, **kwargs)  # type: ignore[arg-type]
+
+    def decode(*args: object, **kwargs: object) -> object:
+        seen.append(("decode", threading.current_thread().name))
+        return real_decode(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kvclient.client, "encode_blocks", encode)
+    monkeypatch.setattr(kvclient.reads.ChunkReader, "_decode_all", decode)
+    ns = kvclient.Namespace(
+        model="itest-inline", revision="r1", num_layers=1, num_kv_heads=8, head_dim=128,
+        dtype=torch.bfloat16, block_tokens=16, quant="int8",
+    )  # fmt: skip
+    chunk = kvclient.client.chunk_nbytes(16, 8, 128, torch.bfloat16, "int8")
+    few = kvclient.client.INLINE_CODEC_BYTES // chunk
+    loop = threading.current_thread().name
+    async with await kvclient.KVClient.connect(server.grpc, ns) as kv:
+        for blocks, where in ((few, loop), (few + 1, "kvclient-codec")):
+            seen.clear()
+            tokens, kv_in = prompt(16 * blocks, seed=blocks), layer_kv(16 * blocks, 0, blocks)
+            assert await kv.put_layer(tokens, 0, kv_in) == 16 * blocks
+            got = await kv.get_layer(tokens, 0)
+            assert [op for op, _ in seen] == ["encode", "decode"], seen
+            assert all(name.startswith(where) for _, name in seen), (blocks, seen)
+            want = torch.cat([decode_chunk(encode_chunk(kv_in[:, 16 * i : 16 * (i + 1)]))
+                              for i in range(blocks)], dim=1)  # fmt: skip
+            assert torch.equal(got, want)
 
 
 def _samples(server: Server) -> dict[str, float]:

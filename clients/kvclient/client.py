@@ -72,6 +72,12 @@ DEFAULT_MAX_OBJECT_BYTES = 64 * 2**20
 """Largest ``put_object`` value accepted by default."""
 
 
+INLINE_CODEC_BYTES = 128 << 10
+"""Host codec work of at most this many chunk bytes (an encode into them, a decode of them)
+runs on the client's loop instead of its codec thread: measured on a 2-core AMD VM, the
+hand-off and wake-up cost ~200 µs, more than such an encode takes (int8, 16-token blocks,
+H=8, D=128: 8 blocks, 68 KiB of chunks, 100 µs on the loop against 290 via the thread;
+docs/decisions.md)."""
 _NODES_TTL_S = 1.0  # how long a placement snapshot of the node list is reused
 
 _HOLD_TRUST = 0.8
@@ -289,8 +295,12 @@ class ClientCore:
                 raise
             raise KVTimeout(f"{what} did not complete within {limit:.3g} s") from exc
 
-    async def _run_codec(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run quantize/dequantize work on the client's one codec thread."""
+    async def _run_codec(self, nbytes: int | None, fn: Callable[..., T], *args: Any) -> T:
+        """Run quantize/dequantize work of ``nbytes`` chunk bytes on host memory: on the
+        loop when at most :data:`INLINE_CODEC_BYTES`, else on the client's one codec
+        thread (``nbytes`` None: work that waits for a device, always there)."""
+        if nbytes is not None and nbytes <= INLINE_CODEC_BYTES:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._codec, fn, *args)
 
     # ------------------------------------------------------------------ placement
@@ -433,7 +443,7 @@ class ClientCore:
         keys = [ChunkKey(h, layer, shard) for h in hashes]
         B, quant = self.ns.block_tokens, self.ns.quant
         encode = lambda out: encode_blocks(t, B, keys, quant, out=out)  # noqa: E731
-        return launch(args.kv_device(t), encode, self._run_codec)
+        return launch(args.kv_device(t), encode, self._run_codec, len(keys) * self._chunk_bytes)
 
     async def _put_encoded(self, hashes: list[bytes], index: int, encoded: Encoded) -> set[int]:
         """Encode and send: into registered staging on the KV's device (host memory or the
@@ -591,11 +601,11 @@ class ClientCore:
         sink: Callable[[int, torch.Tensor, ChunkKey], None],
         device: torch.device | None = None,
     ) -> set[int]:
-        """Read the located chunks and hand each intact one to ``sink`` on the codec
-        thread; the block indices loaded. ``device``: where ``sink`` decodes to (default the
-        host), so ``ucx://`` reads land in that device's staging. ``located[i]``: block
-        ``i``'s holders in the order to try them. Each round reads every block still
-        missing from its next holder, one read per node per batch
+        """Read the located chunks and hand each intact one to ``sink`` (on the loop for a few host
+        chunks, else on the codec thread); the block indices loaded. ``device``: where
+        ``sink`` decodes to (default the host), so ``ucx://`` reads land in that device's
+        staging. ``located[i]``: block ``i``'s holders in the order to try them. Each round
+        reads every block still missing from its next holder, one read per node per batch
         (:class:`~kvclient.reads.ChunkReader`); a block whose holder failed, passed its
         per-node deadline or lacked it goes to the next one in the next round, within the
         call's deadline."""

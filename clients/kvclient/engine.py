@@ -82,6 +82,7 @@ class EngineOps(_Base):
             cache.device,  # a Tensor or a PagedCache
             lambda out: encode_paged(views, keys, self.ns.quant, out=out),
             self._run_codec,
+            len(keys) * self._chunk_bytes,
         )
 
         async def put() -> set[int]:

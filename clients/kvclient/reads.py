@@ -127,11 +127,11 @@ class ChunkReader:
     """Reads chunks of one namespace from nodes; one per client, owned by its loop.
 
     ``node(uri)`` gives the node's data-plane client, ``discard(uri)`` drops its pooled
-    connections after a failure, ``run_codec`` runs verification and decoding on the
-    client's codec thread; ``node_timeout_s`` bounds each read of one node;
-    ``report_node(node_id, epoch, why, timeout=)`` (the master client's) is told of a node
-    whose read failed, once per :data:`FAILED_FOR_S`, in the background: the master marks
-    it suspect at once, so other clients read its blocks elsewhere first.
+    connections after a failure, ``run_codec(nbytes, fn, *args)`` runs verification and
+    decoding (:meth:`~kvclient.KVClient._run_codec`); ``node_timeout_s`` bounds each read of
+    one node; ``report_node(node_id, epoch, why, timeout=)`` (the master client's) is told
+    of a node whose read failed, once per :data:`FAILED_FOR_S`, in the background: the
+    master marks it suspect at once, so other clients read its blocks elsewhere first.
     """
 
     def __init__(
@@ -254,7 +254,7 @@ class ChunkReader:
 
         have = [idx[k] for k in await self._node(uri).get(self._ns_id, spec, into)]
         self.stats.tcp += len(have)
-        ok, bad = await self._run_codec(self._decode_all, have, bufs, want, sink)
+        ok, bad = await self._decode(have, bufs, want, sink)
         self._report_bad(uri, want, bad)
         return ok  # type: ignore[no-any-return]
 
@@ -275,7 +275,7 @@ class ChunkReader:
             except TransportError as exc:
                 logger.info("direct read from %s failed, asking the node: %s", node.data_uri, exc)
                 return set()
-            ok, _ = await self._run_codec(self._decode_all, idx, rows, want, sink, logging.INFO)
+            ok, _ = await self._decode(idx, rows, want, sink, logging.INFO)
         self.stats.direct += len(ok)
         return ok  # type: ignore[no-any-return]
 
@@ -299,9 +299,24 @@ class ChunkReader:
                     await self._ucx.read(peer, spans, read_into, self._timeout_s)
             # Released before decoding: the bytes are in ``rows``, the slots free again.
             self.stats.leased += len(have)
-            ok, bad = await self._run_codec(self._decode_all, have, rows, want, sink)
+            ok, bad = await self._decode(have, rows, want, sink)
         self._report_bad(node.data_uri, want, bad)
         return ok  # type: ignore[no-any-return]
+
+    async def _decode(
+        self,
+        have: list[int],
+        bufs: torch.Tensor,
+        want: LayerRead,
+        sink: Sink,
+        level: int = logging.WARNING,
+    ) -> tuple[set[int], list[int]]:
+        """:meth:`_decode_all` through ``run_codec``: on the loop when the chunks are few
+        and decode on the host, else on the codec thread."""
+        nbytes = len(have) * self._chunk_bytes if want.device.type == "cpu" else None
+        return await self._run_codec(  # type: ignore[no-any-return]
+            nbytes, self._decode_all, have, bufs, want, sink, level
+        )
 
     def _decode_all(
         self,

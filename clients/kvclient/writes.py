@@ -50,8 +50,9 @@ transfer of the same chunk; the rest is left for storing the chunk itself."""
 class ChunkWriter:
     """Writes chunks of one namespace to nodes; one per client, owned by its loop.
 
-    ``node(uri)`` gives the node's data-plane client; ``run_codec`` runs copies on the
-    client's codec thread; ``ucx`` is the client's ``ucx://`` path (agent and staging).
+    ``node(uri)`` gives the node's data-plane client; ``run_codec(nbytes, fn, *args)`` runs
+    copies (:meth:`~kvclient.KVClient._run_codec`); ``ucx`` is the client's ``ucx://``
+    path (agent and staging).
     """
 
     def __init__(
@@ -103,7 +104,7 @@ class ChunkWriter:
         host = chunks
         if chunks and chunks[0].device.type != "cpu" and not all(n.ucx for n in by_id.values()):
             # A device chunk bound for a tcp:// node: copied to the host once, off the loop.
-            host = await self._run_codec(lambda: [c.cpu() for c in chunks])
+            host = await self._run_codec(None, lambda: [c.cpu() for c in chunks])
         pending = {
             asyncio.ensure_future(self._put_to_node(by_id[nid], part, hashes, index, chunks, host))
             for nid, part in parts
@@ -198,6 +199,8 @@ class ChunkWriter:
         for lo in range(0, len(chunks), step):
             part = chunks[lo : lo + step]
             async with self._ucx.staging(len(part), self._chunk_bytes, part[0].device) as rows:
-                staged = await self._run_codec(copy_rows, rows, part)  # done before the WRITE
+                host = part[0].device.type == "cpu"
+                nbytes = len(part) * self._chunk_bytes if host else None
+                staged = await self._run_codec(nbytes, copy_rows, rows, part)  # before the WRITE
                 await self._ucx.write(peer, spans[lo : lo + step], staged, self._timeout_s)
                 self._ucx.stats.written_copied += len(part)
