@@ -161,3 +161,24 @@ def test_mutational_run_and_a_server_under_fuzz(tmp_path: Path) -> None:
     assert live["honest_failures"] == [] and live["wrong_bytes"] == 0
     assert live["honest_ops"] > 0 and live["fuzz_frames"] > 0 and live["fuzz_rpcs"] > 0
     assert (live["exit_status"], live["pinned"]) == (0, "pinned_slots=0")
+
+
+_ID16 = st.binary(min_size=16, max_size=16)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_ID16, st.one_of(st.none(), _ID16, st.just("previous")),
+                          st.integers(0, 63)), min_size=1, max_size=12))  # fmt: skip
+def test_put_chunks_survive_the_wire_whatever_their_parents(
+    items: list[tuple[bytes, bytes | str | None, int]],
+) -> None:
+    """A put's chunks come back from its header as they were sent: parents that are the
+    block before (which the parser reuses), other blocks, none, and repeated blocks."""
+    chunks, before = [], None
+    for block, parent, index in items:
+        up = before if parent == "previous" else parent
+        assert not isinstance(up, str)
+        chunks.append(m.PutChunk(block, up, index, 64))
+        before = block
+    put = m.Put(b"\x01" * 40, tuple(chunks))
+    assert m.Put.parse(json.loads(json.dumps(put.header()))) == put

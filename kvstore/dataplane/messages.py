@@ -254,15 +254,17 @@ class Put(Message):
         except ValueError as exc:
             raise ProtocolError("field 'ns' is not hex") from exc
         chunks = []
+        last: tuple[Any, bytes] = (None, b"")  # (the previous block as sent, its bytes)
         for item in _list(header, "chunks"):
             if not isinstance(item, list) or len(item) != 4:
                 raise ProtocolError("a put chunk is [block, parent, index, nbytes]")
             block, parent, index, nbytes = item
             if type(index) is not int or type(nbytes) is not int:
                 raise ProtocolError("a put chunk's index and nbytes are ints")
-            chunks.append(
-                PutChunk(_hex16(block), _hex16(parent, "parent") if parent else None, index, nbytes)
-            )
+            # A chunk's parent is mostly the block before it in the same put: parsed once.
+            up = last[1] if parent == last[0] else _hex16(parent, "parent") if parent else None
+            last = (block, _hex16(block))
+            chunks.append(PutChunk(last[1], up, index, nbytes))
         op = header["op"]
         writer = _field(header, "writer", str, "")
         if len(writer) > MAX_WRITER_LEN:

@@ -460,9 +460,12 @@ class Puts:
         chunks cannot be stored now (BUSY); so does a block whose every chunk named here is
         held on the node's disk (``on_disk``: positions, STORED)."""
         by_key: dict[SlotKey, Slot | None] = {}
-        host = self.tiers.host
-        rest = {k for i, (k, _, _) in enumerate(wanted) if i not in on_disk}
-        skip = {k for k, _, _ in wanted} - rest
+        host, slot_bytes = self.tiers.host, chunk_bytes * num_chunks
+        owners: dict[bytes, str] = {}
+        skip: set[SlotKey] = set()
+        if on_disk:
+            rest = {k for i, (k, _, _) in enumerate(wanted) if i not in on_disk}
+            skip = {k for k, _, _ in wanted} - rest
         for key, parent, _ in wanted:
             if key in by_key:
                 continue
@@ -476,8 +479,9 @@ class Puts:
                 by_key[key] = None
                 continue
             into = held or self.tiers.start_tier(key[0], parent)
-            args = (key, chunk_bytes * num_chunks, chunk_bytes, num_chunks, parent,
-                    self.owner_of(key[0]))  # fmt: skip
+            if (owner := owners.get(key[0])) is None:
+                owner = owners[key[0]] = self.owner_of(key[0])
+            args = (key, slot_bytes, chunk_bytes, num_chunks, parent, owner)
             try:
                 res = into.table.allocate(*args, evict=into is host)
             except CapacityError:
@@ -488,8 +492,9 @@ class Puts:
                 res = into.table.allocate(*args)
             by_key[key] = res.slot
             leases.append(into.table.pin(res.slot))
-            self.tiers.evicted(into, res.evicted)
-        self.tiers.allocated(chunk_bytes * num_chunks)
+            if res.evicted:
+                self.tiers.evicted(into, res.evicted)
+        self.tiers.allocated(slot_bytes)
         return [by_key[key] for key, _, _ in wanted]
 
     async def _land_by_ucx(

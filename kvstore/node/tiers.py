@@ -159,11 +159,17 @@ class Tiers:
 
     def holder(self, key: SlotKey) -> MemoryTier | None:
         """The tier holding ``key``'s slot, quarantined or not."""
-        return next((t for t in self.all if t.table.find(key) is not None), None)
+        for tier in self.all:  # (a loop, not a generator: called per chunk of every put)
+            if tier.table.find(key) is not None:
+                return tier
+        return None
 
     def owner(self, slot: Slot) -> MemoryTier | None:
         """The tier ``slot`` lives in (quarantined or not); None once it is gone."""
-        return next((tier for tier in self.all if tier.owns(slot)), None)
+        for tier in self.all:
+            if tier.table.holds(slot):
+                return tier
+        return None
 
     def tier_of(self, slot: Slot) -> MemoryTier:
         """The tier ``slot`` lives in; :class:`ProtocolError` once it is gone."""
