@@ -263,12 +263,15 @@ class Serve:
         timeout: float = 60.0,
         command: str = "serve",
         prefix: Sequence[str] = (),
+        mapped: bool = False,
     ) -> Serve:
         """Run ``python -m kvstore.cli serve --grpc-port 0 --data-port 0 --metrics-port 0
         FLAGS`` and wait up to ``timeout`` s for its ``kvstore ready`` line. Raises
         ``RuntimeError`` (with the tail of its stderr) when it exits or stays silent.
         ``command`` ``master`` or ``node``: that command with FLAGS alone (no ports added);
-        ``prefix``: what runs it (``ip netns exec NS``)."""
+        ``prefix``: what runs it (``ip netns exec NS``). ``mapped``: then also wait (within
+        the same ``timeout``) until its node has mapped its host memory
+        (:meth:`wait_mapped`), so that no measured put pays the first touch of a page."""
         ports = ["--grpc-port", "0", "--data-port", "0", "--metrics-port", "0"]
         ports = ports if command == "serve" else []
         # Kept open for the life of the process (read on failure, closed by stop()).
@@ -287,7 +290,31 @@ class Serve:
             serve.stop()
             raise RuntimeError(f"kvstore {command} did not become ready: {tail}")
         serve.addresses = dict(re.findall(r"(\w+)=(\S+)", line))
+        if mapped:
+            try:
+                serve.wait_mapped(timeout)
+            except BaseException:
+                serve.stop()
+                raise
         return serve
+
+    def wait_mapped(self, timeout: float = 60.0) -> str:
+        """Wait until the node's stats no longer say ``host_mapping: mapping`` (its start-up
+        mapping of host memory ended); the state it says then (``mapped`` or ``off``).
+        Raises ``RuntimeError`` past ``timeout`` s."""
+
+        async def state() -> str:
+            from kvstore.dataplane import NodeClient
+
+            stats = await NodeClient(self.addresses["data"], timeout_s=5).stats()
+            return str(stats.get("host_mapping", "off"))
+
+        deadline = time.monotonic() + timeout
+        while (now := asyncio.run(state())) == "mapping":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the node did not map its host memory within {timeout} s")
+            time.sleep(0.1)
+        return now
 
     def _ready_line(self, timeout: float) -> str | None:
         out = self.proc.stdout

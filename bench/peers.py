@@ -659,7 +659,7 @@ async def run(args: argparse.Namespace) -> Results:
             except Exception as e:  # (any failure: the bench goes on without Mooncake)
                 failed(e)
         step("starting kvstore serve")
-        serve = stack.enter_context(Serve.start("--host-mem", args.pool))
+        serve = stack.enter_context(Serve.start("--host-mem", args.pool, mapped=True))
         kv = await KvSide.open(serve.addresses["data"], region, serve.proc.pid)
         step("starting the raw socket server")
         raw_server = SpawnedServer.start(
@@ -724,9 +724,10 @@ def report(res: Results, args: argparse.Namespace) -> Table:
         f"{'; '.join(phases)}.",
         "A chunk is kvstore's encoded chunk (the payload and its header, quant none); "
         "Mooncake's objects have the same size, so both move the same bytes.",
-        f"kvstore: `kvstore serve --host-mem {args.pool}` on loopback, this process as the "
-        "client on one kept connection (`NodeClient.put`: put + chunks → ack; "
-        "`NodeClient.get`: get → data into the client's rows).",
+        f"kvstore: `kvstore serve --host-mem {args.pool}` on loopback, measured once its node "
+        "said its host memory was mapped, this process as the client on one kept connection "
+        "(`NodeClient.put`: put + chunks → ack; `NodeClient.get`: get → data into the "
+        "client's rows).",
         f"Mooncake Store: `{args.mooncake_package}` (its TCP transport) in "
         f"`{args.mooncake_venv}`; `mooncake_master` with its HTTP metadata server on "
         f"loopback, a decode process mounting a {args.pool} segment, a "

@@ -3,12 +3,12 @@ on the per-layer shape, beside a bare ``grpc.aio`` echo measured in the same run
 
     python bench/trace_replay.py [--trace PATH] [--requests N] [--warmup 20] [--plot out.png]
 
-One run starts its own ``kvstore serve`` (master + one storage node, loopback, port 0)
-and a bare ``grpc.aio`` unary echo server in a process of its own; this process is the one
-client. It reads the trace (default: ``bench/data/mooncake_conversation_sample.jsonl``,
-the first 2,000 requests of the Mooncake FAST'25 conversation trace, see
-``bench/data/README.md``) and replays its requests in order, one at a time, back to back
-(the timestamps are not slept to). For each request:
+One run starts its own ``kvstore serve`` (master + one storage node, loopback, port 0; the
+replay starts once the node has mapped its host memory) and a bare ``grpc.aio`` unary echo
+server in a process of its own; this process is the one client. It reads the trace (default:
+``bench/data/mooncake_conversation_sample.jsonl``, the first 2,000 requests of the Mooncake
+FAST'25 conversation trace, see ``bench/data/README.md``) and replays its requests in order,
+one at a time, back to back (the timestamps are not slept to). For each request:
 
 - token ids come from its ``hash_ids``: every hash id becomes the same 16 token ids
   everywhere, so a request of n hash ids is n blocks of a 16-token namespace and requests
@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> Replay:
     res.ideal_blocks = ideal_hits(trace)
     with contextlib.ExitStack() as stack, progress() as bar:
         task = bar.add_task("starting kvstore serve", total=None)
-        serve = stack.enter_context(Serve.start("--host-mem", args.host_mem))
+        serve = stack.enter_context(Serve.start("--host-mem", args.host_mem, mapped=True))
         bar.update(task, description="starting the grpc.aio echo server")
         echo = SpawnedServer.start(serve_grpc_echo)
         stack.callback(echo.stop)

@@ -20,6 +20,7 @@ from hypothesis.stateful import (
 )
 
 from kvstore.core.arena import (
+    POPULATE_STEP,
     SLOT_ALIGN,
     Arena,
     ExtentHeap,
@@ -365,10 +366,13 @@ def test_populate_maps_a_host_arena_now_and_keeps_what_it_holds() -> None:
     view = arena.view(3 * 2**20, 4096)
     view[:] = 7  # a page in use: populating keeps its bytes
     before = _resident_bytes()
-    done = arena.populate()
+    steps: list[int] = []
+    done = arena.populate(progress=steps.append)
     if done == 0:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
     assert done >= 64 * 2**20 - 4096
+    assert steps == sorted(set(steps)) and steps[-1] == done  # each step reported, in order
+    assert len(steps) == -(-done // POPULATE_STEP)
     assert _resident_bytes() - before >= 60 * 2**20
     assert (view == 7).all()
     stop = threading.Event()

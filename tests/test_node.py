@@ -15,6 +15,7 @@ import torch
 import xxhash
 
 from kvstore.core import headers
+from kvstore.core.arena import Arena, populate
 from kvstore.core.codec import ChunkKey, chunk_nbytes, encode_blocks
 from kvstore.core.hashing import Namespace
 from kvstore.dataplane import NodeClient
@@ -410,3 +411,30 @@ async def test_the_scrub_gives_way_to_exchanges_but_not_past_its_age_bound(
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
         checks_.close()
+
+
+_HOST_MAPPING = [("tcp", True, "mapped"), ("tcp", False, "off"),
+                 pytest.param("ucx", True, "off", marks=TRANSPORTS[1].marks)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("transport", "prefault", "ends"), _HOST_MAPPING)
+async def test_stats_say_whether_host_memory_is_mapped(
+    transport: str, prefault: bool, ends: str
+) -> None:
+    """A node's stats say ``mapping`` while it maps its host memory at start, then
+    ``mapped`` with every byte of it; ``off`` (nothing mapped up front) when told not to
+    or over ``ucx://``, whose registration maps the pages."""
+    if ends == "mapped" and populate(Arena(4 * 2**20).tensor) == 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+    async with running(transport, prefault_memory=prefault) as rig:
+        node = NodeClient(rig.node.data_uri)
+        seen = []
+        for _ in range(400):  # (32 MiB maps in well under a second)
+            stats = await node.stats()
+            seen.append(stats["host_mapping"])
+            if seen[-1] != "mapping":
+                break
+            await asyncio.sleep(0.025)
+        assert seen[-1] == ends and set(seen) <= {"mapping", ends}, seen
+        mapped, size = stats["host_mapped_bytes"], rig.node.tiers.host.arena.capacity_bytes
+        assert (size - 4096 <= mapped <= size) if ends == "mapped" else mapped == 0

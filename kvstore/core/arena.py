@@ -430,9 +430,11 @@ class Arena:
         """The whole arena (register it with NIXL once; never resize it)."""
         return self._tensor
 
-    def populate(self, stop: threading.Event | None = None) -> int:
+    def populate(
+        self, stop: threading.Event | None = None, progress: Callable[[int], None] | None = None
+    ) -> int:
         """Blocking: map every page of a host arena now (:func:`populate`); the bytes."""
-        return populate(self._tensor, stop)
+        return populate(self._tensor, stop, progress)
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """A ``uint8`` view of ``[offset, offset+nbytes)`` (no copy). Raises on out-of-range."""
@@ -757,11 +759,16 @@ POPULATE_STEP = 32 * 2**20
 memory map lock is let go: other threads' page faults and mappings wait at most one step)."""
 
 
-def populate(t: torch.Tensor, stop: threading.Event | None = None) -> int:
+def populate(
+    t: torch.Tensor,
+    stop: threading.Event | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> int:
     """Blocking (run it on a thread of its own): map every page of the CPU tensor ``t``
     now, ``POPULATE_STEP`` bytes at a time, until done or ``stop`` is set; the bytes
     mapped. Pages already mapped keep their bytes, so it may run while the memory is in use.
-    0 where the kernel cannot (not Linux, or older than 5.14).
+    0 where the kernel cannot (not Linux, or older than 5.14). ``progress(done)``, if
+    given, is called with the bytes mapped so far after each step.
 
     Why: a page of host memory first written by a receive costs its page fault there, on the
     put's path. ``bench/first_fill.py`` on this project's AMD VM: a fresh node of 3 GiB took
@@ -786,4 +793,6 @@ def populate(t: torch.Tensor, stop: threading.Event | None = None) -> int:
                 return 0  # (an older kernel: pages are mapped as they are first written)
             raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {errno.errorcode.get(err, err)}")
         done += size
+        if progress is not None:
+            progress(done)
     return done

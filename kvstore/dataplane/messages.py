@@ -673,6 +673,8 @@ class NodeStats(Message):
     """The node's counters, as a JSON object: node_id, epoch, slots, pinned_slots, leases,
     holds, inflight (chunks a put is transferring or has granted now), grants (chunks
     claimed for a writer's next ``write``), objects, capacity_bytes, used_bytes,
+    host_mapping (``mapping`` while the node maps its host memory at start, then
+    ``mapped``; ``off`` where it does not) and host_mapped_bytes,
     tiers: [{name, slots, pinned_slots, capacity_bytes, used_bytes}], and the drain's
     progress: draining, drain_state, drain_reason, drain_passes, drain_moved_chunks,
     drain_moved_bytes, drain_left, drain_failed, drain_dropped (kvstore.node.migrate)."""

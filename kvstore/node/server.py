@@ -169,6 +169,13 @@ class StorageNode:
         self._prefault = threading.Thread(
             target=self._populate_host, name="kvstore-node-prefault", daemon=True
         )
+        self.host_mapping = "off"
+        """``mapping`` while the node maps its host memory at start (``prefault_memory``),
+        ``mapped`` once it did, ``off`` where it does not (``ucx``: registration maps the
+        pages; an old kernel; ``--prefault-memory false``): pages are then mapped as puts
+        first write them."""
+        self.host_mapped_bytes = 0
+        """Host memory mapped so far by that start-up mapping."""
         self.objects = ObjectStore(
             self.tiers.host.arena,
             max_object_bytes=config.max_object_bytes,
@@ -240,11 +247,16 @@ class StorageNode:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         t0 = time.perf_counter()
         try:
-            done = self.tiers.host.arena.populate(self._prefault_stop)
+            done = self.tiers.host.arena.populate(self._prefault_stop, self._mapped)
         except OSError as exc:
+            self.host_mapping = "off"
             logger.warning("host memory is mapped as puts first write it: %s", exc)
             return
+        self.host_mapping = "mapped" if done and not self._prefault_stop.is_set() else "off"
         logger.info("host memory: %d MiB mapped in %.2f s", done >> 20, time.perf_counter() - t0)
+
+    def _mapped(self, done: int) -> None:
+        self.host_mapped_bytes = done
 
     async def start(self) -> None:
         """Open the data port, register with the master, start heartbeats and the sweeper.
@@ -256,6 +268,7 @@ class StorageNode:
         if cfg.prefault_memory and cfg.transport != "ucx":
             # (ucx: registering the arena for RDMA maps and pins its pages anyway, and UCX
             # hooks the process's memory calls: a madvise beside its start crashed once)
+            self.host_mapping = "mapping"
             self._prefault.start()
         scheme, tls_opts = ("tls", {"ssl_context": cfg.data_tls}) if cfg.data_tls else ("tcp", {})
         self._listener = listen(
@@ -913,6 +926,8 @@ class StorageNode:
                 "objects": len(self.objects),
                 "capacity_bytes": sum(st.capacity_bytes for _, st in stats),
                 "used_bytes": sum(st.used_bytes for _, st in stats),
+                "host_mapping": self.host_mapping,
+                "host_mapped_bytes": self.host_mapped_bytes,
                 "tiers": [tier_stats(name, st) for name, st in stats]
                 + ([self.disk.stats()] if self.disk is not None else []),
                 "tenants": self._tenant_stats(peer),
