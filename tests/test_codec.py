@@ -579,6 +579,7 @@ def test_encode_rejects_bad_arguments() -> None:
     with pytest.raises(InvalidArgument):
         encode_chunk(t, checksum="crc32")
     for key in [ChunkKey(b"short", 0, 0), ChunkKey(bytes(16), -1, 0), ChunkKey(bytes(16), 0, 2**32),
+                ChunkKey(bytes(16), True, 0), ChunkKey(bytes(16), 0, -1), ChunkKey("x" * 16, 0, 0),
                 (bytes(16), True, 0), (bytes(16), 0), bytes(16), "key"]:  # fmt: skip
         with pytest.raises(InvalidArgument):
             encode_chunk(t, key=key)  # type: ignore[arg-type]
