@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
@@ -301,16 +301,26 @@ class Serve:
     def wait_mapped(self, timeout: float = 60.0) -> str:
         """Wait until the node's stats no longer say ``host_mapping: mapping`` (its start-up
         mapping of host memory ended); the state it says then (``mapped`` or ``off``).
-        Raises ``RuntimeError`` past ``timeout`` s."""
+        Blocks the caller, even on an event loop's thread (asked on a thread of its own
+        there, as :meth:`start` blocks for the ready line). Raises ``RuntimeError`` past
+        ``timeout`` s."""
 
-        async def state() -> str:
+        async def ask() -> str:
             from kvstore.dataplane import NodeClient
 
             stats = await NodeClient(self.addresses["data"], timeout_s=5).stats()
             return str(stats.get("host_mapping", "off"))
 
+        def state() -> str:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return asyncio.run(ask())
+            with ThreadPoolExecutor(1) as thread:
+                return thread.submit(lambda: asyncio.run(ask())).result()
+
         deadline = time.monotonic() + timeout
-        while (now := asyncio.run(state())) == "mapping":
+        while (now := state()) == "mapping":
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the node did not map its host memory within {timeout} s")
             time.sleep(0.1)
