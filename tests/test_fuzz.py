@@ -182,3 +182,13 @@ def test_put_chunks_survive_the_wire_whatever_their_parents(
         before = block
     put = m.Put(b"\x01" * 40, tuple(chunks))
     assert m.Put.parse(json.loads(json.dumps(put.header()))) == put
+
+
+def test_a_put_chunk_without_a_parent_has_none_whatever_the_header_says() -> None:
+    """An empty or null parent is no parent, first chunk or not (never an empty hash)."""
+    block, other = "ab" * 16, "cd" * 16
+    for empty in ("", None):
+        chunks = [[block, empty, 0, 64], [other, empty, 0, 64], [block, other, 1, 64]]
+        header = {"op": "put", "ns": "01" * 40, "wait_s": 0, "chunks": chunks}
+        parsed = m.Put.parse(header).chunks
+        assert [c.parent for c in parsed] == [None, None, bytes.fromhex(other)]

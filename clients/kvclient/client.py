@@ -76,8 +76,8 @@ INLINE_CODEC_BYTES = 128 << 10
 """Host codec work of at most this many chunk bytes (an encode into them, a decode of them)
 runs on the client's loop instead of its codec thread: measured on a 2-core AMD VM, the
 hand-off and wake-up cost ~200 µs, more than such an encode takes (int8, 16-token blocks,
-H=8, D=128: 8 blocks, 68 KiB of chunks, 100 µs on the loop against 290 via the thread;
-docs/decisions.md)."""
+H=8, D=128: 2 blocks, ~68 KiB of chunks, 77 µs on the loop against 310 via the thread; 4
+blocks, ~136 KiB, 101 against 288; docs/decisions.md)."""
 _NODES_TTL_S = 1.0  # how long a placement snapshot of the node list is reused
 
 _HOLD_TRUST = 0.8
@@ -601,14 +601,14 @@ class ClientCore:
         sink: Callable[[int, torch.Tensor, ChunkKey], None],
         device: torch.device | None = None,
     ) -> set[int]:
-        """Read the located chunks and hand each intact one to ``sink`` (on the loop for a few host
-        chunks, else on the codec thread); the block indices loaded. ``device``: where
-        ``sink`` decodes to (default the host), so ``ucx://`` reads land in that device's
-        staging. ``located[i]``: block ``i``'s holders in the order to try them. Each round
-        reads every block still missing from its next holder, one read per node per batch
-        (:class:`~kvclient.reads.ChunkReader`); a block whose holder failed, passed its
-        per-node deadline or lacked it goes to the next one in the next round, within the
-        call's deadline."""
+        """Read the located chunks and hand each intact one to ``sink`` (on the loop for
+        a few host chunks, else on the codec thread); the block indices loaded.
+        ``device``: where ``sink`` decodes to (default the host), so ``ucx://`` reads land
+        in that device's staging. ``located[i]``: block ``i``'s holders in the order to
+        try them. Each round reads every block still missing from its next holder, one
+        read per node per batch (:class:`~kvclient.reads.ChunkReader`); a block whose
+        holder failed, passed its per-node deadline or lacked it goes to the next one in
+        the next round, within the call's deadline."""
         chunk = layer * self.ns.tp_size + shard
         want = LayerRead(hashes, layer, shard, chunk, staging_device(device))
         todo = {i: list(hs) for i, hs in located.items() if hs}

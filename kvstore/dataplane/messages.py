@@ -254,17 +254,21 @@ class Put(Message):
         except ValueError as exc:
             raise ProtocolError("field 'ns' is not hex") from exc
         chunks = []
-        last: tuple[Any, bytes] = (None, b"")  # (the previous block as sent, its bytes)
+        before: tuple[str, bytes] | None = None  # the previous chunk's block: as sent, parsed
         for item in _list(header, "chunks"):
             if not isinstance(item, list) or len(item) != 4:
                 raise ProtocolError("a put chunk is [block, parent, index, nbytes]")
             block, parent, index, nbytes = item
             if type(index) is not int or type(nbytes) is not int:
                 raise ProtocolError("a put chunk's index and nbytes are ints")
-            # A chunk's parent is mostly the block before it in the same put: parsed once.
-            up = last[1] if parent == last[0] else _hex16(parent, "parent") if parent else None
-            last = (block, _hex16(block))
-            chunks.append(PutChunk(last[1], up, index, nbytes))
+            if not parent:
+                up = None
+            elif before is not None and parent == before[0]:
+                up = before[1]  # (mostly the block before it in the same put: parsed once)
+            else:
+                up = _hex16(parent, "parent")
+            before = (block, _hex16(block))
+            chunks.append(PutChunk(before[1], up, index, nbytes))
         op = header["op"]
         writer = _field(header, "writer", str, "")
         if len(writer) > MAX_WRITER_LEN:
@@ -673,8 +677,6 @@ class NodeStats(Message):
     """The node's counters, as a JSON object: node_id, epoch, slots, pinned_slots, leases,
     holds, inflight (chunks a put is transferring or has granted now), grants (chunks
     claimed for a writer's next ``write``), objects, capacity_bytes, used_bytes,
-    host_mapping (``mapping`` while the node maps its host memory at start, then
-    ``mapped``; ``off`` where it does not) and host_mapped_bytes,
     tiers: [{name, slots, pinned_slots, capacity_bytes, used_bytes}], and the drain's
     progress: draining, drain_state, drain_reason, drain_passes, drain_moved_chunks,
     drain_moved_bytes, drain_left, drain_failed, drain_dropped (kvstore.node.migrate)."""
