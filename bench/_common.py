@@ -269,9 +269,9 @@ class Serve:
         FLAGS`` and wait up to ``timeout`` s for its ``kvstore ready`` line. Raises
         ``RuntimeError`` (with the tail of its stderr) when it exits or stays silent.
         ``command`` ``master`` or ``node``: that command with FLAGS alone (no ports added);
-        ``prefix``: what runs it (``ip netns exec NS``). ``mapped``: then also wait (within
-        the same ``timeout``) until its node has mapped its host memory
-        (:meth:`wait_mapped`), so that no measured put pays the first touch of a page."""
+        ``prefix``: what runs it (``ip netns exec NS``). ``mapped``: then also wait (up to
+        ``timeout`` s more) until its node has mapped its host memory (:meth:`wait_mapped`),
+        so that no measured put pays the first touch of a page."""
         ports = ["--grpc-port", "0", "--data-port", "0", "--metrics-port", "0"]
         ports = ports if command == "serve" else []
         # Kept open for the life of the process (read on failure, closed by stop()).
