@@ -105,13 +105,21 @@ class ChunkWriter:
         if chunks and chunks[0].device.type != "cpu" and not all(n.ucx for n in by_id.values()):
             # A device chunk bound for a tcp:// node: copied to the host once, off the loop.
             host = await self._run_codec(None, lambda: [c.cpu() for c in chunks])
+        need = [min(self._min_replicas, len(placed)) for placed in placements]
+        copies = [0] * len(hashes)
+        errors: list[KVStoreError] = []
+        if len(parts) == 1:  # one exchange: awaited as it is (a task and a wait set: ~16 µs)
+            ((nid, part),) = parts
+            try:
+                for i in await self._put_to_node(by_id[nid], part, hashes, index, chunks, host):
+                    copies[i] += 1
+            except KVStoreError as failed:
+                errors.append(failed)
+            return self._stored(copies, need, errors)
         pending = {
             asyncio.ensure_future(self._put_to_node(by_id[nid], part, hashes, index, chunks, host))
             for nid, part in parts
         }
-        need = [min(self._min_replicas, len(placed)) for placed in placements]
-        copies = [0] * len(hashes)
-        errors: list[KVStoreError] = []
         grace_until: float | None = None
         try:
             while pending:
@@ -141,6 +149,11 @@ class ChunkWriter:
                 task.add_done_callback(lambda t: t.cancelled() or t.exception())
             if pending:
                 await asyncio.wait(pending, timeout=min(2.0, self._timeout_s))
+        return self._stored(copies, need, errors)
+
+    @staticmethod
+    def _stored(copies: list[int], need: list[int], errors: list[KVStoreError]) -> set[int]:
+        """The indices with ``need`` copies; the first error when there is none."""
         stored = {i for i, c in enumerate(copies) if c >= need[i]}
         if errors and not stored:
             raise errors[0]
