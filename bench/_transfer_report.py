@@ -52,9 +52,15 @@ TARGETS = {
 STATS_PROBE = "kvstore tcp://: stats frame and answer"
 """Section 1b's framed round trip on the node's data port (the floor under a control step)."""
 IDLE_TARGET = 0.15
+"""Most idle CPU of the node, in cores."""
 CLIENT_CPU_TARGET = 1.5
 """Most client CPU per GB of a ``ucx://`` put, as a multiple of the raw NIXL writer's."""
-"""Most idle CPU of the node, in cores."""
+BASELINES = (("kv ucx put", "raw NIXL WRITE", "ucx put"),
+             ("kv ucx layers put", "raw NIXL WRITE", "ucx put"),
+             ("kv ucx get", "raw NIXL READ", "ucx get"),
+             ("kv tcp put", "raw asyncio put", "tcp put"),
+             ("kv tcp get", "raw asyncio get", "tcp get"))  # fmt: skip
+"""Each kvstore path, the raw path it is measured against, and its :data:`TARGETS` key."""
 PUT_PATHS = ("kv tcp put", "kv ucx put", "kv ucx layers put", "raw asyncio put", "raw NIXL WRITE")
 GET_PATHS = (
     "kv tcp get", "kv ucx get", "kv ucx leased get", "raw asyncio get", "raw NIXL READ"
@@ -231,13 +237,9 @@ def client_cpu_table(res: Results) -> Table:
         ["chunk", "chunks", "depth", "path", "client CPU s/GB", "baseline",
          "baseline CPU s/GB", "÷ baseline"],
     )  # fmt: skip
-    pairs = [("kv ucx put", "raw NIXL WRITE", CLIENT_CPU_TARGET),
-             ("kv ucx layers put", "raw NIXL WRITE", CLIENT_CPU_TARGET),
-             ("kv ucx get", "raw NIXL READ", None),
-             ("kv tcp put", "raw asyncio put", None),
-             ("kv tcp get", "raw asyncio get", None)]  # fmt: skip
     for p, d in itertools.product(res.points, res.setup.depths):
-        for path, base, target in pairs:
+        for path, base, key in BASELINES:
+            target = CLIENT_CPU_TARGET if key == "ucx put" else None
             a, b = res.by.get((p.name, path, d)), res.by.get((p.name, base, d))
             if a is None or b is None or not a.moved_gb or not b.moved_gb:
                 continue
@@ -313,16 +315,11 @@ def ratio_table(res: Results) -> Table:
          "floor of a one-round-trip ucx put ÷ NIXL WRITE", "get ucx ÷ NIXL READ",
          "put tcp ÷ asyncio", "get tcp ÷ asyncio"],
     )  # fmt: skip
-    pairs = [("kv ucx put", "raw NIXL WRITE", "ucx put"),
-             ("kv ucx layers put", "raw NIXL WRITE", "ucx put"),
-             ("kv ucx get", "raw NIXL READ", "ucx get"),
-             ("kv tcp put", "raw asyncio put", "tcp put"),
-             ("kv tcp get", "raw asyncio get", "tcp get")]  # fmt: skip
     for p in (p for p in res.points if p.label in RATIO_SIZES):
         goal = TARGETS[p.label]
         for d in res.setup.depths:
             cells = [_ratio(res.by.get((p.name, a, d)), res.by.get((p.name, b, d)), goal[t])
-                     for a, b, t in pairs]  # fmt: skip
+                     for a, b, t in BASELINES]  # fmt: skip
             floor = _floor(res, p, d)
             table.add(p.label, p.batch, d, *cells[:2], floor, *cells[2:])
     table.notes += [
