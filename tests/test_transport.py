@@ -49,7 +49,7 @@ from kvstore.transport import (
     connect,
     listen,
 )
-from kvstore.transport.base import PROGRESS_BYTES
+from kvstore.transport.base import PROGRESS_BYTES, with_timeout
 from kvstore.transport.framing import (
     FIXED_SIZE,
     MAGIC,
@@ -566,6 +566,79 @@ async def test_a_payload_wait_asks_for_its_bytes_and_a_header_wait_for_one(
         w.write(encode_prefix({"op": "ping"}, []))
         await w.drain()
         assert (await asyncio.wait_for(header, 5)).header == {"op": "ping"}
+
+
+async def test_with_timeout_cancels_the_wait_at_its_deadline_not_before() -> None:
+    loop = asyncio.get_running_loop()
+    cleaned: list[bool] = []
+
+    async def forever() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cleaned.append(True)
+
+    began = loop.time()
+    with pytest.raises(KVTimeout, match=r"the wait timed out after 0\.05 s"):
+        await with_timeout(forever(), 0.05, "the wait")
+    assert loop.time() - began >= 0.05
+    assert cleaned == [True]  # the awaited operation was cancelled, its cleanup ran
+    assert await with_timeout(asyncio.sleep(0, "done"), 5, "after") == "done"
+
+
+async def test_with_timeout_fires_a_short_deadline_behind_long_ones() -> None:
+    """Deadlines share one timer: a short one after long ones must re-arm it earlier, and
+    one after a timer that fired for an entry already gone must still fire."""
+    never = asyncio.Event()
+    long_waits = [asyncio.create_task(with_timeout(never.wait(), 60, "long")) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert await with_timeout(asyncio.sleep(0.01, 7), 0.05, "quick") == 7  # ends first
+    for timeout in (0.05, 0.1):  # the first fires the timer armed for "quick"'s deadline
+        with pytest.raises(KVTimeout, match="short"):
+            await asyncio.wait_for(with_timeout(never.wait(), timeout, "short"), 5)
+    assert not any(task.done() for task in long_waits)
+    for task in long_waits:
+        task.cancel()
+    assert all(r is not None for r in await asyncio.gather(*long_waits, return_exceptions=True))
+
+
+async def test_with_timeout_lets_a_cancellation_from_elsewhere_through() -> None:
+    waiting = asyncio.create_task(with_timeout(asyncio.Event().wait(), 5, "wait"))
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+
+
+async def test_with_timeout_nested_each_deadline_raises_its_own() -> None:
+    never = asyncio.Event()
+
+    async def inner_times_out() -> str:
+        with pytest.raises(KVTimeout, match="inner"):
+            await with_timeout(never.wait(), 0.02, "inner")
+        await asyncio.sleep(0.01)  # the task is not left cancelled by the inner timeout
+        return "outer went on"
+
+    assert await with_timeout(inner_times_out(), 5, "outer") == "outer went on"
+    with pytest.raises(KVTimeout, match="outer"):
+        await with_timeout(with_timeout(never.wait(), 5, "inner"), 0.02, "outer")
+
+
+async def test_with_timeout_many_concurrent_deadlines_each_fire_once() -> None:
+    """Forty waits with deadlines 10-49 ms, half of which finish first: the ones that finish
+    return, every other one raises its own timeout."""
+    never = asyncio.Event()
+
+    async def one(i: int) -> int:
+        work = asyncio.sleep(0.001, i) if i % 2 else never.wait()
+        return await with_timeout(work, 0.01 + i / 1000, f"wait {i}")  # type: ignore[arg-type]
+
+    results = await asyncio.gather(*(one(i) for i in range(40)), return_exceptions=True)
+    for i, result in enumerate(results):
+        if i % 2:
+            assert result == i
+        else:
+            assert isinstance(result, KVTimeout) and f"wait {i} timed out" in str(result)
 
 
 # -- bad input ---------------------------------------------------------------------------------

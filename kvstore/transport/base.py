@@ -56,6 +56,7 @@ import asyncio
 import logging
 import sys
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -188,17 +189,108 @@ async def with_timeout(aw: Awaitable[T], timeout: float | None, what: str) -> T:
     """Await ``aw`` for at most ``timeout`` seconds (``None``: no limit).
 
     Raises :class:`~kvstore.errors.KVTimeout` naming ``what`` when the time runs out; the
-    awaited operation is cancelled first.
+    awaited operation is cancelled first (as with ``asyncio.timeout``: the calling task is
+    cancelled, and the cancellation turned into the timeout where it began). A cancellation
+    of the task from elsewhere propagates as it is. The deadline is kept by the loop's
+    :class:`_Deadlines`, not by a timer of its own (docs/decisions.md).
     """
     if timeout is None:
         return await aw
+    loop = asyncio.get_running_loop()
+    last_loop, deadlines = _last_deadlines  # (one tuple: read whole, whichever thread swaps it)
+    if last_loop is not loop or deadlines is None:
+        deadlines = _deadlines_of(loop)
+    task = asyncio.current_task(loop)
+    if task is None:
+        raise RuntimeError("with_timeout must be awaited inside a task")
+    cancelling = task.cancelling()
+    entry = deadlines.add(task, loop.time() + timeout)
     try:
-        async with asyncio.timeout(timeout):
-            return await aw
-    except TimeoutError as exc:
+        return await aw
+    except asyncio.CancelledError as exc:
+        if entry.fired and task.uncancel() <= cancelling:
+            raise KVTimeout(f"{what} timed out after {timeout:g} s") from exc
+        raise
+    except TimeoutError as exc:  # one from inside ``aw``: named as this wait's
         if isinstance(exc, KVTimeout):
             raise
         raise KVTimeout(f"{what} timed out after {timeout:g} s") from exc
+    finally:
+        del deadlines.live[entry]
+
+
+class _Deadline:
+    """One :func:`with_timeout` in progress: its task, its loop-time deadline, and whether
+    the deadline passed (its task was cancelled for it)."""
+
+    __slots__ = ("deadline", "fired", "task")
+
+    def __init__(self, task: asyncio.Task[Any], deadline: float) -> None:
+        self.task = task
+        self.deadline = deadline
+        self.fired = False
+
+
+class _Deadlines:
+    """Every :func:`with_timeout` in progress on one event loop, under one lazy timer.
+
+    ``asyncio.timeout`` schedules a timer per call and cancels it when the call ends: a heap
+    push, a cancelled handle left in the loop's heap and the context manager's own steps,
+    5.0-5.6 µs a wait here against 1.6 µs for this (docs/decisions.md). This keeps one timer per
+    loop, armed at the earliest deadline it knows of. A call whose deadline is later than
+    the armed one (the usual case: deadlines of a fixed timeout grow with the clock) costs
+    an insertion and a removal in a dict. When the timer fires it cancels the tasks whose
+    deadlines passed and re-arms itself at the earliest one left, so a deadline fires on
+    time, never late; the scan is over the calls in progress, once per firing."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.live: dict[_Deadline, None] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._armed = 0.0
+
+    def add(self, task: asyncio.Task[Any], deadline: float) -> _Deadline:
+        """Register ``task``'s ``deadline``; the caller removes the entry from ``live``."""
+        entry = _Deadline(task, deadline)
+        self.live[entry] = None
+        if self._timer is None or deadline < self._armed:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_at(deadline, self._fire)
+            self._armed = deadline
+        return entry
+
+    def _fire(self) -> None:
+        self._timer = None
+        now, soonest = self.loop.time(), None
+        for entry in self.live:
+            if entry.fired:
+                continue
+            if entry.deadline <= now:
+                entry.fired = True
+                entry.task.cancel()
+            elif soonest is None or entry.deadline < soonest:
+                soonest = entry.deadline
+        if soonest is not None:
+            self._timer = self.loop.call_at(soonest, self._fire)
+            self._armed = soonest
+
+
+_deadlines_by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Deadlines] = (
+    weakref.WeakKeyDictionary()
+)
+_last_deadlines: tuple[asyncio.AbstractEventLoop | None, _Deadlines | None] = (None, None)
+"""The loop :func:`with_timeout` ran on last and its deadlines: the common case without a
+lookup (a process runs one busy loop, or one per thread)."""
+
+
+def _deadlines_of(loop: asyncio.AbstractEventLoop) -> _Deadlines:
+    global _last_deadlines
+    deadlines = _deadlines_by_loop.get(loop)
+    if deadlines is None:
+        deadlines = _deadlines_by_loop[loop] = _Deadlines(loop)
+    _last_deadlines = (loop, deadlines)
+    return deadlines
 
 
 class Connection(abc.ABC):
