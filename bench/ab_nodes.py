@@ -2,6 +2,7 @@
 working tree against a git commit, in one run.
 
     python bench/ab_nodes.py [--base HEAD~1] [--rounds 6] [--per 300] [--plot out.png]
+                             [--master-apart]
 
 Checks ``--base`` out into a temporary git worktree (its codec extension copied from this
 tree when its C source is the same, else built there), starts one ``kvstore serve`` from
@@ -15,6 +16,10 @@ rounds:
   put of a short prompt costs;
 - ``512 KiB x 8``: ``NodeClient.put`` of 8 pre-encoded chunks of 512 KiB (``quant="none"``)
   over one kept ``tcp://`` connection, the pool emptied between rounds.
+
+With ``--master-apart`` each tree runs a ``kvstore master`` and a ``kvstore node``, each a
+process of its own, as a cluster does: every put's ack then waits for the node's commit to
+cross gRPC, and the master's CPU per put is reported too.
 
 This process is the client of both nodes, from this tree's code: only the node differs.
 Per node and shape it reports the node's CPU per put (``/proc``, every thread, ticks of
@@ -113,11 +118,24 @@ def base_tree(ref: str) -> Iterator[Path]:
         shutil.rmtree(where.parent, ignore_errors=True)
 
 
-def serve_from(tree: Path, host_mem: str) -> Serve:
-    """``kvstore serve`` run from ``tree``'s code (its directory first on the path)."""
-    return Serve.start("--host-mem", host_mem, mapped=True,
-                       prefix=["env", f"PYTHONPATH={tree}", "sh", "-c",
-                               f'cd "{tree}" && exec "$@"', "_"])  # fmt: skip
+def serve_from(stack: contextlib.ExitStack, tree: Path, host_mem: str,
+               apart: bool) -> tuple[Serve, Serve | None]:  # fmt: skip
+    """``kvstore serve`` run from ``tree``'s code (its directory first on the path); with
+    ``apart``, ``kvstore master`` and ``kvstore node`` instead, each a process of its own,
+    as a cluster runs them (the node's commits then cross gRPC). The node and the master
+    (None: in the node's process), their addresses as one ``serve``'s (``grpc`` is the
+    master's)."""
+    prefix = ["env", f"PYTHONPATH={tree}", "sh", "-c", f'cd "{tree}" && exec "$@"', "_"]
+    if not apart:
+        return stack.enter_context(Serve.start("--host-mem", host_mem, mapped=True,
+                                               prefix=prefix)), None  # fmt: skip
+    master = stack.enter_context(Serve.start("--grpc-port", "0", "--metrics-port", "0",
+                                             command="master", prefix=prefix))  # fmt: skip
+    node = stack.enter_context(Serve.start(
+        "--master", master.addresses["grpc"], "--data-port", "0", "--metrics-port", "0",
+        "--host-mem", host_mem, command="node", prefix=prefix, mapped=True))  # fmt: skip
+    node.addresses["grpc"] = master.addresses["grpc"]
+    return node, master
 
 
 def wait_idle(serves: dict[str, Serve], timeout: float = 120.0) -> None:
@@ -171,14 +189,17 @@ async def big_put(serve: Serve) -> Shape:
     return prepare, put, conn.close
 
 
-async def rounds(serves: dict[str, Serve], shape: str, n_rounds: int, per: int,
+async def rounds(serves: dict[str, Serve], masters: dict[str, Serve | None], shape: str,
+                 n_rounds: int, per: int,
                  tick: Callable[[], object]) -> dict[str, dict[str, list[float]]]:  # fmt: skip
     """Alternate rounds of ``per`` puts of ``shape`` between the nodes (the order swapped
     each round; the first round of each is a warm-up); per node, each round's node CPU per
-    put (µs) and p50 (ms)."""
+    put (µs), its master's (when apart) and p50 (ms)."""
     make = trace_put if shape == "trace" else big_put
     shapes = {name: await make(serve) for name, serve in serves.items()}
-    out: dict[str, dict[str, list[float]]] = {n: {"cpu": [], "p50": []} for n in serves}
+    out: dict[str, dict[str, list[float]]] = {
+        n: {"cpu": [], "master": [], "p50": []} for n in serves
+    }
     count = 0
     try:
         for r in range(n_rounds + 1):
@@ -186,7 +207,10 @@ async def rounds(serves: dict[str, Serve], shape: str, n_rounds: int, per: int,
             for name in order:
                 prepare, put, _ = shapes[name]
                 pid, lat = serves[name].proc.pid, []
+                master = masters[name]
+                mpid = master.proc.pid if master is not None else None
                 before = proc_stat(pid)
+                master_before = proc_stat(mpid) if mpid is not None else None
                 for _ in range(per):
                     count += 1
                     prepare(count)
@@ -197,6 +221,9 @@ async def rounds(serves: dict[str, Serve], shape: str, n_rounds: int, per: int,
                 cpu = (proc_stat(pid) - before).cpu_s
                 if r:
                     out[name]["cpu"].append(cpu / per * 1e6)
+                    if mpid is not None and master_before is not None:
+                        mcpu = (proc_stat(mpid) - master_before).cpu_s
+                        out[name]["master"].append(mcpu / per * 1e6)
                     out[name]["p50"].append(statistics.median(lat) * 1e3)
     finally:
         for _, _, close in shapes.values():
@@ -205,20 +232,26 @@ async def rounds(serves: dict[str, Serve], shape: str, n_rounds: int, per: int,
 
 
 def report(got: dict[str, dict[str, dict[str, list[float]]]], args: argparse.Namespace) -> Table:
+    where = "each with a master in its own process" if args.master_apart else "kvstore serve"
+    apart = ["master CPU µs/put (median)", "master ÷ base"] if args.master_apart else []
     table = Table(
-        f"Node CPU per put and put p50, this tree beside {args.base} ({args.rounds} rounds "
-        f"of {args.per} puts per node and shape, alternating)",
+        f"Node CPU per put and put p50, this tree beside {args.base} ({where}; "
+        f"{args.rounds} rounds of {args.per} puts per node and shape, alternating)",
         ["shape", "node", "node CPU µs/put (median)", "best round", "p50 ms (median)",
-         "best round", "CPU ÷ base", "p50 ÷ base"],
+         "best round", "CPU ÷ base", "p50 ÷ base", *apart],
     )  # fmt: skip
     for shape, by in got.items():
-        base = {k: statistics.median(v) for k, v in by["base"].items()}
+        base = {k: statistics.median(v) if v else 0.0 for k, v in by["base"].items()}
         for name in ("base", "this tree"):
             r = by[name]
             cpu, p50 = statistics.median(r["cpu"]), statistics.median(r["p50"])
+            extra = []
+            if args.master_apart:
+                master = statistics.median(r["master"])
+                extra = [f"{master:.0f}", f"{master / base['master']:.2f}"]
             table.add(shape, name, f"{cpu:.0f}", f"{min(r['cpu']):.0f}", f"{p50:.3f}",
                       f"{min(r['p50']):.3f}", f"{cpu / base['cpu']:.2f}",
-                      f"{p50 / base['p50']:.2f}")  # fmt: skip
+                      f"{p50 / base['p50']:.2f}", *extra)  # fmt: skip
     table.notes += [
         "Node CPU: /proc of each serve process (every thread, user and system) over a round "
         "÷ its puts, so work a node does after its ack counts too; clock ticks of 10 ms: "
@@ -228,6 +261,12 @@ def report(got: dict[str, dict[str, dict[str, list[float]]]], args: argparse.Nam
         "(quant none) over a kept tcp:// connection, into a full pool that evicts.",
         "The client is this tree's code for both nodes; each node runs its own tree's code.",
     ]
+    if args.master_apart:
+        table.notes.append(
+            "--master-apart: each node registers with a kvstore master of its own tree in "
+            "a process of its own, so every put's ack waits for a commit over gRPC; master "
+            "CPU is that process's over the same rounds."
+        )
     return table
 
 
@@ -240,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of: {', '.join(SHAPES)}")
     p.add_argument("--host-mem", default="1GiB")
     p.add_argument("--plot", default=None, help="also write a bar chart here")
+    p.add_argument("--master-apart", action="store_true",
+                   help="run each node with a kvstore master in a process of its own")  # fmt: skip
     args = p.parse_args(argv)
     # One thread: torch's second (OpenMP) thread spins for a while after each untimed
     # encode, and would take the second core from the nodes during the puts.
@@ -250,15 +291,19 @@ def main(argv: list[str] | None = None) -> int:
     got: dict[str, dict[str, dict[str, list[float]]]] = {}
     with base_tree(args.base) as tree, contextlib.ExitStack() as stack, progress() as bar:
         task = bar.add_task("starting both nodes", total=None)
-        serves = {"base": stack.enter_context(serve_from(tree, args.host_mem)),
-                  "this tree": stack.enter_context(serve_from(ROOT, args.host_mem))}  # fmt: skip
+        started = {
+            "base": serve_from(stack, tree, args.host_mem, args.master_apart),
+            "this tree": serve_from(stack, ROOT, args.host_mem, args.master_apart),
+        }
+        serves = {name: node for name, (node, _) in started.items()}
+        masters = {name: master for name, (_, master) in started.items()}
         bar.update(task, description="waiting for both nodes to go idle")
         wait_idle(serves)
         total = len(shapes) * (args.rounds + 1) * 2 * args.per
         bar.update(task, description="puts", total=total)
         for shape in shapes:
             got[shape] = asyncio.run(
-                rounds(serves, shape, args.rounds, args.per, lambda: bar.advance(task))
+                rounds(serves, masters, shape, args.rounds, args.per, lambda: bar.advance(task))
             )
     table = report(got, args)
     print_report("Two checkouts' nodes side by side", "bench/ab_nodes.py", argv, [table])

@@ -98,6 +98,12 @@ async def test_forged_control_calls_are_refused(pool: tuple[Server, Server, Path
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await getattr(stub, method)(request, timeout=5, metadata=metadata)
                     assert err.value.code() == code, (method, token, err.value)
+                    if method == "Commit":  # and the same batch on a commit stream
+                        stream = stub.CommitStream(timeout=5, metadata=metadata)
+                        with pytest.raises(grpc.aio.AioRpcError) as err:
+                            await stream.write(request)
+                            await stream.read()
+                        assert err.value.code() == code, ("CommitStream", token, err.value)
         # Nothing changed: the node is not draining, the prompt still matches, in full.
         async with MasterClient(master.grpc, token=ADMIN) as admin:
             [info] = [n for n in await admin.nodes() if n.node_id == node_id]

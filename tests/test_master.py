@@ -235,6 +235,112 @@ async def test_commit_epoch_and_seq_rules(master: tuple[MasterServer, MasterClie
     assert holder.chunks() == [0, 1] and holder.epoch == new
 
 
+async def test_commits_share_one_stream_and_an_error_ends_it(
+    master: tuple[MasterServer, MasterClient],
+) -> None:
+    """A node's commits go on one CommitStream, answered in order; a refused commit ends
+    that stream with its typed error, and the next commit opens another."""
+    server, client = master
+    counters = server.service.counters
+    epoch = await register(client, "a")
+    for seq in range(1, 6):
+        assert await client.commit(commit("a", epoch, seq, (seq, (0,)))) == seq
+    assert (counters.commit_streams, counters.commits) == (1, 5)
+    assert server.service.rpc_calls["Commit"] == 5  # (timed as Commit, whichever way in)
+    with pytest.raises(StaleEpoch):
+        await client.commit(commit("a", epoch + 7, 6, (6, (0,))))
+    with pytest.raises(InvalidArgument):
+        await client.commit(commit("a", epoch, 0, (6, (0,))))
+    assert await client.commit(commit("a", epoch, 6, (6, (1,)))) == 6
+    assert counters.commit_streams == 3 and counters.commits == 6  # (two ended by errors)
+    holders = await client.lookup(NS, [bh(i) for i in range(1, 7)], CPB)
+    assert [h.chunks() for (h,) in holders] == [[0]] * 5 + [[1]]
+
+
+async def test_a_commit_timed_out_or_cancelled_on_its_stream_leaves_nothing_for_the_next() -> None:
+    """A stalled master: a commit past its deadline raises KVTimeout, a cancelled one
+    CancelledError; their answers, when they come, are not taken for a later batch's."""
+    store = MemoryIndexStore()
+    async with running(store=store) as (server, client):
+        epoch = await register(client, "a")
+        gate, real_apply = asyncio.Event(), store.apply
+
+        async def stalled(batch: CommitBatch) -> int:
+            await gate.wait()
+            return await real_apply(batch)
+
+        store.apply = stalled  # type: ignore[method-assign]
+        with pytest.raises(KVTimeout, match="Commit"):
+            await client.commit(commit("a", epoch, 1, (1, (0,))), timeout=0.1)
+        cancelled = asyncio.create_task(client.commit(commit("a", epoch, 2, (2, (0,)))))
+        await asyncio.sleep(0.1)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        gate.set()
+        assert await client.commit(commit("a", epoch, 3, (3, (0,)))) == 3
+        assert await client.commit(commit("a", epoch, 4, (4, (0,)))) == 4
+        holders = await client.lookup(NS, [bh(3), bh(4)], CPB)
+        assert [h.node_id for (h,) in holders] == ["a", "a"]
+        assert server.service.counters.commit_streams == 3
+
+
+async def test_a_commit_after_its_master_restarted_on_the_same_port_goes_through() -> None:
+    """The stream to the old master process is broken: the commit is sent again (by the
+    unary Commit; a seq already applied is a no-op) and the one after streams again."""
+    store, clock = MemoryIndexStore(), FakeClock()
+    first = MasterServer(MasterConfig(grpc_port=0), store, clock=clock)
+    await first.start()
+    client = MasterClient(first.address, timeout_s=5)
+    try:
+        epoch = await register(client, "a")
+        assert await client.commit(commit("a", epoch, 1, (1, (0,)))) == 1
+        await first.stop(grace=0.1)
+        second = MasterServer(MasterConfig(grpc_port=first.port), store, clock=clock)
+        await second.start()
+        try:
+            assert await client.commit(commit("a", epoch, 2, (2, (0,)))) == 2
+            assert await client.commit(commit("a", epoch, 3, (3, (0,)))) == 3
+            assert second.service.counters.commits == 2
+            assert second.service.counters.commit_streams >= 1
+            holders = await client.lookup(NS, [bh(1), bh(2), bh(3)], CPB)
+            assert [h.node_id for (h,) in holders] == ["a"] * 3
+        finally:
+            await second.stop(grace=0.1)
+    finally:
+        await client.close()
+    await store.close()
+
+
+async def test_a_master_without_commit_streams_gets_unary_commits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A master of a version before CommitStream answers UNIMPLEMENTED: the commit goes by
+    Commit, and so do the later ones (the stream is not asked for again)."""
+    import grpc
+
+    from kvstore.master.service import MasterService
+
+    asked: list[int] = []
+
+    async def unimplemented(
+        self: MasterService, requests: object, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[object]:
+        asked.append(1)
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(MasterService, "CommitStream", unimplemented)
+    async with running() as (server, client):
+        epoch = await register(client, "a")
+        assert [await client.commit(commit("a", epoch, s, (s, (0,)))) for s in (1, 2, 3)] == [
+            1,
+            2,
+            3,
+        ]
+        assert asked == [1] and server.service.counters.commits == 3
+
+
 async def test_a_registration_key_binds_the_node_id(
     master: tuple[MasterServer, MasterClient],
 ) -> None:

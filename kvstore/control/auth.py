@@ -71,6 +71,7 @@ METHOD_ROLES: Mapping[str, frozenset[str]] = {
     "Register": frozenset({"node"}),
     "Heartbeat": frozenset({"node"}),
     "Commit": frozenset({"node"}),
+    "CommitStream": frozenset({"node"}),
     "Deregister": frozenset({"node"}),
     "Drain": frozenset({"node", "admin"}),  # (a node drains itself on SIGTERM)
     "Nodes": _ALL,
@@ -288,4 +289,6 @@ def _refusal(handler: Any, code: grpc.StatusCode, details: str) -> grpc.RpcMetho
                   response_serializer=handler.response_serializer)  # fmt: skip
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(stream, **kwargs)
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(stream, **kwargs)
     return grpc.unary_unary_rpc_method_handler(unary, **kwargs)

@@ -118,6 +118,8 @@ class MasterCounters:
     object_hits: int = 0
     object_misses: int = 0
     commits: int = 0
+    commit_streams: int = 0
+    """``CommitStream`` calls opened (a node opens one and keeps it)."""
     aborts: int = 0
     watches: int = 0
     watch_overflows: int = 0
@@ -464,6 +466,24 @@ class MasterService(pb_grpc.MasterServicer):
         """Apply a node's batch; stale epoch -> FAILED_PRECONDITION."""
         applied = await self._apply_commit(wire.commit_from_pb(request), request.session)
         return pb.CommitResponse(applied_seq=applied)
+
+    async def CommitStream(
+        self, requests: AsyncIterator[pb.CommitRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.CommitResponse]:
+        """:meth:`Commit` as one long-lived stream: each request applied as by ``Commit``,
+        answered in order and timed as ``Commit`` (its latency metric covers both ways in);
+        an error ends the stream with ``Commit``'s status."""
+        self.counters.commit_streams += 1
+        async for request in requests:
+            start = time.perf_counter()
+            try:
+                applied = await self._apply_commit(wire.commit_from_pb(request), request.session)
+            except KVStoreError as exc:
+                self._observe("Commit", time.perf_counter() - start)
+                await context.abort(status_for(exc), str(exc))
+                raise  # unreachable: abort raises
+            self._observe("Commit", time.perf_counter() - start)
+            yield pb.CommitResponse(applied_seq=applied)
 
     async def commit_in_process(self, batch: CommitBatch, session: bytes | None = None) -> int:
         """What ``Commit`` does, for the node of this same process (``kvstore serve``): the

@@ -50,6 +50,11 @@ class MasterStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CommitResponse.FromString,
                 _registered_method=True)
+        self.CommitStream = channel.stream_stream(
+                '/kvstore.v1.Master/CommitStream',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CommitResponse.FromString,
+                _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/kvstore.v1.Master/Lookup',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
@@ -138,6 +143,16 @@ class MasterServicer:
 
     def Commit(self, request, context):
         """A node's batch of index changes (the node is the only writer of its entries).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitStream(self, request_iterator, context):
+        """Commits as one long-lived stream: each request is applied as by Commit and answered
+        in order, one answer per request. An error ends the stream with Commit's status; the
+        node opens a new one (or sends the batch by Commit: a seq already applied is not
+        applied again). A message costs less than a unary call (kvstore/control/client.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -255,6 +270,11 @@ def add_MasterServicer_to_server(servicer, server):
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.CommitResponse.SerializeToString,
+            ),
+            'CommitStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.CommitStream,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.CommitResponse.SerializeToString,
             ),
@@ -404,6 +424,33 @@ class Master:
             request,
             target,
             '/kvstore.v1.Master/Commit',
+            kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvstore.v1.Master/CommitStream',
             kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.CommitResponse.FromString,
             options,

@@ -1,0 +1,185 @@
+"""A node's commit to a master in a process of its own: a unary ``Commit`` RPC beside a
+message of the node's ``CommitStream``, side by side in one run.
+
+    python bench/commit_rpc.py [--rounds 6] [--commits 500] [--adds 8]
+
+Every put's ack waits for its node's commit, so on a cluster (a ``kvstore master`` apart
+from its nodes) the commit's round trip is on every put's path; ``kvstore serve``'s own
+node calls its master in-process and pays none of it (``bench/commit_path.py`` measures
+that). This starts a ``kvstore master`` subprocess on loopback, registers two nodes with
+it from this process and commits batches of ``--adds`` adds and as many evictions (a full
+pool, as ``bench/commit_path.py`` builds them), in rounds that alternate between
+
+- **unary Commit**: ``MasterStub.Commit``, one RPC per batch (what nodes sent before
+  ``CommitStream``; what a node falls back to when its stream breaks);
+- **CommitStream**: ``MasterClient.commit``, one message on the node's long-lived stream.
+
+Per path: the commit's p50 and p99 round trip, this process's CPU per commit (the
+node's side) and the master process's (``/proc``, ticks of 10 ms), each the median of
+the rounds, and the stream ÷ unary. Markdown on stdout, progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+import zlib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import grpc
+from _common import Serve, Table, expect, print_report, proc_stat, progress
+
+from kvstore.control import wire
+from kvstore.control.client import MasterClient
+from kvstore.control.records import BlockAdd, BlockRef, CommitBatch, Tier
+from kvstore.dataplane.location import tier_mark
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+NS = bytes(range(16))
+TIERS = (Tier("host", 64 << 30, 48 << 30),)
+POOL_BLOCKS = 4096
+PATHS = ("unary Commit", "CommitStream")
+
+
+class Node:
+    """One registered node of the bench: its master client and its next batches."""
+
+    def __init__(self, client: MasterClient, node_id: str, adds: int) -> None:
+        self.client = client
+        self.node_id = node_id
+        self.adds = adds
+        self.epoch = 0
+        self.seq = 0
+        self.stub: pb_grpc.MasterStub | None = None
+        """The unary path's stub (None for the stream's node)."""
+
+    async def register(self) -> None:
+        """Register (with a registration key, as a node's MasterLink does)."""
+        self.client.session = os.urandom(32)
+        reg = await self.client.register(self.node_id, "tcp://127.0.0.1:7000", tiers=TIERS)
+        self.epoch = reg.epoch
+
+    def batch(self) -> CommitBatch:
+        """The next batch: ``adds`` new blocks, and the ones added a full pool ago evicted."""
+        self.seq += 1
+        k, n, window = self.seq, self.adds, max(1, POOL_BLOCKS // self.adds)
+        adds = tuple(BlockAdd(NS, _hash(self.node_id, k * n + i), (0,), tier_mark("host"))
+                     for i in range(n))  # fmt: skip
+        old = k - window
+        evicts = tuple(BlockRef(NS, _hash(self.node_id, old * n + i)) for i in range(n * (old > 0)))
+        return CommitBatch(self.node_id, self.epoch, self.seq, adds, evicts, tiers=TIERS)
+
+
+def _hash(node_id: str, i: int) -> bytes:
+    return zlib.crc32(node_id.encode()).to_bytes(4, "big") + i.to_bytes(12, "big")
+
+
+async def commit_unary(node: Node) -> int:
+    """One unary ``Commit`` RPC on a channel of its own (the generated stub: what the
+    client sent before ``CommitStream``)."""
+    req = wire.commit_to_pb(node.batch())
+    req.session = node.client.session
+    expect(node.stub is not None, "no unary stub")
+    resp = await node.stub.Commit(req, timeout=10)  # type: ignore[union-attr]
+    return int(resp.applied_seq)
+
+
+async def commit_streamed(node: Node) -> int:
+    """``MasterClient.commit``: one message on the node's commit stream."""
+    return await node.client.commit(node.batch())
+
+
+async def measure(master_pid: int, args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+    """Alternate rounds of ``args.commits`` commits per path (a warm-up round first);
+    per path and round: p50 and p99 µs, node-side and master CPU µs per commit."""
+    out = {p: {"p50": [], "p99": [], "cpu": [], "master": []} for p in PATHS}
+    calls = {"unary Commit": commit_unary, "CommitStream": commit_streamed}
+    nodes = {}
+    channel = grpc.aio.insecure_channel(args.master)
+    for path in PATHS:
+        client = MasterClient(args.master, timeout_s=10)
+        nodes[path] = Node(client, f"bench-{path.split()[0].lower()}", args.adds)
+        await nodes[path].register()
+    nodes["unary Commit"].stub = pb_grpc.MasterStub(channel)
+    try:
+        with progress() as bar:
+            task = bar.add_task("commits", total=(args.rounds + 1) * len(PATHS) * args.commits)
+            for r in range(args.rounds + 1):
+                for path in PATHS if r % 2 == 0 else PATHS[::-1]:
+                    node, call, lat = nodes[path], calls[path], []
+                    cpu0, master0 = time.process_time(), proc_stat(master_pid)
+                    for _ in range(args.commits):
+                        t0 = time.perf_counter()
+                        applied = await call(node)
+                        lat.append(time.perf_counter() - t0)
+                        expect(applied == node.seq, f"{path}: applied {applied}, sent {node.seq}")
+                    bar.advance(task, args.commits)
+                    if not r:
+                        continue  # warm-up
+                    cpu = time.process_time() - cpu0
+                    master = (proc_stat(master_pid) - master0).cpu_s
+                    lat.sort()
+                    out[path]["p50"].append(lat[len(lat) // 2] * 1e6)
+                    out[path]["p99"].append(lat[int(len(lat) * 0.99)] * 1e6)
+                    out[path]["cpu"].append(cpu / args.commits * 1e6)
+                    out[path]["master"].append(master / args.commits * 1e6)
+        for path, node in nodes.items():  # every batch landed: the newest block is indexed
+            [holders] = await node.client.lookup(NS, [_hash(node.node_id, node.seq * node.adds)])
+            expect([h.node_id for h in holders] == [node.node_id], f"{path}: a commit is lost")
+    finally:
+        for node in nodes.values():
+            await node.client.close()
+        await channel.close()
+    return out
+
+
+def table(got: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> Table:
+    result = Table(
+        f"A node's commit to a master in its own process ({args.adds} adds + {args.adds} "
+        f"evictions a batch; {args.rounds} rounds of {args.commits} commits per path, "
+        "alternating; medians of the rounds)",
+        ["path", "p50 µs", "p99 µs", "node CPU µs/commit", "master CPU µs/commit",
+         "p50 ÷ unary", "node CPU ÷ unary", "master CPU ÷ unary"],
+    )  # fmt: skip
+    med = {p: {k: statistics.median(v) for k, v in got[p].items()} for p in PATHS}
+    base = med["unary Commit"]
+    for path in PATHS:
+        m = med[path]
+        ratios = [m[k] / base[k] for k in ("p50", "cpu", "master")]
+        result.add(path, f"{m['p50']:.0f}", f"{m['p99']:.0f}", f"{m['cpu']:.0f}",
+                   f"{m['master']:.0f}", *(f"{r:.2f}" for r in ratios))  # fmt: skip
+    result.notes += [
+        "node CPU: this process (the node's side of the call: building the request, gRPC's "
+        "client, the answer), process time over a round ÷ its commits; master CPU: the "
+        "kvstore master process over the same round (/proc, every thread, ticks of 10 ms).",
+        "On loopback both processes share this machine's cores: each side's CPU is the "
+        "figure to compare across machines, the round trip this machine's.",
+    ]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both paths against one master subprocess and print Markdown; 0 on success."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=6, help="timed rounds per path")
+    p.add_argument("--commits", type=int, default=500, help="commits per round")
+    p.add_argument("--adds", type=int, default=8, help="adds (and evictions) per batch")
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.commits < 1 or not 1 <= args.adds <= 4096:
+        p.error("need --rounds >= 1, --commits >= 1, --adds in 1..4096")
+    with Serve.start("--grpc-port", "0", "--metrics-port", "0", command="master") as master:
+        args.master = master.addresses["grpc"]
+        got = asyncio.run(measure(master.proc.pid, args))
+    print_report("A node's commit over gRPC", "bench/commit_rpc.py", argv, [table(got, args)])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
