@@ -144,13 +144,19 @@ def kv_table(res: Results, warmup: int, region: int) -> Table:
         "put: writer process, fresh keys every exchange. get: reader process, reading back "
         "the ucx:// puts of the same point and depth (cycling over those that fit half the "
         "pool).",
-        f"Node: kvstore serve --transport ucx --host-mem {s.pool_bytes // MiB}MiB"
+        f"Node: kvstore {'node' if s.master_apart else 'serve'} --transport ucx --host-mem "
+        f"{s.pool_bytes // MiB}MiB"
         + (
             f" --gpu-mem {s.gpu_bytes // MiB}MiB (ucx:// puts land in device memory)"
             if s.gpu_bytes
             else ""
         )
-        + f" (master + node in one process), pool filled first ({res.fill_s:.1f} s) so puts "
+        + (
+            " with a kvstore master in a process of its own (every put's commit crosses gRPC)"
+            if s.master_apart
+            else " (master + node in one process)"
+        )
+        + f", pool filled first ({res.fill_s:.1f} s) so puts "
         "evict and land in touched pages. Node CPU: /proc/<pid>/stat before and after each "
         "timed stretch of exchanges (10 ms ticks; see section 3 for totals).",
     ]

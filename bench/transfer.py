@@ -1,10 +1,14 @@
 """The data plane alone: kvstore ``tcp://`` and ``ucx://`` beside raw NIXL, raw sockets, memcpy.
 
     python bench/transfer.py [--quick] [--depth 1,4] [--gpu-mem 8GiB] [--plot out.png]
+                             [--master-apart]
 
 Starts a ``kvstore serve --transport ucx`` (loopback; its node serves ``tcp://`` and
-``ucx://``), a raw NIXL target, a raw asyncio socket server and two client processes, a
-*writer* and a *reader*; Markdown goes to stdout, progress to stderr. It measures:
+``ucx://``; with ``--master-apart`` a ``kvstore master`` and a ``kvstore node`` instead,
+each a process of its own, so that every put's ack waits for a commit over gRPC, as in a
+cluster; the node's CPU figures are then the node process's alone), a raw NIXL target, a
+raw asyncio socket server and two client processes, a *writer* and a *reader*; Markdown
+goes to stdout, progress to stderr. It measures:
 1. kvstore's own exchanges on **pre-encoded chunks** (``quant="none"``), so no codec time
    hides the transport: ``put → ready → data → ack`` (``tcp://``), ``reserve → spans → NIXL
    WRITE → landed → ack`` (``ucx://``), ``get → data``, ``lease → spans → NIXL READ →
@@ -172,6 +176,8 @@ class Setup:
     depths: tuple[int, ...]
     gpu_bytes: int = 0
     """The node's GPU tier (0: none)."""
+    master_apart: bool = False
+    """The master runs in a process of its own (else in the node's: ``kvstore serve``)."""
 
     def exchanges(self, point: Point, depth: int) -> int:
         """Exchanges of a point at ``depth``, warm-ups included (timed: about ``budget``
@@ -842,15 +848,24 @@ def run(args: argparse.Namespace) -> Results:
     with contextlib.ExitStack() as stack, progress() as bar:
         jobs = sum(1 + sum((9 + (d == 1)) * fits(p, d) for d in args.depth) for p in pts)
         total = 6 + jobs + 4 * (args.e2e_reps + 1) + args.idle_after
-        task = bar.add_task("starting kvstore serve --transport ucx", total=total)
+        task = bar.add_task("starting kvstore --transport ucx", total=total)
 
         def step(what: str) -> None:
             bar.update(task, advance=1, description=what)
 
         gpu = ["--gpu-mem", args.gpu_mem] if args.gpu_mem else []
-        serve = stack.enter_context(
-            Serve.start("--transport", "ucx", "--host-mem", args.host_mem, *gpu)
-        )
+        node_flags = ["--transport", "ucx", "--host-mem", args.host_mem, *gpu]
+        if args.master_apart:  # a cluster's shape: the node's commits cross gRPC
+            apart = stack.enter_context(
+                Serve.start("--grpc-port", "0", "--metrics-port", "0", command="master")
+            )
+            serve = stack.enter_context(Serve.start(
+                "--master", apart.addresses["grpc"], "--data-port", "0", "--metrics-port", "0",
+                *node_flags, command="node"))  # fmt: skip
+            master = apart.addresses["grpc"]
+        else:
+            serve = stack.enter_context(Serve.start(*node_flags))
+            master = serve.addresses["grpc"]
         pid = serve.proc.pid
         step(f"idle node, {args.idle_s:.0f} s")
         idle = [("fresh node, nothing connected", window_cpu(pid, args.idle_s))]
@@ -860,11 +875,11 @@ def run(args: argparse.Namespace) -> Results:
         target = SpawnedServer.start(serve_raw_nixl)
         stack.callback(target.stop)
         raw_md, raw_addr = target.address
-        setup = Setup(serve.addresses["grpc"], serve.addresses["data"], pid,
-                      asyncio.run(_node_metadata(serve.addresses["grpc"])), tuple(raw.address),
+        setup = Setup(master, serve.addresses["data"], pid,
+                      asyncio.run(_node_metadata(master)), tuple(raw.address),
                       raw_md, raw_addr, parse_size(args.host_mem), args.budget, args.min_n,
                       args.max_n, args.e2e_tokens, args.e2e_layers, args.depth,
-                      parse_size(args.gpu_mem or 0))  # fmt: skip
+                      parse_size(args.gpu_mem or 0), args.master_apart)  # fmt: skip
         res = Results(setup, pts, idle=idle)
         step("starting writer and reader processes")
         workers = {r: spawn_worker(stack, job_close) for r in ("writer", "reader")}
@@ -926,6 +941,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--e2e-layers", type=int, default=32)
     parser.add_argument("--idle-s", type=float, default=5.0, help="idle window (5 s)")
     parser.add_argument("--plot", metavar="PNG", help="also write a bar chart here")
+    parser.add_argument("--master-apart", action="store_true",
+                        help="a kvstore master and a kvstore node, each a process of its own "
+                             "(a cluster's shape), instead of one kvstore serve")  # fmt: skip
     args = parser.parse_args(argv)
     quick = args.quick
     sizes = args.sizes or ("512 KiB,4 MiB" if quick else ",".join(SIZES))
