@@ -312,6 +312,32 @@ async def test_a_commit_after_its_master_restarted_on_the_same_port_goes_through
     await store.close()
 
 
+async def test_a_commit_streamed_to_a_master_that_died_fails_over_to_the_next() -> None:
+    """Two masters on one store: the node's stream is to the first; it stops; the next
+    commit goes to the second (by Commit, which fails over) and the one after streams."""
+    store, clock = MemoryIndexStore(), FakeClock()
+    first = MasterServer(MasterConfig(grpc_port=0), store, clock=clock)
+    second = MasterServer(MasterConfig(grpc_port=0), store, clock=clock)
+    await first.start()
+    await second.start()
+    client = MasterClient(f"{first.address},{second.address}", timeout_s=5)
+    try:
+        epoch = await register(client, "a")
+        assert await client.commit(commit("a", epoch, 1, (1, (0,)))) == 1
+        assert first.service.counters.commit_streams == 1
+        await first.stop(grace=0.1)
+        assert await client.commit(commit("a", epoch, 2, (2, (0,)))) == 2
+        assert await client.commit(commit("a", epoch, 3, (3, (0,)))) == 3
+        assert second.service.counters.commits == 2
+        assert second.service.counters.commit_streams == 1
+        holders = await client.lookup(NS, [bh(1), bh(2), bh(3)], CPB)
+        assert [h.node_id for (h,) in holders] == ["a"] * 3
+    finally:
+        await client.close()
+        await second.stop(grace=0.1)
+    await store.close()
+
+
 async def test_a_master_without_commit_streams_gets_unary_commits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

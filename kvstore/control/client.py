@@ -71,6 +71,16 @@ log = logging.getLogger("kvstore.control.client")
 _FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 """What a call to one of several masters moves on to the next one for."""
 
+_VERDICTS = frozenset({
+    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+})  # fmt: skip
+"""Statuses that end a commit stream as the master's answer to the batch (the handler's
+own); any other ending (the stream broke, the master stopped) has the batch sent again
+by the unary Commit."""
+
 _MIN_RETRY_S = 0.05
 """Least time a commit's unary retry gets after its stream failed (its deadline nearly
 spent): enough for a master that answers at all."""
@@ -367,10 +377,12 @@ class MasterClient:
         561-619, 126-164 µs of the caller's CPU against 234-254; docs/decisions.md).
 
         None, the stream dropped, when :meth:`commit` should send the batch by ``Commit``
-        instead: the master went away or did not answer within ``timeout`` with other
-        masters left to try (as a unary call fails over), the stream ended, or the master
-        has no ``CommitStream``. A batch the master applied already is not applied again (a
-        seq at or below the applied one is a no-op), so sending it once more is safe.
+        instead: the stream ended or broke without the master's verdict on the batch
+        (:data:`_VERDICTS`; a master that stops ends it with ``INTERNAL``), the master did
+        not answer within ``timeout`` with other masters left to try (as a unary call fails
+        over), or the master has no ``CommitStream``. A batch the master applied already
+        is not applied again (a seq at or below the applied one is a no-op), so sending it
+        once more is safe.
         Raises the typed error the master answered (the stream ends with it), or
         :class:`KVTimeout` past ``timeout`` with a single master."""
         self._commits_busy = True
@@ -393,9 +405,9 @@ class MasterClient:
             if code == grpc.StatusCode.UNIMPLEMENTED:
                 self._streams_commits = False  # (a master of an older version)
                 return None
-            if code in _FAILOVER_CODES or code == grpc.StatusCode.CANCELLED:
-                return None
-            raise error_from_rpc(exc, "Commit") from exc
+            if code in _VERDICTS:
+                raise error_from_rpc(exc, "Commit") from exc
+            return None  # (the stream broke: a master stopping answers INTERNAL, not a verdict)
         except asyncio.InvalidStateError:  # (written after the stream had ended)
             self._drop_commits()
             return None
