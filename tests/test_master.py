@@ -338,6 +338,27 @@ async def test_a_commit_streamed_to_a_master_that_died_fails_over_to_the_next() 
     await store.close()
 
 
+async def test_a_master_stops_without_waiting_out_its_grace_for_commit_streams() -> None:
+    """A node's commit stream stays open between its commits; a stopping master ends it
+    (UNAVAILABLE) instead of holding its stop for the whole grace."""
+    server = MasterServer(MasterConfig(grpc_port=0))
+    await server.start()
+    client = MasterClient(server.address, timeout_s=5)
+    try:
+        epoch = await register(client, "a")
+        assert await client.commit(commit("a", epoch, 1, (1, (0,)))) == 1
+        assert server.service.counters.commit_streams == 1
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await server.stop(grace=30.0)
+        assert loop.time() - began < 10.0, "stop waited out its grace for an open stream"
+        with pytest.raises(Unreachable):
+            await client.commit(commit("a", epoch, 2, (2, (0,))), timeout=2)
+    finally:
+        await client.close()
+        await server.stop()
+
+
 async def test_a_master_without_commit_streams_gets_unary_commits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -173,8 +173,8 @@ class MasterServer:
         return server, bound
 
     async def stop(self, grace: float | None = 1.0) -> None:
-        """Stop the sweeper, end open watches, stop gRPC (in-flight unary calls get
-        ``grace`` seconds), close an owned store. Idempotent."""
+        """Stop the sweeper, end open watches and commit streams, stop gRPC (in-flight
+        unary calls get ``grace`` seconds), close an owned store. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -182,7 +182,7 @@ class MasterServer:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
-        self.service.close_watches()
+        self.service.close_streams()
         for server in [*self._extra, *([self._server] if self._server else [])]:
             await server.stop(grace)
         if self._owns_store:

@@ -11,6 +11,7 @@ DEADLINE_EXCEEDED, Closed -> UNAVAILABLE; anything else is INTERNAL.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import hmac
@@ -220,6 +221,9 @@ class MasterService(pb_grpc.MasterServicer):
         # Tier usage from each node's last commit: node id -> (epoch, tiers).
         self._usage: dict[str, tuple[int, tuple[Tier, ...]]] = {}
         self._subs: set[Subscription] = set()
+        self._commit_streams: dict[asyncio.Task[Any], bool] = {}
+        """Each open CommitStream's task → whether it is applying a batch now."""
+        self._closing = False
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -274,10 +278,17 @@ class MasterService(pb_grpc.MasterServicer):
             nodes["draining"] += int(info.alive and info.draining)
         return PoolState(nodes, (await self.store.counts()).blocks)
 
-    def close_watches(self) -> None:
-        """End every open Watch stream (they finish with UNAVAILABLE). Never blocks."""
+    def close_streams(self) -> None:
+        """End every open stream, so that stopping does not wait out its grace for them:
+        Watch streams finish with UNAVAILABLE; a CommitStream waiting for its next batch
+        is cancelled at once, one applying a batch ends once it has answered it (its node
+        sends its next batch by Commit, to a master that answers). Never blocks."""
+        self._closing = True
         for sub in list(self._subs):
             sub.close()
+        for task, applying in list(self._commit_streams.items()):
+            if not applying:
+                task.cancel()
 
     # -- membership -------------------------------------------------------------------------
 
@@ -474,16 +485,35 @@ class MasterService(pb_grpc.MasterServicer):
         answered in order and timed as ``Commit`` (its latency metric covers both ways in);
         an error ends the stream with ``Commit``'s status."""
         self.counters.commit_streams += 1
-        async for request in requests:
-            start = time.perf_counter()
-            try:
-                applied = await self._apply_commit(wire.commit_from_pb(request), request.session)
-            except KVStoreError as exc:
+        task = asyncio.current_task()
+        if task is None or self._closing:
+            return
+        self._commit_streams[task] = False
+        try:
+            async for request in requests:
+                self._commit_streams[task] = True  # (not cancelled by close_streams now)
+                start = time.perf_counter()
+                try:
+                    applied = await self._apply_commit(
+                        wire.commit_from_pb(request), request.session
+                    )
+                except KVStoreError as exc:
+                    self._observe("Commit", time.perf_counter() - start)
+                    await context.abort(status_for(exc), str(exc))
+                    raise  # unreachable: abort raises
                 self._observe("Commit", time.perf_counter() - start)
-                await context.abort(status_for(exc), str(exc))
-                raise  # unreachable: abort raises
-            self._observe("Commit", time.perf_counter() - start)
-            yield pb.CommitResponse(applied_seq=applied)
+                yield pb.CommitResponse(applied_seq=applied)
+                if self._closing:
+                    return
+                self._commit_streams[task] = False
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
+            # Cancelled by close_streams: answer a status, or gRPC would hold the call
+            # (and the server's stop, for its whole grace) until the node hangs up.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the master is stopping")
+        finally:
+            self._commit_streams.pop(task, None)
 
     async def commit_in_process(self, batch: CommitBatch, session: bytes | None = None) -> int:
         """What ``Commit`` does, for the node of this same process (``kvstore serve``): the
