@@ -1,11 +1,14 @@
 """kvstore beside its peers: ``tcp://`` puts and gets next to Mooncake Store's, same run.
 
     python bench/peers.py [--quick] [--sizes "512 KiB,4 MiB"] [--batches 8] [--plot out.png]
+                          [--master-apart]
 
 Both stores move the same exchanges: N chunks of the same encoded size, from and into
 memory the client allocated and touched beforehand, one exchange at a time:
 
-- **kvstore**: a ``kvstore serve`` on loopback (pool ``--pool``) and this process as the
+- **kvstore**: a ``kvstore serve`` on loopback (pool ``--pool``; with ``--master-apart`` a
+  ``kvstore master`` and a ``kvstore node``, each a process of its own, as Mooncake's master
+  is, so that every put's commit crosses gRPC) and this process as the
   client, ``NodeClient.put`` (``put + chunks → ack``) and ``NodeClient.get`` (``get →
   data``, straight into the client's rows) of pre-encoded chunks (``quant="none"``) over one
   kept ``tcp://`` connection;
@@ -204,18 +207,19 @@ class KvSide:
     """This process as a kvstore client of one node: one kept ``tcp://`` connection and a
     ``region`` of touched memory, exchange ``i`` of a phase in its ``i``-th row block."""
 
-    def __init__(self, conn: Connection, data_uri: str, region_bytes: int, server_pid: int) -> None:
+    def __init__(self, conn: Connection, data_uri: str, region_bytes: int,
+                 server_pids: Sequence[int]) -> None:  # fmt: skip
         self.conn = conn
-        self.watch = CpuWatch([server_pid])
+        self.watch = CpuWatch(server_pids)
         self.node = NodeClient(data_uri, KeptConnection(conn), timeout_s=IO_TIMEOUT_S)
         self.region = torch.zeros(region_bytes, dtype=torch.uint8)  # written: pages touched
         self.scratch = torch.zeros(FLUSH, dtype=torch.uint8)
         self.sources: dict[Point, torch.Tensor] = {}
 
     @classmethod
-    async def open(cls, data_uri: str, region_bytes: int, server_pid: int) -> KvSide:
+    async def open(cls, data_uri: str, region_bytes: int, server_pids: Sequence[int]) -> KvSide:
         conn = await connect(data_uri, timeout=IO_TIMEOUT_S)
-        return cls(conn, data_uri, region_bytes, server_pid)
+        return cls(conn, data_uri, region_bytes, server_pids)
 
     def rows(self, plan: Plan, i: int) -> torch.Tensor:
         """``[batch, chunk_bytes]``: exchange ``i``'s chunks in the region."""
@@ -658,9 +662,20 @@ async def run(args: argparse.Namespace) -> Results:
                 mooncake.start(python, args.pool_bytes, region)
             except Exception as e:  # (any failure: the bench goes on without Mooncake)
                 failed(e)
-        step("starting kvstore serve")
-        serve = stack.enter_context(Serve.start("--host-mem", args.pool, mapped=True))
-        kv = await KvSide.open(serve.addresses["data"], region, serve.proc.pid)
+        pids: list[int] = []
+        if args.master_apart:  # as Mooncake's: its master a process of its own
+            step("starting kvstore master and kvstore node")
+            master = stack.enter_context(
+                Serve.start("--grpc-port", "0", "--metrics-port", "0", command="master")
+            )
+            serve = stack.enter_context(Serve.start(
+                "--master", master.addresses["grpc"], "--data-port", "0", "--metrics-port",
+                "0", "--host-mem", args.pool, command="node", mapped=True))  # fmt: skip
+            pids.append(master.proc.pid)
+        else:
+            step("starting kvstore serve")
+            serve = stack.enter_context(Serve.start("--host-mem", args.pool, mapped=True))
+        kv = await KvSide.open(serve.addresses["data"], region, [serve.proc.pid, *pids])
         step("starting the raw socket server")
         raw_server = SpawnedServer.start(
             functools.partial(serve_raw_sockets, region_bytes=region), START_TIMEOUT_S
@@ -724,7 +739,15 @@ def report(res: Results, args: argparse.Namespace) -> Table:
         f"{'; '.join(phases)}.",
         "A chunk is kvstore's encoded chunk (the payload and its header, quant none); "
         "Mooncake's objects have the same size, so both move the same bytes.",
-        f"kvstore: `kvstore serve --host-mem {args.pool}` on loopback, measured once its node "
+        (
+            f"kvstore: `kvstore node --host-mem {args.pool}` with a `kvstore master` in a "
+            "process of its own (--master-apart: every put's commit crosses gRPC, as Mooncake's "
+            "puts reach its master)"
+            if args.master_apart
+            else f"kvstore: `kvstore serve --host-mem {args.pool}` (its master in the node's "
+            "process)"
+        )
+        + " on loopback, measured once its node "
         "said its host memory was mapped, this process as the client on one kept connection "
         "(`NodeClient.put`: put + chunks → ack; `NodeClient.get`: get → data into the "
         "client's rows).",
@@ -759,7 +782,8 @@ def cpu_report(res: Results) -> Table:
         "Each figure: the round with the least CPU per GB (of the same rounds as the GB/s "
         "above); CPU of every thread, user and system, over the phase: the server's from "
         "/proc (ticks of 10 ms), the client's from its process time.",
-        "server: kvstore's `serve` (its node and its master in one process), the raw socket "
+        "server: kvstore's `serve` (its node and its master in one process) or, with "
+        "--master-apart, its node and master processes; the raw socket "
         "server, Mooncake's decode process and its `mooncake_master`. client: this process "
         "(kvstore, raw sockets) or Mooncake's prefill process.",
         "Over loopback TCP a put's kernel copy into the server is billed to the server, a "
@@ -809,6 +833,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mooncake-package", default=MOONCAKE, help="what pip installs there")
     parser.add_argument("--no-mooncake", action="store_true", help="kvstore's side alone")
     parser.add_argument("--plot", metavar="PNG", help="also write a bar chart here")
+    parser.add_argument("--master-apart", action="store_true",
+                        help="kvstore's master in a process of its own, as Mooncake's is "
+                             "(default: kvstore serve: master and node in one)")  # fmt: skip
     args = parser.parse_args(argv)
     args.sizes = [s.strip() for s in args.sizes.split(",")]
     if any(s not in SIZES for s in args.sizes):

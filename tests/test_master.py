@@ -259,7 +259,8 @@ async def test_commits_share_one_stream_and_an_error_ends_it(
 
 async def test_a_commit_timed_out_or_cancelled_on_its_stream_leaves_nothing_for_the_next() -> None:
     """A stalled master: a commit past its deadline raises KVTimeout, a cancelled one
-    CancelledError; their answers, when they come, are not taken for a later batch's."""
+    CancelledError; each drops its stream, and the commits after them get their own
+    answers on a new one."""
     store = MemoryIndexStore()
     async with running(store=store) as (server, client):
         epoch = await register(client, "a")
@@ -357,6 +358,40 @@ async def test_a_master_stops_without_waiting_out_its_grace_for_commit_streams()
     finally:
         await client.close()
         await server.stop()
+
+
+async def test_a_commit_streamed_to_a_stalled_master_fails_over_within_its_deadline() -> None:
+    """Two masters on one store, the first alive but not answering commits: the stream to
+    it gets its share of the deadline, then the batch goes to the second by Commit within
+    the commit's deadline, and the next commit streams to the second."""
+    store, clock = MemoryIndexStore(), FakeClock()
+    first = MasterServer(MasterConfig(grpc_port=0), store, clock=clock)
+    second = MasterServer(MasterConfig(grpc_port=0), store, clock=clock)
+    await first.start()
+    await second.start()
+    client = MasterClient(f"{first.address},{second.address}", timeout_s=5)
+    gate = asyncio.Event()
+    try:
+        epoch = await register(client, "a")
+        assert await client.commit(commit("a", epoch, 1, (1, (0,)))) == 1
+        real = first.service._apply_commit
+
+        async def stalled(batch: CommitBatch, session: bytes | None) -> int:
+            await gate.wait()
+            return await real(batch, session)
+
+        first.service._apply_commit = stalled  # type: ignore[method-assign]
+        assert await client.commit(commit("a", epoch, 2, (2, (0,))), timeout=2.0) == 2
+        assert second.service.counters.commits == 1
+        assert client.target == second.address
+        assert await client.commit(commit("a", epoch, 3, (3, (0,)))) == 3
+        assert second.service.counters.commit_streams == 1
+    finally:
+        gate.set()
+        await client.close()
+        await first.stop(grace=0.1)
+        await second.stop(grace=0.1)
+    await store.close()
 
 
 async def test_a_master_without_commit_streams_gets_unary_commits(

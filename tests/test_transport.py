@@ -624,6 +624,24 @@ async def test_with_timeout_nested_each_deadline_raises_its_own() -> None:
         await with_timeout(with_timeout(never.wait(), 5, "inner"), 0.02, "outer")
 
 
+async def test_with_timeout_clears_its_cancellation_when_the_wait_swallows_it() -> None:
+    """As asyncio.timeout: a deadline's cancellation that the awaited code catches is
+    taken back, so the task is not left marked as being cancelled."""
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+
+    async def stubborn() -> str:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            return "caught"
+        return "never"
+
+    assert await with_timeout(stubborn(), 0.02, "stubborn") == "caught"
+    assert task.cancelling() == 0
+    await asyncio.sleep(0.01)  # and the task goes on
+
+
 async def test_with_timeout_many_concurrent_deadlines_each_fire_once() -> None:
     """Forty waits with deadlines 10-49 ms, half of which finish first: the ones that finish
     return, every other one raises its own timeout."""

@@ -195,6 +195,8 @@ class MasterClient:
         self._current = 0
         self._commits: grpc.aio.StreamStreamCall | None = None
         """The commit stream (:meth:`commit`), opened on first use; None: none open."""
+        self._commits_to = 0
+        """The master the commit stream is open to (an index into the targets)."""
         self._commits_busy = False
         self._streams_commits = True
         """False once a master answered that it has no ``CommitStream``: unary from then."""
@@ -258,12 +260,17 @@ class MasterClient:
     ) -> None:
         await self.close()
 
-    async def _call(self, method: str, request: Any, timeout: float | None) -> Any:
+    async def _call(
+        self, method: str, request: Any, timeout: float | None, *, tried: int = 0
+    ) -> Any:
+        """A unary call to the current master, moving on to the next ones as the module doc
+        says; ``tried``: masters just tried already (the current one is the first after
+        them), left out of this call."""
         if self._service is not None:
             return await self._call_in_process(method, request, timeout or self.timeout_s)
         limit = timeout or self.timeout_s
         deadline = time.monotonic() + limit
-        n = len(self._stubs)
+        n = len(self._stubs) - tried
         for attempt in range(n):
             left = deadline - time.monotonic()
             share = left / (n - attempt)  # a frozen master costs its share, not the deadline
@@ -361,16 +368,19 @@ class MasterClient:
         req = wire.commit_to_pb(batch)
         req.session = self.session
         limit = timeout or self.timeout_s
+        tried = 0
         if self._streams_commits and not self._commits_busy:
             started = time.monotonic()
-            applied = await self._commit_streamed(req, limit / len(self._stubs))
+            applied, tried = await self._commit_streamed(req, limit / len(self._stubs))
             if applied is not None:
                 return applied
             limit = max(limit - (time.monotonic() - started), _MIN_RETRY_S)
-        resp = await self._call("Commit", req, limit)
+        resp = await self._call("Commit", req, limit, tried=tried)
         return int(resp.applied_seq)
 
-    async def _commit_streamed(self, req: pb.CommitRequest, timeout: float) -> int | None:
+    async def _commit_streamed(
+        self, req: pb.CommitRequest, timeout: float
+    ) -> tuple[int | None, int]:
         """Send ``req`` on the commit stream (opened to the current master on first use) and
         return the applied seq. A ``CommitStream`` message costs a node and its master less
         than a unary ``Commit`` (measured on loopback: 224-266 µs a round trip against
@@ -378,17 +388,22 @@ class MasterClient:
 
         None, the stream dropped, when :meth:`commit` should send the batch by ``Commit``
         instead: the stream ended or broke without the master's verdict on the batch
-        (:data:`_VERDICTS`; a master that stops ends it with ``INTERNAL``), the master did
-        not answer within ``timeout`` with other masters left to try (as a unary call fails
-        over), or the master has no ``CommitStream``. A batch the master applied already
-        is not applied again (a seq at or below the applied one is a no-op), so sending it
-        once more is safe.
-        Raises the typed error the master answered (the stream ends with it), or
-        :class:`KVTimeout` past ``timeout`` with a single master."""
+        (:data:`_VERDICTS`; a master that went away, or one that stopped before it ended
+        its streams itself, ends it otherwise), the master did not answer within
+        ``timeout`` with other masters left to try (as a unary call fails over; the second
+        value is then 1: that master is left out of the retry), or the master has no
+        ``CommitStream``. A batch the master applied already is not applied again (a seq at
+        or below the applied one is a no-op), so sending it once more is safe. Raises the
+        typed error the master answered (the stream ends with it), or :class:`KVTimeout`
+        past ``timeout`` with a single master.
+
+        Commits go one at a time on the stream (a node's :class:`MasterLink` sends one
+        batch at a time); a caller that finds it busy sends by ``Commit``."""
         self._commits_busy = True
         try:
             call = self._commits
             if call is None:
+                self._commits_to = self._current
                 call = self._commits = self._stubs[self._current].CommitStream(
                     metadata=self._metadata
                 )
@@ -397,20 +412,21 @@ class MasterClient:
             self._drop_commits()
             if len(self._stubs) == 1:
                 raise KVTimeout(f"master Commit: no answer within {timeout:.3g} s") from None
-            self._moved_on()
-            return None
+            if self._current == self._commits_to:  # (not moved on by another call already)
+                self._moved_on()
+            return None, int(self._current == (self._commits_to + 1) % len(self._stubs))
         except grpc.RpcError as exc:
             self._drop_commits()
             code = exc.code()
             if code == grpc.StatusCode.UNIMPLEMENTED:
                 self._streams_commits = False  # (a master of an older version)
-                return None
+                return None, 0
             if code in _VERDICTS:
                 raise error_from_rpc(exc, "Commit") from exc
-            return None  # (the stream broke: a master stopping answers INTERNAL, not a verdict)
+            return None, 0  # (the stream broke: not the master's verdict on the batch)
         except asyncio.InvalidStateError:  # (written after the stream had ended)
             self._drop_commits()
-            return None
+            return None, 0
         except BaseException:  # cancelled mid-exchange: its answer would meet the next batch
             self._drop_commits()
             raise
@@ -420,8 +436,8 @@ class MasterClient:
             # Ended (the master is stopping), or not this batch's answer (an applied seq
             # is at least the batch's own): the stream cannot be trusted; send it again.
             self._drop_commits()
-            return None
-        return int(resp.applied_seq)
+            return None, 0
+        return int(resp.applied_seq), 0
 
     def _drop_commits(self) -> None:
         """End the commit stream; the next commit opens another."""

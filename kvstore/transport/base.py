@@ -208,8 +208,10 @@ async def with_timeout(aw: Awaitable[T], timeout: float | None, what: str) -> T:
     try:
         return await aw
     except asyncio.CancelledError as exc:
-        if entry.fired and task.uncancel() <= cancelling:
-            raise KVTimeout(f"{what} timed out after {timeout:g} s") from exc
+        if entry.fired:
+            entry.fired = False  # (uncancelled here, once)
+            if task.uncancel() <= cancelling:
+                raise KVTimeout(f"{what} timed out after {timeout:g} s") from exc
         raise
     except TimeoutError as exc:  # one from inside ``aw``: named as this wait's
         if isinstance(exc, KVTimeout):
@@ -217,6 +219,8 @@ async def with_timeout(aw: Awaitable[T], timeout: float | None, what: str) -> T:
         raise KVTimeout(f"{what} timed out after {timeout:g} s") from exc
     finally:
         del deadlines.live[entry]
+        if entry.fired:  # the deadline passed but ``aw`` swallowed its cancellation
+            task.uncancel()
 
 
 class _Deadline:
