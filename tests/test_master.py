@@ -313,9 +313,9 @@ async def test_a_commit_after_its_master_restarted_on_the_same_port_goes_through
     await store.close()
 
 
-async def test_a_commit_streamed_to_a_master_that_died_fails_over_to_the_next() -> None:
-    """Two masters on one store: the node's stream is to the first; it stops; the next
-    commit goes to the second (by Commit, which fails over) and the one after streams."""
+@contextlib.asynccontextmanager
+async def two_masters() -> AsyncIterator[tuple[MasterServer, MasterServer, MasterClient]]:
+    """Two masters sharing one store (and a clock), and a client listing both."""
     store, clock = MemoryIndexStore(), FakeClock()
     first = MasterServer(MasterConfig(grpc_port=0), store, clock=clock)
     second = MasterServer(MasterConfig(grpc_port=0), store, clock=clock)
@@ -323,6 +323,18 @@ async def test_a_commit_streamed_to_a_master_that_died_fails_over_to_the_next() 
     await second.start()
     client = MasterClient(f"{first.address},{second.address}", timeout_s=5)
     try:
+        yield first, second, client
+    finally:
+        await client.close()
+        await first.stop(grace=0.1)
+        await second.stop(grace=0.1)
+        await store.close()
+
+
+async def test_a_commit_streamed_to_a_master_that_died_fails_over_to_the_next() -> None:
+    """Two masters on one store: the node's stream is to the first; it stops; the next
+    commit goes to the second (by Commit, which fails over) and the one after streams."""
+    async with two_masters() as (first, second, client):
         epoch = await register(client, "a")
         assert await client.commit(commit("a", epoch, 1, (1, (0,)))) == 1
         assert first.service.counters.commit_streams == 1
@@ -333,10 +345,6 @@ async def test_a_commit_streamed_to_a_master_that_died_fails_over_to_the_next() 
         assert second.service.counters.commit_streams == 1
         holders = await client.lookup(NS, [bh(1), bh(2), bh(3)], CPB)
         assert [h.node_id for (h,) in holders] == ["a"] * 3
-    finally:
-        await client.close()
-        await second.stop(grace=0.1)
-    await store.close()
 
 
 async def test_a_master_stops_without_waiting_out_its_grace_for_commit_streams() -> None:
@@ -364,34 +372,25 @@ async def test_a_commit_streamed_to_a_stalled_master_fails_over_within_its_deadl
     """Two masters on one store, the first alive but not answering commits: the stream to
     it gets its share of the deadline, then the batch goes to the second by Commit within
     the commit's deadline, and the next commit streams to the second."""
-    store, clock = MemoryIndexStore(), FakeClock()
-    first = MasterServer(MasterConfig(grpc_port=0), store, clock=clock)
-    second = MasterServer(MasterConfig(grpc_port=0), store, clock=clock)
-    await first.start()
-    await second.start()
-    client = MasterClient(f"{first.address},{second.address}", timeout_s=5)
     gate = asyncio.Event()
-    try:
-        epoch = await register(client, "a")
-        assert await client.commit(commit("a", epoch, 1, (1, (0,)))) == 1
-        real = first.service._apply_commit
+    async with two_masters() as (first, second, client):
+        try:
+            epoch = await register(client, "a")
+            assert await client.commit(commit("a", epoch, 1, (1, (0,)))) == 1
+            real = first.service._apply_commit
 
-        async def stalled(batch: CommitBatch, session: bytes | None) -> int:
-            await gate.wait()
-            return await real(batch, session)
+            async def stalled(batch: CommitBatch, session: bytes | None) -> int:
+                await gate.wait()
+                return await real(batch, session)
 
-        first.service._apply_commit = stalled  # type: ignore[method-assign]
-        assert await client.commit(commit("a", epoch, 2, (2, (0,))), timeout=2.0) == 2
-        assert second.service.counters.commits == 1
-        assert client.target == second.address
-        assert await client.commit(commit("a", epoch, 3, (3, (0,)))) == 3
-        assert second.service.counters.commit_streams == 1
-    finally:
-        gate.set()
-        await client.close()
-        await first.stop(grace=0.1)
-        await second.stop(grace=0.1)
-    await store.close()
+            first.service._apply_commit = stalled  # type: ignore[method-assign]
+            assert await client.commit(commit("a", epoch, 2, (2, (0,))), timeout=2.0) == 2
+            assert second.service.counters.commits == 1
+            assert client.target == second.address
+            assert await client.commit(commit("a", epoch, 3, (3, (0,)))) == 3
+            assert second.service.counters.commit_streams == 1
+        finally:
+            gate.set()
 
 
 async def test_a_master_without_commit_streams_gets_unary_commits(
