@@ -87,6 +87,7 @@ __all__ = [
     "seeded_tokens",
     "serve_raw_sockets",
     "spawn_worker",
+    "start_pool",
     "thread_cpu",
     "time_calls",
     "time_calls_async",
@@ -368,6 +369,30 @@ class Serve:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def start_pool(
+    stack: contextlib.ExitStack,
+    *flags: str,
+    apart: bool,
+    prefix: Sequence[str] = (),
+    mapped: bool = False,
+) -> tuple[Serve, Serve | None]:
+    """``kvstore serve FLAGS``, or with ``apart`` a ``kvstore master`` and a ``kvstore node
+    FLAGS``, each a process of its own, as a cluster runs them (every put's commit then
+    crosses gRPC); each entered on ``stack``. Returns the node and the master (None: in the
+    node's process); the node's ``grpc`` address is the master's either way. ``prefix`` and
+    ``mapped`` as for :meth:`Serve.start` (``mapped``: the node's)."""
+    if not apart:
+        return stack.enter_context(Serve.start(*flags, prefix=prefix, mapped=mapped)), None
+    master = stack.enter_context(
+        Serve.start("--grpc-port", "0", "--metrics-port", "0", command="master", prefix=prefix)
+    )
+    node = stack.enter_context(Serve.start(
+        "--master", master.addresses["grpc"], "--data-port", "0", "--metrics-port", "0",
+        *flags, command="node", prefix=prefix, mapped=mapped))  # fmt: skip
+    node.addresses["grpc"] = master.addresses["grpc"]
+    return node, master
 
 
 @dataclass(frozen=True)

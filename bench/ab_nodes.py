@@ -62,6 +62,7 @@ from _common import (
     proc_stat,
     progress,
     save_bar_plot,
+    start_pool,
     window_cpu,
 )
 
@@ -120,22 +121,10 @@ def base_tree(ref: str) -> Iterator[Path]:
 
 def serve_from(stack: contextlib.ExitStack, tree: Path, host_mem: str,
                apart: bool) -> tuple[Serve, Serve | None]:  # fmt: skip
-    """``kvstore serve`` run from ``tree``'s code (its directory first on the path); with
-    ``apart``, ``kvstore master`` and ``kvstore node`` instead, each a process of its own,
-    as a cluster runs them (the node's commits then cross gRPC). The node and the master
-    (None: in the node's process), their addresses as one ``serve``'s (``grpc`` is the
-    master's)."""
+    """A pool (:func:`start_pool`: ``kvstore serve``, or with ``apart`` a master and a node)
+    run from ``tree``'s code (its directory first on the path)."""
     prefix = ["env", f"PYTHONPATH={tree}", "sh", "-c", f'cd "{tree}" && exec "$@"', "_"]
-    if not apart:
-        return stack.enter_context(Serve.start("--host-mem", host_mem, mapped=True,
-                                               prefix=prefix)), None  # fmt: skip
-    master = stack.enter_context(Serve.start("--grpc-port", "0", "--metrics-port", "0",
-                                             command="master", prefix=prefix))  # fmt: skip
-    node = stack.enter_context(Serve.start(
-        "--master", master.addresses["grpc"], "--data-port", "0", "--metrics-port", "0",
-        "--host-mem", host_mem, command="node", prefix=prefix, mapped=True))  # fmt: skip
-    node.addresses["grpc"] = master.addresses["grpc"]
-    return node, master
+    return start_pool(stack, "--host-mem", host_mem, apart=apart, prefix=prefix, mapped=True)
 
 
 def wait_idle(serves: dict[str, Serve], timeout: float = 120.0) -> None:

@@ -68,7 +68,6 @@ from _common import (
     BarPanel,
     BenchError,
     KeptConnection,
-    Serve,
     SpawnedServer,
     Table,
     expect,
@@ -80,6 +79,7 @@ from _common import (
     raw_socket_put,
     save_bar_plot,
     serve_raw_sockets,
+    start_pool,
 )
 from transfer import MAX_EXCHANGE, SIZES, D, H, Point, block_keys, points
 
@@ -662,20 +662,12 @@ async def run(args: argparse.Namespace) -> Results:
                 mooncake.start(python, args.pool_bytes, region)
             except Exception as e:  # (any failure: the bench goes on without Mooncake)
                 failed(e)
-        pids: list[int] = []
-        if args.master_apart:  # as Mooncake's: its master a process of its own
-            step("starting kvstore master and kvstore node")
-            master = stack.enter_context(
-                Serve.start("--grpc-port", "0", "--metrics-port", "0", command="master")
-            )
-            serve = stack.enter_context(Serve.start(
-                "--master", master.addresses["grpc"], "--data-port", "0", "--metrics-port",
-                "0", "--host-mem", args.pool, command="node", mapped=True))  # fmt: skip
-            pids.append(master.proc.pid)
-        else:
-            step("starting kvstore serve")
-            serve = stack.enter_context(Serve.start("--host-mem", args.pool, mapped=True))
-        kv = await KvSide.open(serve.addresses["data"], region, [serve.proc.pid, *pids])
+        # --master-apart: as Mooncake's, the master a process of its own
+        step("starting kvstore master and node" if args.master_apart else "starting kvstore serve")
+        serve, master = start_pool(stack, "--host-mem", args.pool, apart=args.master_apart,
+                                   mapped=True)  # fmt: skip
+        pids = [serve.proc.pid, *([master.proc.pid] if master is not None else [])]
+        kv = await KvSide.open(serve.addresses["data"], region, pids)
         step("starting the raw socket server")
         raw_server = SpawnedServer.start(
             functools.partial(serve_raw_sockets, region_bytes=region), START_TIMEOUT_S

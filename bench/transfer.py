@@ -48,7 +48,6 @@ import torch
 import xxhash
 from _common import (
     KeptConnection,
-    Serve,
     SpawnedServer,
     WindowCpu,
     expect,
@@ -61,6 +60,7 @@ from _common import (
     raw_socket_put,
     serve_raw_sockets,
     spawn_worker,
+    start_pool,
     time_calls_async,
     window_cpu,
 )
@@ -855,17 +855,8 @@ def run(args: argparse.Namespace) -> Results:
 
         gpu = ["--gpu-mem", args.gpu_mem] if args.gpu_mem else []
         node_flags = ["--transport", "ucx", "--host-mem", args.host_mem, *gpu]
-        if args.master_apart:  # a cluster's shape: the node's commits cross gRPC
-            apart = stack.enter_context(
-                Serve.start("--grpc-port", "0", "--metrics-port", "0", command="master")
-            )
-            serve = stack.enter_context(Serve.start(
-                "--master", apart.addresses["grpc"], "--data-port", "0", "--metrics-port", "0",
-                *node_flags, command="node"))  # fmt: skip
-            master = apart.addresses["grpc"]
-        else:
-            serve = stack.enter_context(Serve.start(*node_flags))
-            master = serve.addresses["grpc"]
+        serve, _ = start_pool(stack, *node_flags, apart=args.master_apart)
+        master = serve.addresses["grpc"]
         pid = serve.proc.pid
         step(f"idle node, {args.idle_s:.0f} s")
         idle = [("fresh node, nothing connected", window_cpu(pid, args.idle_s))]
