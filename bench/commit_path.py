@@ -98,16 +98,32 @@ class Case:
     def batch(self) -> CommitBatch:
         """The node's next batch: ``adds`` new blocks, the oldest ``adds`` evicted."""
         self.seq += 1
-        k, n = self.seq, self.adds
-        chunks = tuple(range(self.chunks))
-        adds = tuple(BlockAdd(NS, _hash(k * n + i), chunks, self.location) for i in range(n))
-        old = k - self.window
-        evicts = tuple(BlockRef(NS, _hash(old * n + i)) for i in range(n)) if old > 0 else ()
-        return CommitBatch(NODE, self.epoch, self.seq, adds, evicts, tiers=TIERS)
+        return pool_batch(NODE, self.epoch, self.seq, self.adds, self.window,
+                          tuple(range(self.chunks)), self.location)  # fmt: skip
 
 
-def _hash(i: int) -> bytes:
-    return i.to_bytes(16, "big")
+def pool_batch(
+    node_id: str,
+    epoch: int,
+    seq: int,
+    adds: int,
+    window: int,
+    chunks: tuple[int, ...],
+    location: bytes,
+    tag: bytes = b"",
+) -> CommitBatch:
+    """Commit ``seq`` of a node whose pool holds ``window`` commits' blocks: ``adds`` new
+    blocks, and the ones added ``window`` commits before evicted (none before that)."""
+    new = tuple(BlockAdd(NS, block_hash(seq * adds + i, tag), chunks, location)
+                for i in range(adds))  # fmt: skip
+    old = seq - window
+    evicts = tuple(BlockRef(NS, block_hash(old * adds + i, tag)) for i in range(adds * (old > 0)))
+    return CommitBatch(node_id, epoch, seq, new, evicts, tiers=TIERS)
+
+
+def block_hash(i: int, tag: bytes = b"") -> bytes:
+    """Block ``i``'s 16-byte hash, ``tag`` (a node's own, a few bytes) first."""
+    return tag + i.to_bytes(16 - len(tag), "big")
 
 
 async def start(case: Case) -> None:
@@ -154,7 +170,8 @@ async def check(case: Case) -> None:
     assert isinstance(store, MemoryIndexStore)  # (for mypy)
     resent = await service.commit_in_process(CommitBatch(NODE, case.epoch, case.seq))
     expect(resent == case.seq, f"{case.path}: applied seq {resent}, expected {case.seq}")
-    newest, evicted = _hash(case.seq * case.adds), _hash((case.seq - case.window) * case.adds)
+    newest = block_hash(case.seq * case.adds)
+    evicted = block_hash((case.seq - case.window) * case.adds)
     held = await store.locate(NS, [newest, evicted])
     expect(list(held[0]) == [NODE] and not held[1], f"{case.path}: index lost a commit")
     store.validate()

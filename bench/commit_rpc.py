@@ -35,15 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc
 from _common import Serve, Table, expect, print_report, proc_stat, progress
+from commit_path import NS, TIERS, block_hash, pool_batch
 
 from kvstore.control import wire
 from kvstore.control.client import MasterClient
-from kvstore.control.records import BlockAdd, BlockRef, CommitBatch, Tier
+from kvstore.control.records import CommitBatch
 from kvstore.dataplane.location import tier_mark
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-NS = bytes(range(16))
-TIERS = (Tier("host", 64 << 30, 48 << 30),)
 POOL_BLOCKS = 4096
 PATHS = ("unary Commit", "CommitStream")
 
@@ -69,16 +68,14 @@ class Node:
     def batch(self) -> CommitBatch:
         """The next batch: ``adds`` new blocks, and the ones added a full pool ago evicted."""
         self.seq += 1
-        k, n, window = self.seq, self.adds, max(1, POOL_BLOCKS // self.adds)
-        adds = tuple(BlockAdd(NS, _hash(self.node_id, k * n + i), (0,), tier_mark("host"))
-                     for i in range(n))  # fmt: skip
-        old = k - window
-        evicts = tuple(BlockRef(NS, _hash(self.node_id, old * n + i)) for i in range(n * (old > 0)))
-        return CommitBatch(self.node_id, self.epoch, self.seq, adds, evicts, tiers=TIERS)
+        window = max(1, POOL_BLOCKS // self.adds)
+        return pool_batch(self.node_id, self.epoch, self.seq, self.adds, window, (0,),
+                          tier_mark("host"), self.tag)  # fmt: skip
 
-
-def _hash(node_id: str, i: int) -> bytes:
-    return zlib.crc32(node_id.encode()).to_bytes(4, "big") + i.to_bytes(12, "big")
+    @property
+    def tag(self) -> bytes:
+        """What starts this node's block hashes (two nodes commit into one master)."""
+        return zlib.crc32(self.node_id.encode()).to_bytes(4, "big")
 
 
 async def commit_unary(node: Node) -> int:
@@ -131,7 +128,7 @@ async def measure(master_pid: int, args: argparse.Namespace) -> dict[str, dict[s
                     out[path]["cpu"].append(cpu / args.commits * 1e6)
                     out[path]["master"].append(master / args.commits * 1e6)
         for path, node in nodes.items():  # every batch landed: the newest block is indexed
-            [holders] = await node.client.lookup(NS, [_hash(node.node_id, node.seq * node.adds)])
+            [holders] = await node.client.lookup(NS, [block_hash(node.seq * node.adds, node.tag)])
             expect([h.node_id for h in holders] == [node.node_id], f"{path}: a commit is lost")
     finally:
         for node in nodes.values():
