@@ -1,5 +1,6 @@
-"""A node's commit to a master in a process of its own: a unary ``Commit`` RPC beside a
-message of the node's ``CommitStream``, side by side in one run.
+"""A node's commit to a master in a process of its own: a unary ``Commit`` RPC, a message
+of the node's ``CommitStream`` and a framed exchange on the master's commit port, side by
+side in one run.
 
     python bench/commit_rpc.py [--rounds 6] [--commits 500] [--adds 8]
 
@@ -12,11 +13,14 @@ pool, as ``bench/commit_path.py`` builds them), in rounds that alternate between
 
 - **unary Commit**: ``MasterStub.Commit``, one RPC per batch (what nodes sent before
   ``CommitStream``; what a node falls back to when its stream breaks);
-- **CommitStream**: ``MasterClient.commit``, one message on the node's long-lived stream.
+- **CommitStream**: ``MasterClient.commit`` with ``use_commit_port=False``, one message on
+  the node's long-lived stream (what a node sends while the commit port is out of reach);
+- **commit port**: ``MasterClient.commit``, one framed exchange on the node's connection
+  to the master's commit port (:mod:`kvstore.control.commit_port`; what a node sends).
 
 Per path: the commit's p50 and p99 round trip, this process's CPU per commit (the
 node's side) and the master process's (``/proc``, ticks of 10 ms), each the median of
-the rounds, and the stream ÷ unary. Markdown on stdout, progress on stderr.
+the rounds, and each ÷ CommitStream's. Markdown on stdout, progress on stderr.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+import urllib.request
 import zlib
 from pathlib import Path
 
@@ -44,7 +49,7 @@ from kvstore.dataplane.location import tier_mark
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 POOL_BLOCKS = 4096
-PATHS = ("unary Commit", "CommitStream")
+PATHS = ("unary Commit", "CommitStream", "commit port")
 
 
 class Node:
@@ -88,8 +93,9 @@ async def commit_unary(node: Node) -> int:
     return int(resp.applied_seq)
 
 
-async def commit_streamed(node: Node) -> int:
-    """``MasterClient.commit``: one message on the node's commit stream."""
+async def commit_by_client(node: Node) -> int:
+    """``MasterClient.commit``: the commit port, or (``use_commit_port=False``) one message
+    on the node's commit stream."""
     return await node.client.commit(node.batch())
 
 
@@ -97,11 +103,12 @@ async def measure(master_pid: int, args: argparse.Namespace) -> dict[str, dict[s
     """Alternate rounds of ``args.commits`` commits per path (a warm-up round first);
     per path and round: p50 and p99 µs, node-side and master CPU µs per commit."""
     out = {p: {"p50": [], "p99": [], "cpu": [], "master": []} for p in PATHS}
-    calls = {"unary Commit": commit_unary, "CommitStream": commit_streamed}
+    calls = {"unary Commit": commit_unary, "CommitStream": commit_by_client,
+             "commit port": commit_by_client}  # fmt: skip
     nodes = {}
     channel = grpc.aio.insecure_channel(args.master)
     for path in PATHS:
-        client = MasterClient(args.master, timeout_s=10)
+        client = MasterClient(args.master, timeout_s=10, use_commit_port=path == "commit port")
         nodes[path] = Node(client, f"bench-{path.split()[0].lower()}", args.adds)
         await nodes[path].register()
     nodes["unary Commit"].stub = pb_grpc.MasterStub(channel)
@@ -143,10 +150,10 @@ def table(got: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> T
         f"evictions a batch; {args.rounds} rounds of {args.commits} commits per path, "
         "alternating; medians of the rounds)",
         ["path", "p50 µs", "p99 µs", "node CPU µs/commit", "master CPU µs/commit",
-         "p50 ÷ unary", "node CPU ÷ unary", "master CPU ÷ unary"],
+         "p50 ÷ stream", "node CPU ÷ stream", "master CPU ÷ stream"],
     )  # fmt: skip
     med = {p: {k: statistics.median(v) for k, v in got[p].items()} for p in PATHS}
-    base = med["unary Commit"]
+    base = med["CommitStream"]
     for path in PATHS:
         m = med[path]
         ratios = [m[k] / base[k] for k in ("p50", "cpu", "master")]
@@ -162,6 +169,15 @@ def table(got: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> T
     return result
 
 
+def commit_links(metrics: str) -> float:
+    """The master's ``kvstore_commit_links_total`` (its /metrics at ``host:port``)."""
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as body:
+        for line in body.read().decode().splitlines():
+            if line.startswith("kvstore_commit_links_total "):
+                return float(line.split()[1])
+    return -1.0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run both paths against one master subprocess and print Markdown; 0 on success."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -174,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     with Serve.start("--grpc-port", "0", "--metrics-port", "0", command="master") as master:
         args.master = master.addresses["grpc"]
         got = asyncio.run(measure(master.proc.pid, args))
-    print_report("A node's commit over gRPC", "bench/commit_rpc.py", argv, [table(got, args)])
+        links = commit_links(master.addresses["metrics"])
+    # (one connection: the commit port's node kept its link; the gRPC nodes opened none)
+    expect(links == 1, f"the commit port served {links} connections, expected the one")
+    print_report("A node's commit to its master", "bench/commit_rpc.py", argv, [table(got, args)])
     return 0
 
 

@@ -229,10 +229,11 @@ def _check_exposure(cfg: Resolved) -> AuthConfig | None:
     return None
 
 
-def _load_tls(cfg: Resolved) -> tuple[Any, TlsFiles | None, Any]:
+def _load_tls(cfg: Resolved) -> tuple[Any, TlsFiles | None, Any, Any]:
     """The master's gRPC server credentials (None: plaintext), the node's TLS files toward
-    its master (None: not a node) and the data port's server context (None: ``tcp://``),
-    read here so that a bad file fails in one line."""
+    its master (None: not a node), the data port's server context (None: ``tcp://``) and
+    the master's commit port's (None: ``tcp://``), read here so that a bad file fails in
+    one line."""
     from dataclasses import replace
 
     from kvstore.control.tls import TlsFiles, channel_credentials, server_credentials
@@ -241,9 +242,14 @@ def _load_tls(cfg: Resolved) -> tuple[Any, TlsFiles | None, Any]:
         return str(cfg.values.get(name) or "")
 
     mine = TlsFiles(path("tls_cert"), path("tls_key"))
-    server_tls = None
+    server_tls = commit_tls = None
     if cfg.command in ("serve", "master") and mine.on:
         server_tls = server_credentials(replace(mine, ca=path("tls_client_ca")))
+    if cfg.command == "master" and mine.on:
+        from kvstore.transport.tls import server_context
+
+        # the commit port: the same certificate, and the same client CA if any
+        commit_tls = server_context(mine.cert, mine.key, path("tls_client_ca"))
     node_tls = replace(mine, ca=path("tls_ca")) if cfg.command == "node" else None
     if node_tls is not None and node_tls.on:
         channel_credentials(node_tls)  # (reads and checks the files)
@@ -255,14 +261,15 @@ def _load_tls(cfg: Resolved) -> tuple[Any, TlsFiles | None, Any]:
             raise InvalidArgument("--data-tls needs --tls-cert and --tls-key")
         server_credentials(mine)  # (the same checks of the files: key mode, PEM)
         data_tls = server_context(mine.cert, mine.key)
-    return server_tls, node_tls, data_tls
+    return server_tls, node_tls, data_tls, commit_tls
 
 
 def _probe_ports(cfg: Resolved) -> None:
     """Bind and release each fixed port this command will open (as the servers do, with
     SO_REUSEADDR), so that a taken port is reported in one line of ours before any server
     starts — gRPC logs its own line before it fails. Raises OSError naming the port."""
-    ports = [("gRPC", "grpc_port"), ("data", "data_port"), ("metrics", "metrics_port")]
+    ports = [("gRPC", "grpc_port"), ("commit", "commit_port"), ("data", "data_port"),
+             ("metrics", "metrics_port")]  # fmt: skip
     for what, dest in ports:
         port = cfg.values.get(dest)
         if not isinstance(port, int) or port == 0:
@@ -282,7 +289,7 @@ def _probe_ports(cfg: Resolved) -> None:
 
 
 async def _run(
-    cfg: Resolved, auth: AuthConfig | None, tls: tuple[Any, TlsFiles | None, Any]
+    cfg: Resolved, auth: AuthConfig | None, tls: tuple[Any, TlsFiles | None, Any, Any]
 ) -> int:
     import asyncio
     import contextlib
@@ -297,7 +304,7 @@ async def _run(
     command = cfg.command
     secret = auth.cluster_secret if auth is not None else ""
 
-    server_tls, node_tls, data_tls = tls
+    server_tls, node_tls, data_tls, commit_tls = tls
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -309,9 +316,12 @@ async def _run(
         node: StorageNode | None = None
         if command in ("serve", "master"):
             private = command == "serve"
+            commit_port = None if private else cfg["commit_port"]
             mcfg = MasterConfig(
                 host="127.0.0.1" if private else cfg["host"],
                 grpc_port=0 if private else cfg["grpc_port"],
+                # serve: its node commits in-process; nothing else commits there
+                commit_port=None if commit_port == "off" else commit_port,
                 node_lease_s=cfg["node_lease_s"],
             )
             store = None
@@ -321,7 +331,9 @@ async def _run(
                 exits.push_async_callback(store.close)
             # serve: its private loopback port stays plaintext (its own node), the public
             # one (listen below) speaks TLS
-            master = MasterServer(mcfg, store, auth=auth, tls=None if private else server_tls)
+            master = MasterServer(
+                mcfg, store, auth=auth, tls=None if private else server_tls, commit_tls=commit_tls
+            )
             master.service.add_rpc_observer(
                 lambda method, seconds: metrics.rpc_seconds.labels(method=method).observe(seconds)
             )
@@ -330,6 +342,10 @@ async def _run(
             exits.push_async_callback(master.stop, 5.0)
             if not private:
                 parts.append(f"grpc={master.address}")
+                if master.commits is not None:
+                    scheme = "tls" if commit_tls is not None else "tcp"
+                    host = grpc_address(cfg["host"], master.commits.port)
+                    parts.append(f"commit={scheme}://{host}")
         if command in ("serve", "node"):
             # (here, not above: a master alone never loads the node, nor torch: ~2 s)
             from kvstore.node.server import NodeConfig, StorageNode
@@ -417,7 +433,8 @@ async def _ucx_uri(node: StorageNode) -> str:
 
 
 def _wire_master_counters(master: MasterServer, metrics: Metrics) -> None:
-    """Export the master's prefix counters as the Prometheus metrics it owns."""
+    """Export the master's prefix and commit-port counters as the Prometheus metrics it
+    owns."""
     from collections.abc import Iterator
 
     from prometheus_client.core import CounterMetricFamily, Metric
@@ -439,9 +456,16 @@ def _wire_master_counters(master: MasterServer, metrics: Metrics) -> None:
                 "kvstore_prefix_miss_tokens", "Tokens of match_prefix requests not matched"
             )
             missed.add_metric([], counters.miss_tokens)
+            links = CounterMetricFamily(
+                "kvstore_commit_links",
+                "Connections to the master's commit port that sent a commit (a node keeps "
+                "one; more: its reconnects)",
+            )
+            links.add_metric([], counters.commit_links)
             yield lookups
             yield tokens
             yield missed
+            yield links
 
     metrics.registry.register(_PrefixCollector())
 

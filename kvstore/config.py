@@ -102,6 +102,12 @@ def _port(value: object) -> int:
     return port
 
 
+def _port_or_off(value: object) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == "off":
+        return "off"
+    return _port(value)
+
+
 def _count(value: object) -> int:
     n = _integer(value)
     if n < 1:
@@ -281,6 +287,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("metrics-port", _port, {"serve": 9400, "master": 9400, "node": 9401},
             "Prometheus /metrics port (0: a free one)", _BOTH, "PORT"),
     Setting("grpc-port", _port, 50051, "the master's gRPC port (0: a free one)", _MASTERS,
+            "PORT"),
+    Setting("commit-port", _port_or_off, 0, "the master's commit port: its nodes send "
+            "their commits there, framed as data exchanges, and over gRPC only while it is "
+            "out of reach (0: a free one, told to each node; off: none)", ("master",),
             "PORT"),
     Setting("node-lease-s", _seconds, 10.0, "a node silent for half this long is suspect, "
             "for this long dead; heartbeats every third of it", _MASTERS, "S"),

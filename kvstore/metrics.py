@@ -5,10 +5,11 @@ it to the parts it runs. In ``kvstore serve`` the master and the node share that
 object; every metric has exactly one owner, and ``kvstore_blocks`` carries a ``role`` label
 (``master``: blocks in the index, ``node``: slots held) so nothing is registered twice.
 
-Owners: master — ``kvstore_prefix_lookups_total``, ``kvstore_prefix_hit_tokens_total`` and
-``kvstore_prefix_miss_tokens_total`` (exported by a collector over the master's own
-counters, see ``kvstore.cli``), ``kvstore_rpc_seconds{method}``, ``kvstore_nodes{state}`` and
-``kvstore_blocks{role="master"}`` (both set after every lease sweep); node — everything else.
+Owners: master — ``kvstore_prefix_lookups_total``, ``kvstore_prefix_hit_tokens_total``,
+``kvstore_prefix_miss_tokens_total`` and ``kvstore_commit_links_total`` (exported by a
+collector over the master's own counters, see ``kvstore.cli``),
+``kvstore_rpc_seconds{method}``, ``kvstore_nodes{state}`` and ``kvstore_blocks{role="master"}``
+(both set after every lease sweep); node — everything else.
 
 :class:`MetricsServer` serves ``/metrics`` with prometheus_client's encoders (text 0.0.4 or
 OpenMetrics as the scrape's ``Accept`` asks, gzip when accepted, ``name[]`` filters) from a

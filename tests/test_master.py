@@ -235,12 +235,15 @@ async def test_commit_epoch_and_seq_rules(master: tuple[MasterServer, MasterClie
     assert holder.chunks() == [0, 1] and holder.epoch == new
 
 
-async def test_commits_share_one_stream_and_an_error_ends_it(
-    master: tuple[MasterServer, MasterClient],
-) -> None:
-    """A node's commits go on one CommitStream, answered in order; a refused commit ends
-    that stream with its typed error, and the next commit opens another."""
-    server, client = master
+async def test_commits_share_one_stream_and_an_error_ends_it() -> None:
+    """Where the master has no commit port, a node's commits go on one CommitStream,
+    answered in order; a refused commit ends that stream with its typed error, and the
+    next commit opens another."""
+    async with running(MasterConfig(grpc_port=0, commit_port=None)) as (server, client):
+        await _commits_share_one_stream(server, client)
+
+
+async def _commits_share_one_stream(server: MasterServer, client: MasterClient) -> None:
     counters = server.service.counters
     epoch = await register(client, "a")
     for seq in range(1, 6):
@@ -257,12 +260,18 @@ async def test_commits_share_one_stream_and_an_error_ends_it(
     assert [h.chunks() for (h,) in holders] == [[0]] * 5 + [[1]]
 
 
-async def test_a_commit_timed_out_or_cancelled_on_its_stream_leaves_nothing_for_the_next() -> None:
+@pytest.mark.parametrize("commit_port", [None, 0], ids=["stream", "commit port"])
+async def test_a_commit_timed_out_or_cancelled_leaves_nothing_for_the_next(
+    commit_port: int | None,
+) -> None:
     """A stalled master: a commit past its deadline raises KVTimeout, a cancelled one
-    CancelledError; each drops its stream, and the commits after them get their own
-    answers on a new one."""
+    CancelledError; each drops its stream (or its link to the commit port), and the
+    commits after them get their own answers on a new one."""
     store = MemoryIndexStore()
-    async with running(store=store) as (server, client):
+    async with running(MasterConfig(grpc_port=0, commit_port=commit_port), store=store) as (
+        server,
+        client,
+    ):
         epoch = await register(client, "a")
         gate, real_apply = asyncio.Event(), store.apply
 
@@ -283,21 +292,25 @@ async def test_a_commit_timed_out_or_cancelled_on_its_stream_leaves_nothing_for_
         assert await client.commit(commit("a", epoch, 4, (4, (0,)))) == 4
         holders = await client.lookup(NS, [bh(3), bh(4)], CPB)
         assert [h.node_id for (h,) in holders] == ["a", "a"]
-        assert server.service.counters.commit_streams == 3
+        counters = server.service.counters
+        ways = (counters.commit_streams, counters.commit_links)
+        assert ways == ((3, 0) if commit_port is None else (0, 3))
 
 
 async def test_a_commit_after_its_master_restarted_on_the_same_port_goes_through() -> None:
     """The stream to the old master process is broken: the commit is sent again (by the
     unary Commit; a seq already applied is a no-op) and the one after streams again."""
     store, clock = MemoryIndexStore(), FakeClock()
-    first = MasterServer(MasterConfig(grpc_port=0), store, clock=clock)
+    first = MasterServer(MasterConfig(grpc_port=0, commit_port=None), store, clock=clock)
     await first.start()
     client = MasterClient(first.address, timeout_s=5)
     try:
         epoch = await register(client, "a")
         assert await client.commit(commit("a", epoch, 1, (1, (0,)))) == 1
         await first.stop(grace=0.1)
-        second = MasterServer(MasterConfig(grpc_port=first.port), store, clock=clock)
+        second = MasterServer(
+            MasterConfig(grpc_port=first.port, commit_port=None), store, clock=clock
+        )
         await second.start()
         try:
             assert await client.commit(commit("a", epoch, 2, (2, (0,)))) == 2
@@ -314,11 +327,13 @@ async def test_a_commit_after_its_master_restarted_on_the_same_port_goes_through
 
 
 @contextlib.asynccontextmanager
-async def two_masters() -> AsyncIterator[tuple[MasterServer, MasterServer, MasterClient]]:
+async def two_masters(
+    commit_port: int | None = 0,
+) -> AsyncIterator[tuple[MasterServer, MasterServer, MasterClient]]:
     """Two masters sharing one store (and a clock), and a client listing both."""
     store, clock = MemoryIndexStore(), FakeClock()
-    first = MasterServer(MasterConfig(grpc_port=0), store, clock=clock)
-    second = MasterServer(MasterConfig(grpc_port=0), store, clock=clock)
+    first = MasterServer(MasterConfig(grpc_port=0, commit_port=commit_port), store, clock=clock)
+    second = MasterServer(MasterConfig(grpc_port=0, commit_port=commit_port), store, clock=clock)
     await first.start()
     await second.start()
     client = MasterClient(f"{first.address},{second.address}", timeout_s=5)
@@ -334,7 +349,7 @@ async def two_masters() -> AsyncIterator[tuple[MasterServer, MasterServer, Maste
 async def test_a_commit_streamed_to_a_master_that_died_fails_over_to_the_next() -> None:
     """Two masters on one store: the node's stream is to the first; it stops; the next
     commit goes to the second (by Commit, which fails over) and the one after streams."""
-    async with two_masters() as (first, second, client):
+    async with two_masters(commit_port=None) as (first, second, client):
         epoch = await register(client, "a")
         assert await client.commit(commit("a", epoch, 1, (1, (0,)))) == 1
         assert first.service.counters.commit_streams == 1
@@ -350,7 +365,7 @@ async def test_a_commit_streamed_to_a_master_that_died_fails_over_to_the_next() 
 async def test_a_master_stops_without_waiting_out_its_grace_for_commit_streams() -> None:
     """A node's commit stream stays open between its commits; a stopping master ends it
     (UNAVAILABLE) instead of holding its stop for the whole grace."""
-    server = MasterServer(MasterConfig(grpc_port=0))
+    server = MasterServer(MasterConfig(grpc_port=0, commit_port=None))
     await server.start()
     client = MasterClient(server.address, timeout_s=5)
     try:
@@ -373,7 +388,7 @@ async def test_a_commit_streamed_to_a_stalled_master_fails_over_within_its_deadl
     it gets its share of the deadline, then the batch goes to the second by Commit within
     the commit's deadline, and the next commit streams to the second."""
     gate = asyncio.Event()
-    async with two_masters() as (first, second, client):
+    async with two_masters(commit_port=None) as (first, second, client):
         try:
             epoch = await register(client, "a")
             assert await client.commit(commit("a", epoch, 1, (1, (0,)))) == 1
@@ -412,7 +427,7 @@ async def test_a_master_without_commit_streams_gets_unary_commits(
         yield  # pragma: no cover
 
     monkeypatch.setattr(MasterService, "CommitStream", unimplemented)
-    async with running() as (server, client):
+    async with running(MasterConfig(grpc_port=0, commit_port=None)) as (server, client):
         epoch = await register(client, "a")
         assert [await client.commit(commit("a", epoch, s, (s, (0,)))) for s in (1, 2, 3)] == [
             1,

@@ -28,6 +28,7 @@ import grpc
 
 from kvstore.control import wire
 from kvstore.control.auth import bearer, check_token
+from kvstore.control.commit_port import CommitLink, CommitRefused, commit_uri
 from kvstore.control.records import (
     ClusterEvent,
     CommitBatch,
@@ -42,7 +43,7 @@ from kvstore.control.records import (
     Tier,
     WatchEvent,
 )
-from kvstore.control.tls import TlsFiles, channel_credentials
+from kvstore.control.tls import TlsFiles, channel_credentials, data_context
 from kvstore.core.routing import Instance, RouteChoice
 from kvstore.dataplane.handshake import Ticket, TicketSource
 from kvstore.errors import (
@@ -84,6 +85,13 @@ by the unary Commit."""
 _MIN_RETRY_S = 0.05
 """Least time a commit's unary retry gets after its stream failed (its deadline nearly
 spent): enough for a master that answers at all."""
+
+_LINK_DIAL_S = 1.0
+"""Longest a commit waits to dial its master's commit port (a port a firewall drops)."""
+_LINK_BACKOFF_S = (30.0, 900.0)
+"""After a commit port could not be reached (or refused the node), commits go over gRPC
+for the first of these many seconds, doubling with each failure in a row up to the
+second: an out-of-reach port costs one dial per period, not one per commit."""
 
 _ERRORS: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.UNAVAILABLE: Unreachable,
@@ -171,11 +179,14 @@ class MasterClient:
         service: InProcessMaster | None = None,
         token: str = "",
         tls: TlsFiles | None = None,
+        use_commit_port: bool = True,
     ) -> None:
         """``service``: see :meth:`in_process` (``target`` then only names it). ``token``:
         sent with every call (``kvstore.control.auth``: a node's cluster secret, a client's
         or an admin's token); empty: none, for a master without an auth file. ``tls``:
-        TLS to the master (:mod:`kvstore.control.tls`); None or nothing set: plaintext."""
+        TLS to the master (:mod:`kvstore.control.tls`); None or nothing set: plaintext.
+        ``use_commit_port``: False sends commits over gRPC only, even to a master with a
+        commit port (``bench/commit_rpc.py`` compares the two)."""
         targets = [t.strip() for t in str(target).split(",") if t.strip()]
         if not targets:
             raise InvalidArgument("master address must not be empty")
@@ -200,6 +211,14 @@ class MasterClient:
         self._commits_busy = False
         self._streams_commits = True
         """False once a master answered that it has no ``CommitStream``: unary from then."""
+        self._use_commit_port = use_commit_port
+        self._commit_ports: dict[int, int] = {}
+        """Each master's commit port as it last said (an index into the targets; 0: none)."""
+        self._link: CommitLink | None = None
+        self._link_to = (-1, 0)
+        """The master :attr:`_link` goes to (an index into the targets) and its port."""
+        self._link_off_until = 0.0
+        self._link_backoff = _LINK_BACKOFF_S[0]
         if service is not None:
             return
         options = [
@@ -246,6 +265,7 @@ class MasterClient:
     async def close(self) -> None:
         """Close the channel; in-flight calls fail. Idempotent."""
         self._drop_commits()
+        await self._drop_link()
         for channel in self._channels:
             await channel.close()
 
@@ -334,6 +354,7 @@ class MasterClient:
             session=self.session,
         )
         resp = await self._call("Register", req, timeout)
+        self._commit_ports[self._current] = resp.commit_port
         return Registration(resp.epoch, resp.lease_s)
 
     async def heartbeat(
@@ -369,6 +390,16 @@ class MasterClient:
         req.session = self.session
         limit = timeout or self.timeout_s
         tried = 0
+        if (
+            self._use_commit_port
+            and self._commit_ports.get(self._current)
+            and time.monotonic() >= self._link_off_until
+        ):
+            started = time.monotonic()
+            applied = await self._commit_framed(req, limit / len(self._stubs))
+            if applied is not None:
+                return applied
+            limit = max(limit - (time.monotonic() - started), _MIN_RETRY_S)
         if self._streams_commits and not self._commits_busy:
             started = time.monotonic()
             applied, tried = await self._commit_streamed(req, limit / len(self._stubs))
@@ -376,6 +407,7 @@ class MasterClient:
                 return applied
             limit = max(limit - (time.monotonic() - started), _MIN_RETRY_S)
         resp = await self._call("Commit", req, limit, tried=tried)
+        self._commit_ports[self._current] = resp.commit_port
         return int(resp.applied_seq)
 
     async def _commit_streamed(
@@ -437,7 +469,67 @@ class MasterClient:
             # is at least the batch's own): the stream cannot be trusted; send it again.
             self._drop_commits()
             return None, 0
+        self._commit_ports[self._commits_to] = resp.commit_port
         return int(resp.applied_seq), 0
+
+    async def _commit_framed(self, req: pb.CommitRequest, timeout: float) -> int | None:
+        """Send ``req`` to the current master's commit port
+        (:mod:`kvstore.control.commit_port`; a connection dialled on first use and kept) and
+        return the applied seq: a commit costs the node and its master less there than on
+        ``CommitStream`` (``bench/commit_rpc.py``; docs/decisions.md).
+
+        None when :meth:`commit` should send the batch over gRPC instead (a seq applied
+        already is not applied again): a batch is in flight on the link already, the port
+        could not be dialled or broke without the master's verdict, the master did not
+        answer within ``timeout`` with other masters left to try (the next one is tried
+        then), the master is stopping, or the port refused this node or answered nonsense.
+        A port out of reach, refusing or answering nonsense is left alone for a while
+        (:data:`_LINK_BACKOFF_S`). Raises the typed error of the master's verdict, or
+        :class:`KVTimeout` past ``timeout`` with a single master."""
+        link, to = self._link, (self._current, self._commit_ports[self._current])
+        if link is None or self._link_to != to:  # (a restarted master may name another port)
+            await self._drop_link()
+            uri = commit_uri(self.targets[to[0]], to[1], tls=self.tls is not None)
+            tickets = TicketSource.of_secret(self.token) if self.token else None
+            link = self._link = CommitLink(uri, tickets, data_context(self.tls), _LINK_DIAL_S)
+            self._link_to = to
+        if link.busy:
+            return None
+        try:
+            applied = await link.commit(req.SerializeToString(), timeout)
+        except CommitRefused as exc:
+            if exc.status in _VERDICTS:
+                raise error_for_status(exc.status, exc.message, "Commit") from None
+            return None  # (the master is stopping: gRPC finds the one that answers)
+        except KVTimeout:
+            if len(self._stubs) == 1:
+                raise KVTimeout(f"master Commit: no answer within {timeout:.3g} s") from None
+            self._moved_on()
+            return None
+        except (Unauthorized, ProtocolError) as exc:
+            await self._link_failed(link, f"{exc}")
+            return None
+        if applied is None:
+            await self._link_failed(link, "it could not be reached")
+            return None
+        if applied < req.seq:  # (not this batch's answer: an applied seq is at least its own)
+            await self._drop_link()
+            return None
+        self._link_backoff = _LINK_BACKOFF_S[0]
+        return applied
+
+    async def _link_failed(self, link: CommitLink, why: str) -> None:
+        """The commit port failed this commit: gRPC carries commits for a while."""
+        off = self._link_backoff
+        self._link_backoff = min(off * 2, _LINK_BACKOFF_S[1])
+        self._link_off_until = time.monotonic() + off
+        await self._drop_link()
+        log.warning("commit port %s: %s; commits go over gRPC for %.3g s", link.uri, why, off)
+
+    async def _drop_link(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            await link.close()
 
     def _drop_commits(self) -> None:
         """End the commit stream; the next commit opens another."""

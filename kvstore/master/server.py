@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,10 +24,12 @@ import grpc
 
 from kvstore.control import wire
 from kvstore.control.auth import AuthConfig, AuthInterceptor
+from kvstore.control.commit_port import CommitPort
+from kvstore.dataplane.handshake import ticket_root
 from kvstore.errors import Closed, InvalidArgument, TransportError
 from kvstore.master.index import IndexStore, MemoryIndexStore
 from kvstore.master.membership import Membership
-from kvstore.master.service import MasterService
+from kvstore.master.service import MasterService, status_for
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 __all__ = ["MasterConfig", "MasterServer", "grpc_address"]
@@ -45,13 +48,16 @@ def grpc_address(host: str, port: int) -> str:
 class MasterConfig:
     """Settings of one master (validated on construction; raises InvalidArgument).
 
-    ``grpc_port`` 0 picks a free port. ``node_lease_s`` is the node lease (heartbeats every
+    ``grpc_port`` 0 picks a free port; so does ``commit_port`` (the port nodes send their
+    commits to, :mod:`kvstore.control.commit_port`; None: none, they commit over gRPC).
+    ``node_lease_s`` is the node lease (heartbeats every
     lease/3, suspect after lease/2, dead after a lease). ``watch_queue`` bounds the events
     buffered per watcher; ``watch_max_s`` bounds a watch's lifetime.
     """
 
     host: str = "127.0.0.1"
     grpc_port: int = 50051
+    commit_port: int | None = 0
     node_lease_s: float = 10.0
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     watch_queue: int = 16384
@@ -60,6 +66,8 @@ class MasterConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.grpc_port <= 65535:
             raise InvalidArgument(f"grpc port {self.grpc_port} out of range")
+        if self.commit_port is not None and not 0 <= self.commit_port <= 65535:
+            raise InvalidArgument(f"commit port {self.commit_port} out of range")
         if not self.node_lease_s > 0:
             raise InvalidArgument(f"node lease must be > 0 s, got {self.node_lease_s}")
         if self.max_message_bytes < 1 << 20:
@@ -85,13 +93,17 @@ class MasterServer:
         clock: Callable[[], float] = time.monotonic,
         auth: AuthConfig | None = None,
         tls: grpc.ServerCredentials | None = None,
+        commit_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.config = config
         self.auth = auth
+        """With an auth file: every call needs a token of a role that may make it."""
         self.tls = tls
         """With credentials (:func:`kvstore.control.tls.server_credentials`): the port
         :meth:`start` opens speaks TLS only."""
-        """With an auth file: every call needs a token of a role that may make it."""
+        self.commit_tls = commit_tls
+        """A TLS server context (:func:`kvstore.transport.tls.server_context`, the same
+        certificate): the commit port speaks ``tls://`` only."""
         self._owns_store = store is None
         self.store: IndexStore = store if store is not None else MemoryIndexStore()
         self.membership = Membership(config.node_lease_s)
@@ -107,6 +119,8 @@ class MasterServer:
         """The bound port (the real one when the config asked for 0); 0 before start."""
         self._server: grpc.aio.Server | None = None
         self._extra: list[grpc.aio.Server] = []
+        self.commits: CommitPort | None = None
+        """The commit port, once started (None: the config has none)."""
         self._sweeper: asyncio.Task[None] | None = None
         self._stopped = False
 
@@ -126,7 +140,26 @@ class MasterServer:
         restored = await self.service.restore()
         if restored:
             log.info("restored %d nodes with one lease of grace", restored)
-        server, port = await self._serve_on(self.config.host, self.config.grpc_port, self.tls)
+        if self.config.commit_port is not None:  # (first: Register answers carry its port)
+            commits = CommitPort(
+                self.service.commit_frame,
+                status_for,
+                host=self.config.host,
+                port=self.config.commit_port,
+                max_bytes=self.config.max_message_bytes,
+                root=ticket_root(self.auth.cluster_secret) if self.auth is not None else None,
+                ssl_context=self.commit_tls,
+                on_connect=self.service.counters.count_commit_link,
+            )
+            await commits.start()
+            self.commits = commits
+            self.service.commit_port = commits.port
+        try:
+            server, port = await self._serve_on(self.config.host, self.config.grpc_port, self.tls)
+        except BaseException:
+            if self.commits is not None:
+                await self.commits.stop(0)
+            raise
         self._server = server
         self.port = port
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="kvstore-master-sweeper")
@@ -183,6 +216,8 @@ class MasterServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         self.service.close_streams()
+        if self.commits is not None:
+            await self.commits.stop(grace or 0.0)
         for server in [*self._extra, *([self._server] if self._server else [])]:
             await server.stop(grace)
         if self._owns_store:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvstore.control import wire
 from kvstore.control.auth import AuthConfig
@@ -121,10 +122,16 @@ class MasterCounters:
     commits: int = 0
     commit_streams: int = 0
     """``CommitStream`` calls opened (a node opens one and keeps it)."""
+    commit_links: int = 0
+    """Connections to the commit port that sent a commit (a node keeps one)."""
     aborts: int = 0
     watches: int = 0
     watch_overflows: int = 0
     nodes_expired: int = 0
+
+    def count_commit_link(self) -> None:
+        """One more connection to the commit port sent its first commit."""
+        self.commit_links += 1
 
     @property
     def hits(self) -> int:
@@ -224,6 +231,8 @@ class MasterService(pb_grpc.MasterServicer):
         self._commit_streams: dict[asyncio.Task[Any], bool] = {}
         """Each open CommitStream's task → whether it is applying a batch now."""
         self._closing = False
+        self.commit_port = 0
+        """The commit port nodes are told of (:mod:`kvstore.control.commit_port`); 0: none."""
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -305,7 +314,9 @@ class MasterService(pb_grpc.MasterServicer):
         self.membership.register(rec.node_id, rec.epoch, self._clock())
         self._records[rec.node_id] = rec
         log.info("node %s registered: epoch %d, %s", rec.node_id, rec.epoch, rec.data_uri)
-        return pb.RegisterResponse(epoch=rec.epoch, lease_s=self.membership.lease_s)
+        return pb.RegisterResponse(
+            epoch=rec.epoch, lease_s=self.membership.lease_s, commit_port=self.commit_port
+        )
 
     @_unary
     async def Heartbeat(
@@ -476,7 +487,7 @@ class MasterService(pb_grpc.MasterServicer):
     ) -> pb.CommitResponse:
         """Apply a node's batch; stale epoch -> FAILED_PRECONDITION."""
         applied = await self._apply_commit(wire.commit_from_pb(request), request.session)
-        return pb.CommitResponse(applied_seq=applied)
+        return pb.CommitResponse(applied_seq=applied, commit_port=self.commit_port)
 
     async def CommitStream(
         self, requests: AsyncIterator[pb.CommitRequest], context: grpc.aio.ServicerContext
@@ -502,7 +513,7 @@ class MasterService(pb_grpc.MasterServicer):
                     await context.abort(status_for(exc), str(exc))
                     raise  # unreachable: abort raises
                 self._observe("Commit", time.perf_counter() - start)
-                yield pb.CommitResponse(applied_seq=applied)
+                yield pb.CommitResponse(applied_seq=applied, commit_port=self.commit_port)
                 if self._closing:
                     return
                 self._commit_streams[task] = False
@@ -514,6 +525,23 @@ class MasterService(pb_grpc.MasterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the master is stopping")
         finally:
             self._commit_streams.pop(task, None)
+
+    async def commit_frame(self, data: bytes) -> int:
+        """What ``Commit`` does, for a batch that came to the commit port
+        (:mod:`kvstore.control.commit_port`) as a serialized CommitRequest: checked, applied
+        and timed like the RPC. Returns the applied seq; raises as ``Commit`` answers
+        (:class:`InvalidArgument` also for bytes that are not a CommitRequest)."""
+        start = time.perf_counter()
+        try:
+            try:
+                request = pb.CommitRequest.FromString(data)
+            except DecodeError:
+                raise InvalidArgument("a commit frame's buffer is not a CommitRequest") from None
+            if self._closing:
+                raise Closed("the master is stopping")  # (UNAVAILABLE: not a verdict)
+            return await self._apply_commit(wire.commit_from_pb(request), request.session)
+        finally:
+            self._observe("Commit", time.perf_counter() - start)
 
     async def commit_in_process(self, batch: CommitBatch, session: bytes | None = None) -> int:
         """What ``Commit`` does, for the node of this same process (``kvstore serve``): the

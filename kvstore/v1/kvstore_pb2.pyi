@@ -38,12 +38,14 @@ class RegisterRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., data_uri: _Optional[str] = ..., transport: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., version: _Optional[str] = ..., host: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("epoch", "lease_s")
+    __slots__ = ("epoch", "lease_s", "commit_port")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_PORT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     lease_s: float
-    def __init__(self, epoch: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    commit_port: int
+    def __init__(self, epoch: _Optional[int] = ..., lease_s: _Optional[float] = ..., commit_port: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "epoch", "tiers", "counters", "session", "tenant_bytes", "tenant_evictions")
@@ -154,10 +156,12 @@ class CommitRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., adds: _Optional[_Iterable[_Union[BlockAdd, _Mapping]]] = ..., evicts: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., object_adds: _Optional[_Iterable[_Union[ObjectAdd, _Mapping]]] = ..., object_removes: _Optional[_Iterable[str]] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("applied_seq",)
+    __slots__ = ("applied_seq", "commit_port")
     APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_PORT_FIELD_NUMBER: _ClassVar[int]
     applied_seq: int
-    def __init__(self, applied_seq: _Optional[int] = ...) -> None: ...
+    commit_port: int
+    def __init__(self, applied_seq: _Optional[int] = ..., commit_port: _Optional[int] = ...) -> None: ...
 
 class Holder(_message.Message):
     __slots__ = ("node_id", "data_uri", "epoch", "mask", "location")
