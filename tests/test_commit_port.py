@@ -131,11 +131,10 @@ async def test_a_commit_under_another_registration_key_is_refused() -> None:
 # -- restarts, failover, stop --------------------------------------------------------------------
 
 
-async def test_a_master_restarted_with_a_new_commit_port_gets_the_commits(
-    short_backoff: None,
-) -> None:
-    """The old port is gone: the commit falls back to gRPC, whose answer names the new
-    port, and once the backoff is over the node's commits go to that new port."""
+async def test_a_master_restarted_with_a_new_commit_port_gets_the_commits() -> None:
+    """The old port is gone: that commit falls back to gRPC, whose answer names the new
+    port, and the next one goes to the new port at once (the backoff was the old
+    port's)."""
     store, clock = MemoryIndexStore(), FakeClock()
     first = MasterServer(MasterConfig(grpc_port=0), store, clock=clock)
     await first.start()
@@ -151,14 +150,13 @@ async def test_a_master_restarted_with_a_new_commit_port_gets_the_commits(
             assert second.commits is not None and first.commits is not None
             assert second.commits.port != first.commits.port
             assert await client.commit(commit("a", epoch, 2, (2, (0,)))) == 2
-            assert await client.commit(commit("a", epoch, 3, (3, (0,)))) == 3
-            assert second.service.counters.commits == 2
-            assert await holders(client, range(1, 4)) == [["a"]] * 3
-            await asyncio.sleep(SHORT_BACKOFF[0] + 0.2)
-            assert await client.commit(commit("a", epoch, 4, (4, (0,)))) == 4
-            assert await client.commit(commit("a", epoch, 5, (5, (0,)))) == 5
+            counters = second.service.counters
+            assert (counters.commit_links, counters.commit_streams) == (0, 1)
+            for seq in (3, 4, 5):
+                assert await client.commit(commit("a", epoch, seq, (seq, (0,)))) == seq
+            assert (counters.commit_links, counters.commit_streams) == (1, 1)
+            assert counters.commits == 4
             assert await holders(client, range(1, 6)) == [["a"]] * 5
-            assert second.service.counters.commit_links == 1, "the new commit port unused"
         finally:
             await second.stop(grace=0.1)
     finally:
@@ -260,6 +258,28 @@ async def test_garbage_on_the_commit_port_is_closed_and_the_node_commits_on() ->
 
 
 # -- auth and TLS --------------------------------------------------------------------------------
+
+
+async def test_a_port_that_refuses_the_node_leaves_its_commits_to_grpc(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A port at its connection limit answers the node's link with an error frame (here
+    ``capacity``; any error that is not a verdict on the batch): the commit goes over gRPC
+    instead of failing the node's put, and the port is left alone for the backoff."""
+    monkeypatch.setattr(commit_port_module, "MAX_CONNECTIONS", 1)
+    async with running() as (server, client):
+        counters = server.service.counters
+        holder = await connect(uri_of(server), timeout=2)  # takes the one slot, and keeps it
+        answer = await exchange(holder, {"op": "commit"}, b"\xff" * 8)
+        assert (answer["op"], answer["status"]) == ("refused", "INVALID_ARGUMENT")
+        try:
+            epoch = await register(client, "a")
+            for seq in (1, 2, 3):
+                assert await client.commit(commit("a", epoch, seq, (seq, (0,)))) == seq
+            assert (counters.commit_links, counters.commit_streams, counters.commits) == (1, 1, 3)
+            assert await holders(client, range(1, 4)) == [["a"]] * 3
+        finally:
+            await holder.close()
 
 
 @contextlib.asynccontextmanager

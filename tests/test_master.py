@@ -383,12 +383,16 @@ async def test_a_master_stops_without_waiting_out_its_grace_for_commit_streams()
         await server.stop()
 
 
-async def test_a_commit_streamed_to_a_stalled_master_fails_over_within_its_deadline() -> None:
-    """Two masters on one store, the first alive but not answering commits: the stream to
-    it gets its share of the deadline, then the batch goes to the second by Commit within
-    the commit's deadline, and the next commit streams to the second."""
+@pytest.mark.parametrize("commit_port", [None, 0], ids=["stream", "commit port"])
+async def test_a_commit_to_a_stalled_master_fails_over_within_its_deadline(
+    commit_port: int | None,
+) -> None:
+    """Two masters on one store, the first alive but not answering commits: its stream (or
+    its commit port) gets its share of the deadline, then the batch goes to the second
+    (by Commit, or on a stream to it) within the commit's deadline, and the next commit
+    goes to the second."""
     gate = asyncio.Event()
-    async with two_masters(commit_port=None) as (first, second, client):
+    async with two_masters(commit_port=commit_port) as (first, second, client):
         try:
             epoch = await register(client, "a")
             assert await client.commit(commit("a", epoch, 1, (1, (0,)))) == 1
@@ -403,7 +407,9 @@ async def test_a_commit_streamed_to_a_stalled_master_fails_over_within_its_deadl
             assert second.service.counters.commits == 1
             assert client.target == second.address
             assert await client.commit(commit("a", epoch, 3, (3, (0,)))) == 3
-            assert second.service.counters.commit_streams == 1
+            counters = second.service.counters
+            assert (counters.commits, counters.commit_streams) == (2, 1)
+            assert counters.commit_links == (0 if commit_port is None else 1)
         finally:
             gate.set()
 

@@ -217,7 +217,8 @@ class MasterClient:
         self._link: CommitLink | None = None
         self._link_to = (-1, 0)
         """The master :attr:`_link` goes to (an index into the targets) and its port."""
-        self._link_off_until = 0.0
+        self._link_off: tuple[tuple[int, int], float] = ((-1, 0), 0.0)
+        """The commit port (master index, port) left alone, and until when (monotonic)."""
         self._link_backoff = _LINK_BACKOFF_S[0]
         if service is not None:
             return
@@ -389,22 +390,19 @@ class MasterClient:
         req = wire.commit_to_pb(batch)
         req.session = self.session
         limit = timeout or self.timeout_s
-        tried = 0
-        if (
-            self._use_commit_port
-            and self._commit_ports.get(self._current)
-            and time.monotonic() >= self._link_off_until
-        ):
+        n, tried = len(self._stubs), 0
+        if self._use_commit_port and self._link_usable():
             started = time.monotonic()
-            applied = await self._commit_framed(req, limit / len(self._stubs))
+            applied, tried = await self._commit_framed(req, limit / n)
             if applied is not None:
                 return applied
             limit = max(limit - (time.monotonic() - started), _MIN_RETRY_S)
         if self._streams_commits and not self._commits_busy:
             started = time.monotonic()
-            applied, tried = await self._commit_streamed(req, limit / len(self._stubs))
+            applied, more = await self._commit_streamed(req, limit / (n - tried))
             if applied is not None:
                 return applied
+            tried = min(tried + more, n - 1)
             limit = max(limit - (time.monotonic() - started), _MIN_RETRY_S)
         resp = await self._call("Commit", req, limit, tried=tried)
         self._commit_ports[self._current] = resp.commit_port
@@ -413,8 +411,9 @@ class MasterClient:
     async def _commit_streamed(
         self, req: pb.CommitRequest, timeout: float
     ) -> tuple[int | None, int]:
-        """Send ``req`` on the commit stream (opened to the current master on first use) and
-        return the applied seq. A ``CommitStream`` message costs a node and its master less
+        """Send ``req`` on the commit stream (opened to the current master on first use; one
+        open to another, which the client left since, is ended first) and return the applied
+        seq. A ``CommitStream`` message costs a node and its master less
         than a unary ``Commit`` (measured on loopback: 224-266 µs a round trip against
         561-619, 126-164 µs of the caller's CPU against 234-254; docs/decisions.md).
 
@@ -434,6 +433,9 @@ class MasterClient:
         self._commits_busy = True
         try:
             call = self._commits
+            if call is not None and self._commits_to != self._current:
+                self._drop_commits()  # (that master was given up on since: follow the client)
+                call = None
             if call is None:
                 self._commits_to = self._current
                 call = self._commits = self._stubs[self._current].CommitStream(
@@ -472,7 +474,14 @@ class MasterClient:
         self._commit_ports[self._commits_to] = resp.commit_port
         return int(resp.applied_seq), 0
 
-    async def _commit_framed(self, req: pb.CommitRequest, timeout: float) -> int | None:
+    def _link_usable(self) -> bool:
+        """Whether the current master has a commit port that is not being left alone."""
+        port = self._commit_ports.get(self._current)
+        if not port:
+            return False
+        return (self._current, port) != self._link_off[0] or time.monotonic() >= self._link_off[1]
+
+    async def _commit_framed(self, req: pb.CommitRequest, timeout: float) -> tuple[int | None, int]:
         """Send ``req`` to the current master's commit port
         (:mod:`kvstore.control.commit_port`; a connection dialled on first use and kept) and
         return the applied seq: a commit costs the node and its master less there than on
@@ -481,48 +490,52 @@ class MasterClient:
         None when :meth:`commit` should send the batch over gRPC instead (a seq applied
         already is not applied again): a batch is in flight on the link already, the port
         could not be dialled or broke without the master's verdict, the master did not
-        answer within ``timeout`` with other masters left to try (the next one is tried
-        then), the master is stopping, or the port refused this node or answered nonsense.
-        A port out of reach, refusing or answering nonsense is left alone for a while
-        (:data:`_LINK_BACKOFF_S`). Raises the typed error of the master's verdict, or
-        :class:`KVTimeout` past ``timeout`` with a single master."""
+        answer within ``timeout`` with other masters left to try (the second value is then
+        1: that master is left out of the retries, as :meth:`_commit_streamed` does), the
+        master is stopping, or the port refused the batch or this node, or answered
+        nonsense. That port (of that master) is then left alone for a while
+        (:data:`_LINK_BACKOFF_S`; a new port a master names is tried at once). Raises the
+        typed error of the master's verdict, or :class:`KVTimeout` past ``timeout`` with a
+        single master."""
         link, to = self._link, (self._current, self._commit_ports[self._current])
+        if link is not None and link.busy:
+            return None, 0
         if link is None or self._link_to != to:  # (a restarted master may name another port)
             await self._drop_link()
             uri = commit_uri(self.targets[to[0]], to[1], tls=self.tls is not None)
             tickets = TicketSource.of_secret(self.token) if self.token else None
             link = self._link = CommitLink(uri, tickets, data_context(self.tls), _LINK_DIAL_S)
             self._link_to = to
-        if link.busy:
-            return None
         try:
             applied = await link.commit(req.SerializeToString(), timeout)
         except CommitRefused as exc:
             if exc.status in _VERDICTS:
                 raise error_for_status(exc.status, exc.message, "Commit") from None
-            return None  # (the master is stopping: gRPC finds the one that answers)
+            return None, 0  # (the master is stopping: gRPC finds the one that answers)
         except KVTimeout:
             if len(self._stubs) == 1:
                 raise KVTimeout(f"master Commit: no answer within {timeout:.3g} s") from None
-            self._moved_on()
-            return None
-        except (Unauthorized, ProtocolError) as exc:
-            await self._link_failed(link, f"{exc}")
-            return None
+            if self._current == to[0]:  # (not moved on by another call already)
+                self._moved_on()
+            return None, 1
+        except KVStoreError as exc:  # refused the node, answered an error or nonsense
+            await self._link_failed(link, to, f"{exc}")
+            return None, 0
         if applied is None:
-            await self._link_failed(link, "it could not be reached")
-            return None
+            await self._link_failed(link, to, "it could not be reached")
+            return None, 0
         if applied < req.seq:  # (not this batch's answer: an applied seq is at least its own)
             await self._drop_link()
-            return None
+            return None, 0
         self._link_backoff = _LINK_BACKOFF_S[0]
-        return applied
+        return applied, 0
 
-    async def _link_failed(self, link: CommitLink, why: str) -> None:
-        """The commit port failed this commit: gRPC carries commits for a while."""
+    async def _link_failed(self, link: CommitLink, to: tuple[int, int], why: str) -> None:
+        """The commit port ``to`` (master index, port) failed this commit: gRPC carries that
+        master's commits for a while, longer with each failure in a row."""
         off = self._link_backoff
         self._link_backoff = min(off * 2, _LINK_BACKOFF_S[1])
-        self._link_off_until = time.monotonic() + off
+        self._link_off = (to, time.monotonic() + off)
         await self._drop_link()
         log.warning("commit port %s: %s; commits go over gRPC for %.3g s", link.uri, why, off)
 

@@ -22,9 +22,10 @@ and seq rules and latency metric). A master with an auth file first runs the dat
 handshake (:mod:`kvstore.dataplane.handshake`) on each connection, and serves only a
 ticket of role ``node`` (one the node issues itself from the cluster secret); one with
 TLS serves ``tls://`` with its gRPC certificate. Anything else on the port (garbage, a
-frame of another op, a batch over the size bound, an idle or half-sent connection) is
-answered ``{op: error}`` where it can be and closed, and costs no other connection
-anything: the port is a :class:`~kvstore.transport.base.Listener` with its bounds.
+frame of another op, an idle or half-sent connection) is answered ``{op: error}`` where it
+can be and closed (a batch over the size bound is closed unanswered), and costs no other
+connection anything: the port is a :class:`~kvstore.transport.base.Listener` with its
+bounds.
 
 A master tells a node its commit port in ``RegisterResponse.commit_port`` and
 ``CommitResponse.commit_port`` (0: none); the node dials it on the host it reaches that
@@ -48,7 +49,7 @@ from kvstore.dataplane.handshake import (
     accept,
     dial,
 )
-from kvstore.dataplane.messages import Error, error_for
+from kvstore.dataplane.messages import Error
 from kvstore.errors import (
     InvalidArgument,
     KVStoreError,
@@ -58,8 +59,8 @@ from kvstore.errors import (
     Unauthorized,
 )
 from kvstore.transport import listen
-from kvstore.transport.base import Connection, Listener
-from kvstore.transport.framing import FrameLimits
+from kvstore.transport.base import Connection, Listener, with_timeout
+from kvstore.transport.framing import Frame, FrameLimits
 
 __all__ = ["CommitLink", "CommitPort", "CommitRefused", "commit_uri"]
 
@@ -74,6 +75,10 @@ START_S = 10.0
 ticket handshake complete within it)."""
 IO_S = 10.0
 """Most time the master waits for a batch's bytes, or to send an answer."""
+APPLY_S = 10.0
+"""Most time a batch may take to apply (a node's whole commit deadline, by default): one
+past it is answered DEADLINE_EXCEEDED, as gRPC ends a call at its deadline, so a store
+that hangs holds no connection for longer."""
 MAX_CONNECTIONS = 4096
 """Connections served at once: a node keeps one."""
 
@@ -100,14 +105,14 @@ def commit_uri(master: str, port: int, *, tls: bool) -> str:
 class CommitPort:
     """The master's commit port: a listener on ``host:port`` (0: a free port) applying each
     batch with ``apply`` (the serialized CommitRequest → the applied seq; raises the
-    master's typed errors). ``root``: the ticket root of the cluster secret (None: no
-    handshake); ``ssl_context``: a TLS server context (None: plaintext); ``on_connect``:
-    called once per connection, at its first commit (what a node's link sends; a port
-    scanner's connection never does)."""
+    master's typed errors; at most :data:`APPLY_S`). ``root``: the ticket root of the
+    cluster secret (None: no handshake); ``ssl_context``: a TLS server context (None:
+    plaintext); ``on_connect``: called once per connection, at its first commit (what a
+    node's link sends; a port scanner's connection never does)."""
 
     def __init__(
         self,
-        apply: Callable[[bytes], Awaitable[int]],
+        apply: Callable[[bytes | bytearray], Awaitable[int]],
         status_of: Callable[[KVStoreError], grpc.StatusCode],
         *,
         host: str,
@@ -187,7 +192,7 @@ class CommitPort:
                     await _answer(conn, Error.of(exc).header())
                 return
             try:
-                applied = await self._apply(bytes(data))
+                applied = await with_timeout(self._apply(data), APPLY_S, "apply a commit")
             except KVStoreError as exc:
                 status = self._status_of(exc)
                 answer = {"op": "refused", "status": status.name, "message": str(exc)}
@@ -243,31 +248,38 @@ class CommitLink:
         """Send the serialized CommitRequest ``request``; the master's applied seq.
 
         None when no verdict came and the batch should go another way (a seq applied
-        already is not applied again, so that is safe): the port could not be dialled, or
-        the connection broke without an answer (a kept connection the master had closed —
-        idle, restarted — is dialled once more first). Raises :class:`CommitRefused` (the
-        master's verdict), :class:`KVTimeout` (no answer within ``timeout``: the link is
-        closed), :class:`~kvstore.errors.Unauthorized` (the port refused this node's
-        ticket, or the master could not prove the cluster secret) and
-        :class:`ProtocolError` (the port answered something else); the link is closed on
-        each but a verdict.
+        already is not applied again, so that is safe): the port could not be dialled
+        within ``dial_s`` (its handshake included), or the connection broke without an
+        answer (a kept connection that breaks as the batch goes is dialled once more
+        first: the master may have closed it, idle or restarted). Raises
+        :class:`CommitRefused` (the master's verdict), :class:`KVTimeout` (no answer
+        within ``timeout``), :class:`~kvstore.errors.Unauthorized` (the port refused this
+        node's ticket, or the master could not prove the cluster secret) and
+        :class:`ProtocolError` (the port answered anything but a verdict: an error, a
+        frame with a payload, nonsense); the link is closed on each but a verdict.
         """
         deadline = time.monotonic() + timeout
         self.busy = True
         try:
-            for _ in range(2):
-                kept = self._conn is not None
-                if self._conn is None:
+            redial = True
+            while True:
+                conn = self._conn
+                if conn is not None and not conn.reusable():  # (closed by the master)
+                    await self.close()
+                    conn = None
+                if conn is None:
+                    redial = False
                     left = max(deadline - time.monotonic(), 0.001)
                     try:
-                        self._conn = await dial(
-                            self.uri, min(left, self._dial_s), self._tickets, self._ssl
+                        conn = self._conn = await with_timeout(
+                            dial(self.uri, left, self._tickets, self._ssl),
+                            min(left, self._dial_s),
+                            f"dial the commit port at {self.uri}",
                         )
                     except Unauthorized:
                         raise
-                    except (KVStoreError, OSError):  # refused, unreachable, dial timed out
+                    except (KVStoreError, OSError):  # refused, unreachable, too slow
                         return None
-                conn = self._conn
                 try:
                     left = max(deadline - time.monotonic(), 0.001)
                     await conn.send({"op": "commit"}, [request], timeout=left)
@@ -278,31 +290,32 @@ class CommitLink:
                     raise
                 except (TransportError, OSError):  # (OSError: a socket's own)
                     await self.close()
-                    if kept:
-                        continue  # (the master closed a kept connection: dial once more)
+                    if redial:
+                        redial = False
+                        continue
                     return None
                 except BaseException:  # cancelled: its answer would meet the next batch
                     await self.close()
                     raise
-                return await self._verdict(frame.header)
-            return None
+                return await self._verdict(frame)
         finally:
             self.busy = False
 
-    async def _verdict(self, header: dict[str, Any]) -> int:
-        op = header.get("op")
-        if op == "committed":
-            applied = header.get("applied_seq")
-            if type(applied) is int and applied >= 0:
-                return applied
-        elif op == "refused":
-            status = grpc.StatusCode.__members__.get(str(header.get("status")))
-            if status is not None:
-                raise CommitRefused(status, str(header.get("message", ""))[:1000])
-        elif op == "error":
-            await self.close()
-            raise error_for(header)
+    async def _verdict(self, frame: Frame) -> int:
+        header, op = frame.header, frame.header.get("op")
+        if not frame.sizes:
+            if op == "committed":
+                applied = header.get("applied_seq")
+                if type(applied) is int and applied >= 0:
+                    return applied
+            elif op == "refused":
+                status = grpc.StatusCode.__members__.get(str(header.get("status")))
+                if status is not None:
+                    raise CommitRefused(status, str(header.get("message", ""))[:1000])
         await self.close()
+        if op == "error":
+            message = str(header.get("message", ""))[:1000]
+            raise ProtocolError(f"the commit port at {self.uri} refused the batch: {message}")
         raise ProtocolError(f"the commit port at {self.uri} answered {str(op)[:40]!r}")
 
     async def close(self) -> None:

@@ -6,7 +6,8 @@ lease sweeper. ``kvstore master`` and ``kvstore serve`` build one from a
         print(master.address)            # "127.0.0.1:<port>"
 
 The port opens only once the server can serve (the index store answered and the nodes it
-knows got their grace lease); stopping ends open watches, then ``server.stop(grace)``.
+knows got their grace lease), its commit port (:mod:`kvstore.control.commit_port`) just
+before it; stopping ends open watches, then stops both.
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ class MasterServer:
         except BaseException:
             if self.commits is not None:
                 await self.commits.stop(0)
+                self.commits, self.service.commit_port = None, 0
             raise
         self._server = server
         self.port = port
@@ -206,8 +208,9 @@ class MasterServer:
         return server, bound
 
     async def stop(self, grace: float | None = 1.0) -> None:
-        """Stop the sweeper, end open watches and commit streams, stop gRPC (in-flight
-        unary calls get ``grace`` seconds), close an owned store. Idempotent."""
+        """Stop the sweeper, end open watches and commit streams, stop gRPC and the commit
+        port (in-flight calls and batches get ``grace`` seconds), close an owned store.
+        Idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -216,10 +219,11 @@ class MasterServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         self.service.close_streams()
-        if self.commits is not None:
-            await self.commits.stop(grace or 0.0)
-        for server in [*self._extra, *([self._server] if self._server else [])]:
-            await server.stop(grace)
+        servers = [*self._extra, *([self._server] if self._server else [])]
+        await asyncio.gather(  # (side by side: each gets the grace, not one after the other)
+            *([self.commits.stop(grace or 0.0)] if self.commits is not None else []),
+            *(server.stop(grace) for server in servers),
+        )
         if self._owns_store:
             await self.store.close()
 

@@ -526,7 +526,7 @@ class MasterService(pb_grpc.MasterServicer):
         finally:
             self._commit_streams.pop(task, None)
 
-    async def commit_frame(self, data: bytes) -> int:
+    async def commit_frame(self, data: bytes | bytearray) -> int:
         """What ``Commit`` does, for a batch that came to the commit port
         (:mod:`kvstore.control.commit_port`) as a serialized CommitRequest: checked, applied
         and timed like the RPC. Returns the applied seq; raises as ``Commit`` answers
