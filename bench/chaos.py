@@ -58,6 +58,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,6 +242,21 @@ class Cluster:
             "--node-id", f"chaos-n{i}", "--host-mem", "64MiB", "--log-level", "ERROR",
             "--insecure", command="node", prefix=prefix,
         )  # fmt: skip
+
+    def commit_links(self) -> list[float | None]:
+        """Each master's ``kvstore_commit_links_total`` now (None: down or unreadable): the
+        nodes' connections to its commit port that carried commits since it last started."""
+        out: list[float | None] = []
+        for master in self.masters:
+            found = None
+            if master is not None and master.proc.poll() is None:
+                url = f"http://{master.addresses['metrics']}/metrics"
+                with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as r:
+                    for line in r.read().decode().splitlines():
+                        if line.startswith("kvstore_commit_links_total "):
+                            found = float(line.split()[1])
+            out.append(found)
+        return out
 
     @staticmethod
     def kill(proc: Serve | None) -> None:
@@ -539,6 +555,12 @@ def tables(result: dict[str, Any], skipped: str) -> list[Table]:
     )
     if skipped:
         setup.notes.append(f"network faults skipped: {skipped}")
+    links = ", ".join(f"master-{i} {'down' if n is None else int(n)}"
+                      for i, n in enumerate(result.get("commit_links", [])))  # fmt: skip
+    setup.notes.append(
+        f"nodes' connections to each master's commit port that carried commits, at the end "
+        f"(since that master's last start): {links}"
+    )
     ops = Table("Operations", ["op", "count", "ok", "short", "errors", "p50 ms", "p99 ms"])
     for kind, row in result["by_kind"].items():
         errors = ", ".join(f"{k} {v}" for k, v in sorted(row["errors"].items())) or "0"
@@ -640,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
             net.create()
         cluster.start()
         result = asyncio.run(chaos(args, cluster, kinds))
+        result["commit_links"] = cluster.commit_links()
     finally:
         cluster.stop()
         if net is not None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 import redis
@@ -17,7 +19,7 @@ import kvclient
 from kvstore.control.client import MasterClient
 from kvstore.control.records import ClusterEvent, ClusterEventKind
 from kvstore.core.kvgen import realistic_kv
-from tests.cluster import TRANSPORTS, start_server
+from tests.cluster import TRANSPORTS, rpc_count, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -62,6 +64,52 @@ def test_master_on_a_busy_port_prints_one_line_of_ours() -> None:
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith("kvstore master: error:") and port in lines[0], out.stderr
     assert "--grpc-port" in lines[0] and out.stdout == ""
+
+
+def test_a_busy_commit_port_prints_one_line_of_ours() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        out = _run("master", "--grpc-port", "0", "--commit-port", port, "--metrics-port", "0")
+    assert out.returncode == 1
+    lines = [ln for ln in out.stderr.strip().splitlines() if ln]
+    assert len(lines) == 1 and "--commit-port" in lines[0] and port in lines[0], out.stderr
+
+
+@pytest.mark.parametrize("commit_port", ["0", "off"])
+async def test_a_nodes_commits_go_to_its_masters_commit_port(commit_port: str) -> None:
+    """``kvstore master`` names its commit port on its ready line, and a ``kvstore node``'s
+    puts commit there (one connection, ``kvstore_commit_links_total``); with
+    ``--commit-port off`` the line names none and the same puts commit over gRPC."""
+    master = start_server("master", "--grpc-port", "0", "--metrics-port", "0",
+                          "--commit-port", commit_port)  # fmt: skip
+    node = start_server("node", "--master", master.grpc, "--data-port", "0", "--metrics-port",
+                        "0", "--host-mem", "32MiB")  # fmt: skip
+    ns = kvclient.Namespace(model="commits", revision="r", num_layers=2, num_kv_heads=2,
+                            head_dim=64, dtype=torch.float16)  # fmt: skip
+    try:
+        if commit_port == "off":
+            assert "commit" not in master.addresses, master.lines
+        else:
+            assert master.addresses["commit"].startswith("tcp://127.0.0.1:"), master.lines
+        async with await kvclient.KVClient.connect(master.grpc, ns) as kv:
+            for i in range(4):
+                tokens = list(range(i * 1000, i * 1000 + 512))
+                for layer in (0, 1):
+                    t = realistic_kv(512, 2, 64, torch.float16, seed=i + layer)
+                    assert await kv.put_layer(tokens, layer, t) == 512
+                assert await kv.match_prefix(tokens) == 512
+        url = f"http://{master.addresses['metrics']}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+        links = re.search(r"^kvstore_commit_links_total (\S+)$", text, re.M)
+        assert links is not None and float(links.group(1)) == (commit_port != "off"), text
+        assert rpc_count(master, "Commit") >= 8  # (timed as Commit, whichever way in)
+    finally:
+        rc, out = node.stop()
+        master.stop()
+    assert rc == 0, out
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
