@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.control import wire
-from kvstore.control.records import EventKind, Holding, IndexEvent
+from kvstore.control.records import ClusterEventKind, EventKind, Holding, IndexEvent
 from kvstore.errors import (
     CapacityError,
     InvalidArgument,
@@ -233,6 +233,30 @@ async def test_commit_epoch_and_seq_rules(master: tuple[MasterServer, MasterClie
         await client.commit(commit("a", new, 0, (1, (2,))))
     ((holder,),) = await client.lookup(NS, [bh(1)], CPB)
     assert holder.chunks() == [0, 1] and holder.epoch == new
+
+
+@pytest.mark.parametrize("commit_port", [None, 0], ids=["stream", "commit port"])
+async def test_a_batch_sent_again_is_recorded_and_counted_once(commit_port: int | None) -> None:
+    """A batch whose answer was lost comes again (its node's link or stream broke): the
+    store applies it once, and so do the master's commit counter and its cluster events,
+    whichever way each copy came in."""
+    async with running(MasterConfig(grpc_port=0, commit_port=commit_port)) as (server, client):
+        epoch = await register(client, "a")
+        first = CommitBatch("a", epoch, 1, (BlockAdd(NS, bh(1), (0,)),), (BlockRef(NS, bh(7)),))
+        assert await client.commit(first) == 1
+        assert await client.commit(first) == 1  # (sent again on the link or stream)
+        req = wire.commit_to_pb(first)
+        req.session = client.session
+        assert await server.service.commit_frame(req.SerializeToString()) == 1  # (and again)
+        assert await client.commit(commit("a", epoch, 2, (2, (0,)))) == 2
+        assert server.service.counters.commits == 2
+        events, _, _ = server.service.events.since(0, b"", 100)
+        kinds = [(e.kind, e.block_hash) for e in events if e.node_id == "a"]
+        assert kinds == [
+            (ClusterEventKind.REMOVED, bh(7)),
+            (ClusterEventKind.STORED, bh(1)),
+            (ClusterEventKind.STORED, bh(2)),
+        ]
 
 
 async def test_commits_share_one_stream_and_an_error_ends_it() -> None:

@@ -232,6 +232,9 @@ class MasterService(pb_grpc.MasterServicer):
         """Each open CommitStream's task → whether it is applying a batch now."""
         self._closing = False
         self.commit_port = 0
+        self._recorded: dict[str, tuple[int, int]] = {}
+        """Each node's newest batch (epoch, seq) this master recorded in its events and
+        counters."""
         """The commit port nodes are told of (:mod:`kvstore.control.commit_port`); 0: none."""
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -472,6 +475,8 @@ class MasterService(pb_grpc.MasterServicer):
         if rec is not None and rec.epoch == epoch:
             self._records[node_id] = replace(rec, alive=False)
         self.node_counters.pop(node_id, None)
+        if self._recorded.get(node_id, (0, 0))[0] <= epoch:
+            self._recorded.pop(node_id, None)
         self.node_tenants.pop(node_id, None)
 
     def _suspects(self, node_ids: Iterable[str]) -> set[str]:
@@ -564,11 +569,16 @@ class MasterService(pb_grpc.MasterServicer):
         if not live and not await self._adopt(batch.node_id, batch.epoch, self._clock()):
             raise StaleEpoch(f"node {batch.node_id!r} epoch {batch.epoch} is not live; re-register")
         applied = await self.store.apply(batch)
-        self.events.commit(batch.node_id, batch.epoch, batch.adds, batch.evicts)
+        last = self._recorded.get(batch.node_id)
+        if applied == batch.seq and (last is None or last < (batch.epoch, batch.seq)):
+            # Applied now (or by a master before this process): a batch sent again after
+            # its answer was lost (a broken link or stream) is recorded and counted once.
+            self._recorded[batch.node_id] = (batch.epoch, batch.seq)
+            self.events.commit(batch.node_id, batch.epoch, batch.adds, batch.evicts)
+            self.counters.commits += 1
         if batch.tiers:  # live usage for Stats and Nodes; the store keeps the heartbeat's
             self._usage[batch.node_id] = (batch.epoch, batch.tiers)
         self.membership.heartbeat(batch.node_id, batch.epoch, self._clock())
-        self.counters.commits += 1
         return applied
 
     @_unary
