@@ -467,6 +467,46 @@ async def test_a_master_without_commit_streams_gets_unary_commits(
         assert asked == [1] and server.service.counters.commits == 3
 
 
+async def test_an_old_master_turns_streams_off_for_itself_only() -> None:
+    """Two masters on one store, the first of a version without CommitStream: commits to it
+    go unary (the stream asked for once), and once it stops, the client's commits to the
+    second stream again."""
+    import types
+
+    import grpc
+
+    asked: list[int] = []
+
+    async def unimplemented(
+        self: object, requests: object, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[object]:
+        asked.append(1)
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        yield  # pragma: no cover
+
+    store, clock = MemoryIndexStore(), FakeClock()
+    config = MasterConfig(grpc_port=0, commit_port=None)
+    old, new = MasterServer(config, store, clock=clock), MasterServer(config, store, clock=clock)
+    old.service.CommitStream = types.MethodType(unimplemented, old.service)  # type: ignore[method-assign]
+    await old.start()
+    await new.start()
+    client = MasterClient(f"{old.address},{new.address}", timeout_s=5)
+    try:
+        epoch = await register(client, "a")
+        for seq in (1, 2):
+            assert await client.commit(commit("a", epoch, seq, (seq, (0,)))) == seq
+        assert asked == [1] and old.service.counters.commits == 2
+        await old.stop(grace=0.1)
+        for seq in (3, 4, 5):
+            assert await client.commit(commit("a", epoch, seq, (seq, (0,)))) == seq
+        assert (new.service.counters.commits, new.service.counters.commit_streams) == (3, 1)
+    finally:
+        await client.close()
+        await old.stop(grace=0.1)
+        await new.stop(grace=0.1)
+        await store.close()
+
+
 async def test_a_registration_key_binds_the_node_id(
     master: tuple[MasterServer, MasterClient],
 ) -> None:

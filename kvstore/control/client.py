@@ -209,8 +209,9 @@ class MasterClient:
         self._commits_to = 0
         """The master the commit stream is open to (an index into the targets)."""
         self._commits_busy = False
-        self._streams_commits = True
-        """False once a master answered that it has no ``CommitStream``: unary from then."""
+        self._no_stream: set[int] = set()
+        """Masters that answered they have no ``CommitStream`` (an older version; an index
+        into the targets): unary commits to them from then, streams to the others."""
         self._use_commit_port = use_commit_port
         self._commit_ports: dict[int, int] = {}
         """Each master's commit port as it last said (an index into the targets; 0: none)."""
@@ -397,7 +398,7 @@ class MasterClient:
             if applied is not None:
                 return applied
             limit = max(limit - (time.monotonic() - started), _MIN_RETRY_S)
-        if self._streams_commits and not self._commits_busy:
+        if self._current not in self._no_stream and not self._commits_busy:
             started = time.monotonic()
             applied, more = await self._commit_streamed(req, limit / (n - tried))
             if applied is not None:
@@ -453,7 +454,7 @@ class MasterClient:
             self._drop_commits()
             code = exc.code()
             if code == grpc.StatusCode.UNIMPLEMENTED:
-                self._streams_commits = False  # (a master of an older version)
+                self._no_stream.add(self._commits_to)  # (a master of an older version)
                 return None, 0
             if code in _VERDICTS:
                 raise error_from_rpc(exc, "Commit") from exc
