@@ -438,39 +438,10 @@ async def test_a_commit_to_a_stalled_master_fails_over_within_its_deadline(
             gate.set()
 
 
-async def test_a_master_without_commit_streams_gets_unary_commits(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A master of a version before CommitStream answers UNIMPLEMENTED: the commit goes by
-    Commit, and so do the later ones (the stream is not asked for again)."""
-    import grpc
-
-    from kvstore.master.service import MasterService
-
-    asked: list[int] = []
-
-    async def unimplemented(
-        self: MasterService, requests: object, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[object]:
-        asked.append(1)
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
-        yield  # pragma: no cover
-
-    monkeypatch.setattr(MasterService, "CommitStream", unimplemented)
-    async with running(MasterConfig(grpc_port=0, commit_port=None)) as (server, client):
-        epoch = await register(client, "a")
-        assert [await client.commit(commit("a", epoch, s, (s, (0,)))) for s in (1, 2, 3)] == [
-            1,
-            2,
-            3,
-        ]
-        assert asked == [1] and server.service.counters.commits == 3
-
-
 async def test_an_old_master_turns_streams_off_for_itself_only() -> None:
-    """Two masters on one store, the first of a version without CommitStream: commits to it
-    go unary (the stream asked for once), and once it stops, the client's commits to the
-    second stream again."""
+    """Two masters on one store, the first of a version before CommitStream (it answers
+    UNIMPLEMENTED): commits to it go by Commit, the stream asked for once only, and once it
+    stops, the client's commits to the second stream again."""
     import types
 
     import grpc
