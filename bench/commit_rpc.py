@@ -2,7 +2,7 @@
 of the node's ``CommitStream`` and a framed exchange on the master's commit port, side by
 side in one run.
 
-    python bench/commit_rpc.py [--rounds 6] [--commits 500] [--adds 8]
+    python bench/commit_rpc.py [--rounds 6] [--commits 500] [--adds 8] [--load N]
 
 Every put's ack waits for its node's commit, so on a cluster (a ``kvstore master`` apart
 from its nodes) the commit's round trip is on every put's path; ``kvstore serve``'s own
@@ -20,7 +20,10 @@ pool, as ``bench/commit_path.py`` builds them), in rounds that alternate between
 
 Per path: the commit's p50 and p99 round trip, this process's CPU per commit (the
 node's side) and the master process's (``/proc``, ticks of 10 ms), each the median of
-the rounds, and each ÷ CommitStream's. Markdown on stdout, progress on stderr.
+the rounds, and each ÷ CommitStream's. With ``--load N``, then N nodes commit at once,
+back to back, on the stream and on the commit port in turn: the commits per second they
+get through and the master's CPU per commit under that load. Markdown on stdout,
+progress on stderr.
 """
 
 from __future__ import annotations
@@ -144,6 +147,73 @@ async def measure(master_pid: int, args: argparse.Namespace) -> dict[str, dict[s
     return out
 
 
+LOAD_PATHS = ("CommitStream", "commit port")
+
+
+async def load(master_pid: int, args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+    """``args.load`` nodes committing at once, back to back, for ``args.load_s`` seconds a
+    round, per path (alternating, ``args.rounds`` rounds after a warm-up): per round the
+    commits per second all of them got through and the master's CPU per commit."""
+    out: dict[str, dict[str, list[float]]] = {p: {"rate": [], "master": []} for p in LOAD_PATHS}
+    nodes = {
+        path: [Node(MasterClient(args.master, timeout_s=10, use_commit_port=path == "commit port"),
+                    f"load-{i}-{path.split()[0].lower()}", args.adds)
+               for i in range(args.load)]
+        for path in LOAD_PATHS
+    }  # fmt: skip
+    for group in nodes.values():
+        for node in group:
+            await node.register()
+
+    async def run(node: Node, until: float) -> int:
+        done = 0
+        while time.monotonic() < until:
+            expect(await commit_by_client(node) == node.seq, f"{node.node_id}: a wrong seq")
+            done += 1
+        return done
+
+    try:
+        with progress() as bar:
+            task = bar.add_task("load rounds", total=(args.rounds + 1) * len(LOAD_PATHS))
+            for r in range(args.rounds + 1):
+                for path in LOAD_PATHS if r % 2 == 0 else LOAD_PATHS[::-1]:
+                    master0, began = proc_stat(master_pid), time.monotonic()
+                    until = began + args.load_s
+                    counts = await asyncio.gather(*(run(n, until) for n in nodes[path]))
+                    took, commits = time.monotonic() - began, sum(counts)
+                    master = (proc_stat(master_pid) - master0).cpu_s
+                    bar.advance(task)
+                    if r:  # (the first round warms up)
+                        out[path]["rate"].append(commits / took)
+                        out[path]["master"].append(master / commits * 1e6)
+    finally:
+        for group in nodes.values():
+            for node in group:
+                await node.client.close()
+    return out
+
+
+def load_table(got: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> Table:
+    result = Table(
+        f"{args.load} nodes committing at once, back to back ({args.rounds} rounds of "
+        f"{args.load_s:g} s per path, alternating; medians of the rounds)",
+        ["path", "commits/s", "master CPU µs/commit", "commits/s ÷ stream",
+         "master CPU ÷ stream"],
+    )  # fmt: skip
+    med = {p: {k: statistics.median(v) for k, v in got[p].items()} for p in LOAD_PATHS}
+    base = med["CommitStream"]
+    for path in LOAD_PATHS:
+        m = med[path]
+        ratios = (m["rate"] / base["rate"], m["master"] / base["master"])
+        result.add(path, f"{m['rate']:.0f}", f"{m['master']:.0f}", *(f"{r:.2f}" for r in ratios))
+    result.notes.append(
+        "The nodes are MasterClients in this process, sharing its loop and this machine's "
+        "cores with the master: commits/s is what the two processes together reach here; "
+        "the master's CPU per commit, under concurrent commits, is the figure to scale by."
+    )
+    return result
+
+
 def table(got: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> Table:
     result = Table(
         f"A node's commit to a master in its own process ({args.adds} adds + {args.adds} "
@@ -184,16 +254,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=6, help="timed rounds per path")
     p.add_argument("--commits", type=int, default=500, help="commits per round")
     p.add_argument("--adds", type=int, default=8, help="adds (and evictions) per batch")
+    p.add_argument("--load", type=int, default=0,
+                   help="then this many nodes committing at once (0: skip)")  # fmt: skip
+    p.add_argument("--load-s", type=float, default=3.0, help="seconds per load round")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.commits < 1 or not 1 <= args.adds <= 4096:
         p.error("need --rounds >= 1, --commits >= 1, --adds in 1..4096")
+    if not 0 <= args.load <= 256 or not args.load_s > 0:
+        p.error("need --load in 0..256 and --load-s > 0")
     with Serve.start("--grpc-port", "0", "--metrics-port", "0", command="master") as master:
         args.master = master.addresses["grpc"]
         got = asyncio.run(measure(master.proc.pid, args))
+        tables = [table(got, args)]
+        if args.load:
+            tables.append(load_table(asyncio.run(load(master.proc.pid, args)), args))
         links = commit_links(master.addresses["metrics"])
-    # (one connection: the commit port's node kept its link; the gRPC nodes opened none)
-    expect(links == 1, f"the commit port served {links} connections, expected the one")
-    print_report("A node's commit to its master", "bench/commit_rpc.py", argv, [table(got, args)])
+    # (one connection per node on the commit port, kept; the gRPC nodes opened none)
+    expect(links == 1 + args.load, f"the commit port served {links} connections, not one a node")
+    print_report("A node's commit to its master", "bench/commit_rpc.py", argv, tables)
     return 0
 
 
