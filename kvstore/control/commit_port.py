@@ -107,8 +107,8 @@ class CommitPort:
     batch with ``apply`` (the serialized CommitRequest → the applied seq; raises the
     master's typed errors; at most :data:`APPLY_S`). ``root``: the ticket root of the
     cluster secret (None: no handshake); ``ssl_context``: a TLS server context (None:
-    plaintext); ``on_connect``: called once per connection, at its first commit (what a
-    node's link sends; a port scanner's connection never does)."""
+    plaintext); ``on_link``: called once per connection, at its first commit (a node's link
+    sends one; a port scanner's connection never does)."""
 
     def __init__(
         self,
@@ -120,15 +120,14 @@ class CommitPort:
         max_bytes: int,
         root: bytes | None = None,
         ssl_context: ssl.SSLContext | None = None,
-        on_connect: Callable[[], None] | None = None,
+        on_link: Callable[[], None] | None = None,
     ) -> None:
         if not 0 <= port <= 65535:
             raise InvalidArgument(f"commit port {port} out of range")
         self._apply = apply
         self._status_of = status_of
-        self._max_bytes = max_bytes
         self._root = root
-        self._on_connect = on_connect
+        self._on_link = on_link
         scheme = "tls" if ssl_context is not None else "tcp"
         bracketed = f"[{host}]" if ":" in host and not host.startswith("[") else host
         options: dict[str, Any] = {"ssl_context": ssl_context} if ssl_context else {}
@@ -183,9 +182,9 @@ class CommitPort:
                         "the commit port takes {op: commit} with one buffer, a CommitRequest"
                     )
                 (data,) = await conn.recv_payload(IO_S)
-                if not counted and self._on_connect is not None:
+                if not counted and self._on_link is not None:
                     counted = True  # (a node's link: it sent a commit; garbage never does)
-                    self._on_connect()
+                    self._on_link()
             except KVStoreError as exc:
                 log.info("commit connection %s closed: %s", conn.peer, exc)
                 if not conn.closed:

@@ -150,7 +150,7 @@ class MasterServer:
                 max_bytes=self.config.max_message_bytes,
                 root=ticket_root(self.auth.cluster_secret) if self.auth is not None else None,
                 ssl_context=self.commit_tls,
-                on_connect=self.service.counters.count_commit_link,
+                on_link=self.service.counters.count_commit_link,
             )
             await commits.start()
             self.commits = commits
