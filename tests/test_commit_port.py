@@ -44,7 +44,17 @@ from kvstore.transport import connect
 from kvstore.transport.base import Connection
 from tests.authfile import SECRET, write_auth_file
 from tests.certs import make_ca, make_signed
-from tests.test_master import CPB, NS, FakeClock, bh, commit, register, running, two_masters
+from tests.test_master import (
+    CPB,
+    NS,
+    FakeClock,
+    bh,
+    commit,
+    register,
+    running,
+    stall_apply,
+    two_masters,
+)
 
 SHORT_BACKOFF = (0.3, 0.3)
 """The client's commit-port backoff in the tests that wait it out (30 s in production)."""
@@ -377,3 +387,67 @@ async def test_a_port_out_of_reach_costs_one_dial_then_commits_go_over_grpc(
         assert (counters.commit_links, counters.commits) == (0, 5)
         assert counters.commit_streams >= 1
         assert await holders(client, range(1, 6)) == [["a"]] * 5
+
+
+async def test_a_port_that_never_answers_the_handshake_costs_a_commit_one_second(
+    tmp_path: Path,
+) -> None:
+    """A port that takes connections and says nothing (a hung master, a box that is not
+    one): the dial and its handshake together get 1 s, then the commit goes over gRPC."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    async def take() -> None:  # accept and keep every connection, answer nothing
+        loop = asyncio.get_running_loop()
+        silent.setblocking(False)
+        while True:
+            conn, _ = await loop.sock_accept(silent)
+            held.append(conn)
+
+    taker = asyncio.create_task(take())
+    try:
+        async with (
+            master_with_auth(tmp_path) as server,
+            MasterClient(server.address, timeout_s=5, token=SECRET) as node,
+        ):
+            server.service.commit_port = silent.getsockname()[1]
+            epoch = await register(node, "a")
+            began = time.monotonic()
+            assert await node.commit(commit("a", epoch, 1, (1, (0,)))) == 1
+            assert 0.9 < time.monotonic() - began < 2.5
+            assert held, "the commit never dialled the silent port"
+            counters = server.service.counters
+            assert (counters.commit_links, counters.commit_streams, counters.commits) == (0, 1, 1)
+    finally:
+        taker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await taker
+        for conn in held:
+            conn.close()
+        silent.close()
+
+
+async def test_a_batch_the_store_cannot_apply_in_time_is_refused_deadline_exceeded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hung store: the port answers DEADLINE_EXCEEDED once the batch's apply time is up
+    (as gRPC's deadline ends a call), and the connection serves the next batch."""
+    monkeypatch.setattr(commit_port_module, "APPLY_S", 0.3)
+    store = MemoryIndexStore()
+    async with running(store=store) as (server, client):
+        epoch = await register(client, "a")
+        gate = stall_apply(store)
+        conn = await connect(uri_of(server), timeout=2)
+        try:
+            data = batch_bytes(commit("a", epoch, 1, (1, (0,))), client.session)
+            began = time.monotonic()
+            answer = await exchange(conn, {"op": "commit"}, data)
+            assert (answer["op"], answer["status"]) == ("refused", "DEADLINE_EXCEEDED")
+            assert time.monotonic() - began < 2.0
+            gate.set()
+            answer = await exchange(conn, {"op": "commit"}, data)
+            assert answer == {"op": "committed", "applied_seq": 1}
+        finally:
+            gate.set()
+            await conn.close()
+        assert await holders(client, range(1, 2)) == [["a"]]

@@ -94,6 +94,18 @@ async def register(client: MasterClient, node_id: str, **kw: object) -> int:
     return reg.epoch
 
 
+def stall_apply(store: MemoryIndexStore) -> asyncio.Event:
+    """Make ``store.apply`` wait for the returned event before it applies each batch."""
+    gate, real_apply = asyncio.Event(), store.apply
+
+    async def stalled(batch: CommitBatch) -> int:
+        await gate.wait()
+        return await real_apply(batch)
+
+    store.apply = stalled  # type: ignore[method-assign]
+    return gate
+
+
 def commit(node: str, epoch: int, seq: int, *blocks: tuple[int, tuple[int, ...]]) -> CommitBatch:
     return CommitBatch(node, epoch, seq, tuple(BlockAdd(NS, bh(i), c) for i, c in blocks))
 
@@ -297,13 +309,7 @@ async def test_a_commit_timed_out_or_cancelled_leaves_nothing_for_the_next(
         client,
     ):
         epoch = await register(client, "a")
-        gate, real_apply = asyncio.Event(), store.apply
-
-        async def stalled(batch: CommitBatch) -> int:
-            await gate.wait()
-            return await real_apply(batch)
-
-        store.apply = stalled  # type: ignore[method-assign]
+        gate = stall_apply(store)
         with pytest.raises(KVTimeout, match="Commit"):
             await client.commit(commit("a", epoch, 1, (1, (0,))), timeout=0.1)
         cancelled = asyncio.create_task(client.commit(commit("a", epoch, 2, (2, (0,)))))
