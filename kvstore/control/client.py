@@ -445,11 +445,7 @@ class MasterClient:
             resp = await with_timeout(_exchange(call, req), timeout, "master Commit")
         except KVTimeout:
             self._drop_commits()
-            if len(self._stubs) == 1:
-                raise KVTimeout(f"master Commit: no answer within {timeout:.3g} s") from None
-            if self._current == self._commits_to:  # (not moved on by another call already)
-                self._moved_on()
-            return None, int(self._current == (self._commits_to + 1) % len(self._stubs))
+            return None, self._commit_timed_out(self._commits_to, timeout)
         except grpc.RpcError as exc:
             self._drop_commits()
             code = exc.code()
@@ -474,6 +470,17 @@ class MasterClient:
             return None, 0
         self._commit_ports[self._commits_to] = resp.commit_port
         return int(resp.applied_seq), 0
+
+    def _commit_timed_out(self, master: int, timeout: float) -> int:
+        """A commit to ``master`` (an index into the targets) got no answer within
+        ``timeout``: raise :class:`KVTimeout` with a single master, else move on from it
+        (unless another call did already) and return 1 when it is left out of the retries
+        (the next one is current), 0 if not."""
+        if len(self._stubs) == 1:
+            raise KVTimeout(f"master Commit: no answer within {timeout:.3g} s") from None
+        if self._current == master:
+            self._moved_on()
+        return int(self._current == (master + 1) % len(self._stubs))
 
     def _link_usable(self) -> bool:
         """Whether the current master has a commit port that is not being left alone."""
@@ -514,11 +521,7 @@ class MasterClient:
                 raise error_for_status(exc.status, exc.message, "Commit") from None
             return None, 0  # (the master is stopping: gRPC finds the one that answers)
         except KVTimeout:
-            if len(self._stubs) == 1:
-                raise KVTimeout(f"master Commit: no answer within {timeout:.3g} s") from None
-            if self._current == to[0]:  # (not moved on by another call already)
-                self._moved_on()
-            return None, 1
+            return None, self._commit_timed_out(to[0], timeout)
         except KVStoreError as exc:  # refused the node, answered an error or nonsense
             await self._link_failed(link, to, f"{exc}")
             return None, 0

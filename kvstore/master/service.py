@@ -232,10 +232,10 @@ class MasterService(pb_grpc.MasterServicer):
         """Each open CommitStream's task → whether it is applying a batch now."""
         self._closing = False
         self.commit_port = 0
+        """The commit port nodes are told of (:mod:`kvstore.control.commit_port`); 0: none."""
         self._recorded: dict[str, tuple[int, int]] = {}
         """Each node's newest batch (epoch, seq) this master recorded in its events and
         counters."""
-        """The commit port nodes are told of (:mod:`kvstore.control.commit_port`); 0: none."""
 
     # -- lifecycle ------------------------------------------------------------------------
 
