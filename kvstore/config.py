@@ -456,6 +456,19 @@ def _check_together(values: Mapping[str, Value], sources: Mapping[str, str]) -> 
             "ucx: only ucx:// puts land in the GPU tier, so without it the tier would never "
             "be written"
         )
+    fixed: dict[int, str] = {}  # two servers of one process never share a fixed port
+    for dest in ("grpc_port", "commit_port", "data_port", "metrics_port"):
+        port = values.get(dest)
+        if not isinstance(port, int) or isinstance(port, bool) or port == 0:
+            continue
+        if port in fixed:
+            first = fixed[port]
+            raise InvalidArgument(
+                f"--{dest.replace('_', '-')} {port} (from {sources[dest]}) is also "
+                f"--{first.replace('_', '-')} (from {sources[first]}): each server needs a "
+                "port of its own"
+            )
+        fixed[port] = dest
 
 
 def _read_file(path: str, command: str) -> dict[str, object]:

@@ -25,6 +25,7 @@ from kvstore.control.auth import AuthConfig
 from kvstore.control.tls import TlsFiles, server_credentials
 from kvstore.dataplane.handshake import TicketSource, dial
 from kvstore.errors import (
+    CapacityError,
     Closed,
     InvalidArgument,
     PermissionDenied,
@@ -136,6 +137,29 @@ async def test_a_commit_under_another_registration_key_is_refused() -> None:
             assert await owner.commit(commit("a", epoch, 2, (2, (0,)))) == 2
         finally:
             await intruder.close()
+
+
+async def test_a_batch_over_the_message_bound_gets_grpcs_verdict_and_the_port_stays() -> None:
+    """A batch larger than a gRPC message may be is refused as gRPC refuses it (nothing sent)
+    without going to the port, which would close on it unanswered: no second dial, and the
+    port is not left alone for the commits after it."""
+    limit = 1 << 20
+    async with running(MasterConfig(grpc_port=0, max_message_bytes=limit)) as (server, _):
+        counters = server.service.counters
+        client = MasterClient(server.address, timeout_s=5, max_message_bytes=limit)
+        try:
+            epoch = await register(client, "a")
+            big = commit("a", epoch, 1, *((i, (0,)) for i in range(1, 30000)))
+            assert wire.commit_to_pb(big).ByteSize() > limit
+            with pytest.raises(CapacityError):
+                await client.commit(big)
+            assert (counters.commit_links, counters.commits) == (0, 0)
+            # The port takes the next one (a port left alone would leave it to gRPC).
+            assert await client.commit(commit("a", epoch, 1, (1, (0,)))) == 1
+            assert (counters.commit_links, counters.commits) == (1, 1)
+            assert await holders(client, range(1, 3)) == [["a"], []]
+        finally:
+            await client.close()
 
 
 # -- restarts, failover, stop --------------------------------------------------------------------

@@ -221,6 +221,7 @@ class MasterClient:
         self._link_off: tuple[tuple[int, int], float] = ((-1, 0), 0.0)
         """The commit port (master index, port) left alone, and until when (monotonic)."""
         self._link_backoff = _LINK_BACKOFF_S[0]
+        self._max_message_bytes = max_message_bytes
         if service is not None:
             return
         options = [
@@ -500,13 +501,20 @@ class MasterClient:
         could not be dialled or broke without the master's verdict, the master did not
         answer within ``timeout`` with other masters left to try (the second value is then
         1: that master is left out of the retries, as :meth:`_commit_streamed` does), the
-        master is stopping, or the port refused the batch or this node, or answered
-        nonsense. That port (of that master) is then left alone for a while
-        (:data:`_LINK_BACKOFF_S`; a new port a master names is tried at once). Raises the
+        master is stopping, the batch is larger than a gRPC message may be (gRPC refuses
+        it; the port is kept), or the port refused the batch or this node, or answered
+        nonsense. A port that could not be reached, broke, refused or answered nonsense (of
+        that master) is then left alone for a while (:data:`_LINK_BACKOFF_S`; a new port a
+        master names is tried at once). Raises the
         typed error of the master's verdict, or :class:`KVTimeout` past ``timeout`` with a
         single master."""
         link, to = self._link, (self._current, self._commit_ports[self._current])
         if link is not None and link.busy:
+            return None, 0
+        data = req.SerializeToString()
+        if len(data) > self._max_message_bytes:
+            # (the port would close on it unanswered; gRPC refuses it with its verdict,
+            # RESOURCE_EXHAUSTED, before anything is sent, and the link stays as it is)
             return None, 0
         if link is None or self._link_to != to:  # (a restarted master may name another port)
             await self._drop_link()
@@ -515,7 +523,7 @@ class MasterClient:
             link = self._link = CommitLink(uri, tickets, data_context(self.tls), _LINK_DIAL_S)
             self._link_to = to
         try:
-            applied = await link.commit(req.SerializeToString(), timeout)
+            applied = await link.commit(data, timeout)
         except CommitRefused as exc:
             if exc.status in _VERDICTS:
                 raise error_for_status(exc.status, exc.message, "Commit") from None
