@@ -1022,3 +1022,124 @@ def test_a_header_changed_while_it_is_checked_is_judged_on_what_was_read(
     other = ChunkKey(bytes(16), 0, 0)
     with pytest.raises(ChunkError):
         checks.check(encode_chunk(kv.bfloat16(), quant="int8", key=other), other)
+
+
+# -- a header form met before: decode_chunk's short way ---------------------------------------
+
+
+def _both_ways(buf: Any, make_out: Any, prime: Any = None, **kw: Any) -> tuple[Any, Any]:
+    """decode_chunk of ``buf`` into a fresh ``make_out()`` with no header form known (the
+    long way), then with its form known (the short way; ``prime``: a good chunk of the form,
+    else ``buf``): each outcome, the output's bytes or the error's type and message, and
+    what the output held after an error."""
+    outcomes = []
+    for known in (False, True):
+        codec._FORMS.clear()
+        if known:
+            read_header(buf if prime is None else prime)  # (parsed: the form is known now)
+        out = make_out()
+        try:
+            decode_chunk(buf, out=out, **kw)
+        except Exception as exc:  # (the outcome is what is compared)
+            held = [x.clone() for x in out] if isinstance(out, tuple) else out.clone()
+            outcomes.append((type(exc), str(exc), held))
+            continue
+        outcomes.append(tuple(x.clone() for x in out) if isinstance(out, tuple) else out.clone())
+    return outcomes[0], outcomes[1]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("quant", [*INT8, "int4-g32", "raw"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_known_header_form_decodes_the_bytes_the_long_way_does(
+    quant: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Into a tensor, a (K, V) pair, a slice of a wider layer and a strided pair, with and
+    without the key and spec to expect: the same bytes either way (the short way taken
+    wherever the C kernels decode the scheme)."""
+    short_ways: list[bool] = []
+    real = codec._decode_known
+
+    def spy(*args: Any) -> bool:
+        short_ways.append(real(*args))
+        return short_ways[-1]
+
+    monkeypatch.setattr(codec, "_decode_known", spy)
+    x = realistic_kv(24, 3, 32, dtype, seed=3)
+    buf = encode_chunk(x, quant, KEY)
+    spec = ChunkSpec(24, 3, 32, dtype, "none" if quant == "raw" else quant)
+    wide = torch.zeros(2, 40, 3, 48, dtype=dtype)
+
+    def strided_pair() -> tuple[torch.Tensor, ...]:
+        return tuple(torch.zeros(3, 24, 32, dtype=dtype).transpose(0, 1) for _ in range(2))
+
+    outs = {
+        "tensor": lambda: torch.full_like(x, 3.0),
+        "pair": lambda: (torch.full_like(x[0], 3.0), torch.full_like(x[1], 3.0)),
+        "slice": lambda: wide.clone()[:, 8:32, :, :32],
+        "strided pair": strided_pair,
+    }
+    for name, make in outs.items():
+        for kw in ({}, {"expect_key": KEY, "expect_spec": spec}):
+            short_ways.clear()
+            long, short = _both_ways(buf, make, **kw)
+            assert isinstance(long, (torch.Tensor, tuple)), (name, long)
+            assert _same(long, short), (name, kw)
+            kernels_decode = quant in INT8 and codec.native.available()
+            assert short_ways == [False, kernels_decode], (name, kw)
+
+
+def test_every_check_fails_alike_with_a_known_header_form() -> None:
+    """A chunk whose form is known still has its header check, key, spec, checksum and the
+    output's shape, dtype and memory checked: the same error either way, and nothing
+    written into the output."""
+    x = realistic_kv(16, 2, 16, torch.bfloat16, seed=4)
+    good = encode_chunk(x, "int8", KEY)
+    spec = ChunkSpec(16, 2, 16, torch.bfloat16, "int8")
+
+    def flipped(at: int) -> torch.Tensor:
+        bad = good.clone()
+        bad[at] ^= 0x10
+        return bad
+
+    out = lambda: torch.full_like(x, 5.0)  # noqa: E731
+    cases: list[tuple[Any, Any, dict[str, Any], type[Exception]]] = [
+        (flipped(HEADER_NBYTES + 40), out, {}, ChecksumError),  # a scale
+        (flipped(good.numel() - 30), out, {}, ChecksumError),  # a code
+        (flipped(good.numel() - 1), out, {}, ChecksumError),  # the checksum
+        (flipped(10), out, {}, ChecksumError),  # the key: the header check fails
+        (good, out, {"expect_key": ChunkKey(KEY[0], 8, 1)}, ChunkKeyMismatch),
+        (good, out, {"expect_spec": spec._replace(heads=4)}, ChunkError),
+        (good, out, {"expect_spec": spec._replace(quant="int4")}, ChunkError),
+        (good, lambda: torch.full_like(x, 5.0).float(), {}, BadShape),
+        (good, lambda: torch.zeros(2, 15, 2, 16, dtype=torch.bfloat16), {}, BadShape),
+        (good, lambda: (torch.zeros(16, 2, 16, dtype=torch.bfloat16),) * 1, {}, Exception),
+    ]
+    for buf, make, kw, kind in cases:
+        long, short = _both_ways(buf, make, good, **kw)
+        assert isinstance(long, tuple) and len(long) == 3 and issubclass(long[0], kind), long
+        assert short[:2] == long[:2]
+        assert _same(short[2], make()), "the output was written before every check passed"
+
+
+def test_a_known_form_decodes_from_an_unaligned_or_shared_buffer_as_before() -> None:
+    """What the short way does not take goes the long way: a misaligned buffer (copied), a
+    numpy array, bytes, and an output whose elements share memory."""
+    x = realistic_kv(16, 2, 16, torch.float16, seed=5)
+    good = encode_chunk(x, "int8", KEY)
+    backing = torch.zeros(good.numel() + 8, dtype=torch.uint8)
+    backing[3 : 3 + good.numel()] = good
+    for buf in (backing[3 : 3 + good.numel()], good.numpy(), good.numpy().tobytes()):
+        long, short = _both_ways(buf, lambda: torch.zeros_like(x))
+        assert isinstance(long, torch.Tensor) and _same(long, short)
+    shared = lambda: torch.zeros(1, 1, 1, 16, dtype=torch.float16).expand(2, 16, 2, 16)  # noqa: E731
+    long, short = _both_ways(good, shared)
+    assert type(long) is type(short)
+    assert _same(long[:2], short[:2]) if isinstance(long, tuple) else _same(long, short)

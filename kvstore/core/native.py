@@ -284,7 +284,7 @@ def dequantize(
     ``offsets`` (scale region, payload) say where the chunk's scales and codes lie, as the
     codec's layout does. Built from pointers: a chunk of 16 tokens decodes in ~20 µs, and
     every torch view of it would cost 3-10 µs more."""
-    t, h, d = shape
+    _, h, d = shape
     k, v = out
     dtype = k.dtype
     # torch attributes cost µs here, so each is read once, and the cheap ones first
@@ -302,24 +302,52 @@ def dequantize(
         raise ValueError("native.dequantize: the chunk is shorter than its layout (a codec bug)")
     if k.shape != shape or v.shape != shape or v.dtype != dtype:
         raise ValueError("native.dequantize: out does not match the chunk (a codec bug)")
-    base, lib, dt = buf.data_ptr(), _lib, _DTYPES[dtype]
+    decode_at(plan, shape, dtype, buf.data_ptr(), (k.data_ptr(), v.data_ptr()), (ks, vs))
+    return True
+
+
+def plan_of(
+    modes: tuple[str, str],
+    shape: tuple[int, int, int],
+    scale_slots: Sequence[tuple[int, tuple[int, ...], tuple[int, ...], int]],
+    offsets: tuple[int, int],
+) -> _Plan:
+    """What decoding a chunk of this layout takes but its addresses (cached; the caller
+    keeps it, as the codec does per header form)."""
+    return _plan(modes, shape, tuple(scale_slots), offsets)
+
+
+def decode_at(
+    plan: _Plan,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    base: int,
+    ptrs: tuple[int, int],
+    strides: tuple[Sequence[int], Sequence[int]],
+) -> None:
+    """Dequantize the chunk at address ``base`` (at least ``plan.nbytes`` bytes) into K and
+    V at ``ptrs`` with element ``strides`` (T, H; channels contiguous), ``dtype`` values of
+    ``shape`` (T, H, D). Only :func:`dequantize` and callers that checked as it does (every
+    shape, stride and length) may call this: it writes through raw pointers."""
+    t, h, d = shape
+    lib, dt = _lib, _DTYPES[dtype]
     assert lib is not None
     (km, kc, ka), (vm, vc, va) = plan.halves
+    (kp, vp), (ks, vs) = ptrs, strides
     if t * h * d < _PARALLEL_VALUES or torch.get_num_threads() < 2:
         # one half after the other, without a closure or the helper (~1.5 µs a chunk)
-        lib.decode(km, dt, 1, t, h, d, base + kc, 0, h * d, d, k.data_ptr(), 0, ks[0], ks[1],
+        lib.decode(km, dt, 1, t, h, d, base + kc, 0, h * d, d, kp, 0, ks[0], ks[1],
                    base + ka[0], *ka[1:5], base + ka[5], *ka[6:])  # fmt: skip
-        lib.decode(vm, dt, 1, t, h, d, base + vc, 0, h * d, d, v.data_ptr(), 0, vs[0], vs[1],
+        lib.decode(vm, dt, 1, t, h, d, base + vc, 0, h * d, d, vp, 0, vs[0], vs[1],
                    base + va[0], *va[1:5], base + va[5], *va[6:])  # fmt: skip
-        return True
+        return
 
     def run(half: int) -> None:
         mode, codes, sc = plan.halves[half]
-        s0, s1, st = base + sc[0], base + sc[5], (ks, vs)[half]
+        s0, s1, st = base + sc[0], base + sc[5], strides[half]
         lib.decode(
-            mode, dt, 1, t, h, d, base + codes, 0, h * d, d, out[half].data_ptr(), 0, st[0],
+            mode, dt, 1, t, h, d, base + codes, 0, h * d, d, ptrs[half], 0, st[0],
             st[1], s0, *sc[1:5], s1, *sc[6:],
         )  # fmt: skip
 
-    _both_halves(run, t * h * d * k.element_size())
-    return True
+    _both_halves(run, t * h * d * dtype.itemsize)
