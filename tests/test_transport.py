@@ -365,6 +365,29 @@ async def test_wrong_views_raise_protocol_error_and_keep_payload(case: Case) -> 
         assert not server.closed
 
 
+async def test_a_whole_payload_lands_back_to_back_in_one_view(case: Case) -> None:
+    """``recv_payload_whole``: many buffers (some staged with the prefix, one larger than
+    a socket read) into one view, in order; a view of the wrong size or a read-only one
+    leaves the payload pending; the stream stays in sync for the next frames."""
+    parts = [bytes([65 + i]) * n for i, n in enumerate((10, 1352, 3, 200_000, 1352, 1))]
+    async with pair(case) as (client, server):
+        await client.send({"i": 0}, parts)
+        await client.send({"i": 1}, [b"q" * 7])
+        assert (await server.recv_header(timeout=5)).header == {"i": 0}
+        total = sum(map(len, parts))
+        with pytest.raises(ProtocolError, match=f"buffer 0 is {total} bytes"):
+            await server.recv_payload_whole(bytearray(total - 1), timeout=5)
+        with pytest.raises(InvalidArgument, match="read-only"):
+            await server.recv_payload_whole(b"z" * total, timeout=5)
+        whole = np.zeros(total, dtype=np.uint8)
+        await server.recv_payload_whole(whole, timeout=5)
+        assert whole.tobytes() == b"".join(parts)
+        with pytest.raises(InvalidArgument, match="no frame payload"):
+            await server.recv_payload_whole(bytearray(1), timeout=5)
+        assert await server.recv(timeout=5) == ({"i": 1}, [bytearray(b"q" * 7)])
+        assert server.bytes_received == client.bytes_sent and not server.closed
+
+
 async def test_large_payload_integrity(case: Case) -> None:
     data = np.random.default_rng(2).integers(0, 256, 64 * MiB, dtype=np.uint8)
     out = np.empty_like(data)

@@ -150,12 +150,13 @@ class ChunkChecks:
         conn: Connection,
         ns: Namespace,
         targets: list[LandedChunk | None],
+        chunk_bytes: int,
         timeout: float,
         bounce: Callable[[torch.Tensor], bool],
     ) -> list[int]:
-        """``tcp://``: receive the pending frame's payload, buffer ``k`` straight into
-        ``targets[k].view`` (None: discarded), checking each chunk piece by piece as it
-        arrives; the positions that failed.
+        """``tcp://``: receive the pending frame's payload (one buffer of ``chunk_bytes``
+        per target), buffer ``k`` straight into ``targets[k].view`` (None: discarded),
+        checking each chunk piece by piece as it arrives; the positions that failed.
 
         A target for which ``bounce(view)`` holds (a slot in the GPU tier, of a block put
         over ``ucx://`` before) is received into host memory, checked there and then copied
@@ -164,7 +165,7 @@ class ChunkChecks:
         items = [t for t in targets if t is not None]
         if items and all(it.view.numel() <= SMALL_CHUNK_BYTES and not bounce(it.view)
                          for it in items):  # fmt: skip
-            return await self._receive_small(conn, ns, targets, timeout)
+            return await self._receive_small(conn, ns, targets, chunk_bytes, timeout)
         checks = self.header_checks(ns)
         streams: list[_Streamed | None] = [None] * len(targets)
         bounced: list[tuple[LandedChunk, torch.Tensor]] = []
@@ -202,24 +203,27 @@ class ChunkChecks:
         return failed
 
     async def _receive_small(
-        self, conn: Connection, ns: Namespace, targets: list[LandedChunk | None], timeout: float
+        self,
+        conn: Connection,
+        ns: Namespace,
+        targets: list[LandedChunk | None],
+        chunk_bytes: int,
+        timeout: float,
     ) -> list[int]:
         """:meth:`receive` for chunks of at most :data:`SMALL_CHUNK_BYTES` in host memory:
-        the payload lands in one host buffer, each chunk is checked there as numpy bytes
-        (:meth:`HeaderChecks.verify_host`, no tensors built per chunk) and copied into its slot if
-        it passes (one more copy of a small chunk, cheaper than the per-chunk tensor work
-        it saves)."""
-        sizes = [t.view.numel() if t is not None else 0 for t in targets]
-        scratch = np.empty(sum(sizes), dtype=np.uint8)
-        bounds = np.cumsum([0, *sizes]).tolist()
-        views = [scratch[bounds[k] : bounds[k + 1]] if t is not None else None
-                 for k, t in enumerate(targets)]  # fmt: skip
-        await conn.recv_payload_into(views, timeout)
+        the whole payload lands in one host buffer with one receive (discarded chunks
+        too: a receive per chunk cost more), each chunk is checked there as numpy bytes
+        (:meth:`HeaderChecks.verify_host`, no tensors built per chunk) and copied into its
+        slot if it passes (one more copy of a small chunk, cheaper than the per-chunk
+        tensor work it saves)."""
+        scratch = np.empty(len(targets) * chunk_bytes, dtype=np.uint8)
+        await conn.recv_payload_whole(scratch, timeout)
         checks = self.header_checks(ns)
         failed: list[int] = []
-        for t, buf in zip(targets, views, strict=True):
-            if t is None or buf is None:
+        for k, t in enumerate(targets):
+            if t is None:
                 continue
+            buf = scratch[k * chunk_bytes : (k + 1) * chunk_bytes]
             try:
                 checks.verify_host(buf, ChunkKey(t.block, *divmod(t.chunk, ns.tp_size)))
             except ChunkError as exc:

@@ -360,7 +360,9 @@ class Puts:
                 buf = torch.empty(chunk_bytes, dtype=torch.uint8)
                 targets[i] = LandedChunk(i, block, index, buf)
             timeout = self.io_timeout_s
-            failed = await self.checks.receive(conn, ns, targets, timeout, self.tiers.in_gpu)
+            failed = await self.checks.receive(
+                conn, ns, targets, chunk_bytes, timeout, self.tiers.in_gpu
+            )
             kept = [i for i in aside if i not in failed]
             later = await self._claim(wanted, slots, claims, wait, kept)
             for i in kept:

@@ -465,10 +465,33 @@ class Connection(abc.ABC):
                 raise InvalidArgument("no frame payload is pending on this connection")
             return
         targets = _payload_targets(views, frame.sizes)
+        await self._receive(frame, targets, frame.sizes, timeout, on_progress)
+
+    async def recv_payload_whole(self, target: Buffer, timeout: float | None = None) -> None:
+        """Receive the pending frame's whole payload into the one writable ``target``, its
+        buffers back to back as they travel (``target`` is exactly the payload's length):
+        one receive where :meth:`recv_payload_into` takes one a buffer, for a frame of many
+        small buffers. Blocks and raises like :meth:`recv_payload_into`."""
+        self._raise_if_closed()
+        frame = self._pending
+        if frame is None:
+            raise InvalidArgument("no frame payload is pending on this connection")
+        total = frame.payload_bytes
+        (view,) = _payload_targets([target], [total])
+        await self._receive(frame, [view], [total], timeout, None)
+
+    async def _receive(
+        self,
+        frame: Frame,
+        targets: list[memoryview | None],
+        sizes: list[int],
+        timeout: float | None,
+        on_progress: Callable[[int, int], None] | None,
+    ) -> None:
         self._begin_read(header=False)
         try:
             await with_timeout(
-                self._read_payload(targets, frame.sizes, on_progress),
+                self._read_payload(targets, sizes, on_progress),
                 timeout,
                 f"recv from {self._peer}",
             )

@@ -175,6 +175,13 @@ class InprocConnection(Connection):
         on_progress: Callable[[int, int], None] | None,
     ) -> None:
         payload, self._payload = self._payload, []
+        if len(targets) == 1 and len(payload) != 1:  # the whole payload into one target
+            (target,), at = targets, 0
+            for buf in payload:
+                if target is not None:
+                    target[at : at + len(buf)] = buf
+                at += len(buf)
+            return
         for i, (target, buf) in enumerate(zip(targets, payload, strict=True)):
             if target is not None:
                 target[:] = buf
