@@ -1116,6 +1116,7 @@ def test_every_check_fails_alike_with_a_known_header_form() -> None:
         (flipped(good.numel() - 1), out, {}, ChecksumError),  # the checksum
         (flipped(10), out, {}, ChecksumError),  # the key: the header check fails
         (good, out, {"expect_key": ChunkKey(KEY[0], 8, 1)}, ChunkKeyMismatch),
+        (good, out, {"expect_key": 7}, InvalidArgument),  # (not a key at all)
         (good, out, {"expect_spec": spec._replace(heads=4)}, ChunkError),
         (good, out, {"expect_spec": spec._replace(quant="int4")}, ChunkError),
         (good, lambda: torch.full_like(x, 5.0).float(), {}, BadShape),

@@ -1074,7 +1074,7 @@ def _decode_known(
     form = _form_of(raw, size)
     if form is None or form.plan is None or form.checksum != "xxh3_64":
         return False
-    if expect_key is not None and _KEY_AT.unpack_from(raw, 8) != tuple(expect_key):
+    if expect_key is not None and _KEY_AT.unpack_from(raw, 8) != expect_key:  # (tuples)
         return False
     if expect_spec is not None and not form.fits(expect_spec):
         return False
