@@ -660,12 +660,17 @@ def test_scale_check_and_checksum_writers_agree_on_every_path() -> None:
     rows = encode_chunk(torch.randn(2, 8, 2, 8), "int8").view(1, -1)
     for host in (None, rows.numpy()):
         codec._require_finite(rows, host, layout)
-    for value in (float("inf"), float("nan")):
+    for value in (float("inf"), -float("inf"), float("nan"), -float("nan")):
         bad = rows.clone()
         bad.view(torch.float16)[0, HEADER_NBYTES // 2 + 5] = value  # one stored scale
         for host in (None, bad.numpy()):
             with pytest.raises(InvalidArgument):
                 codec._require_finite(bad, host, layout)
+    for value in (65504.0, -65504.0, -0.0, 2.0**-24):  # float16's largest and smallest
+        edge = rows.clone()
+        edge.view(torch.float16)[0, HEADER_NBYTES // 2 + 5] = value
+        for host in (None, edge.numpy()):
+            codec._require_finite(edge, host, layout)
     copies: list[int] = []
     again = rows.clone()
     again[:, -8:] = 0
