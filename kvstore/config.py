@@ -308,7 +308,7 @@ SETTINGS: tuple[Setting, ...] = (
             "(4096, 512MiB, 4GiB, 1G, 100MB)", _NODES, "SIZE", render=_render_size),
     Setting("prefault-memory", _switch, True, "map the host-memory tier's pages when the "
             "node starts (on a thread of its own), so puts do not pay a page fault per page "
-            "they first write (tcp transport: ucx registers it)", _NODES, "true|false",
+            "they first write (ucx: once its NIXL agent registered it)", _NODES, "true|false",
             render=lambda v: "true" if v else "false"),
     Setting("gpu-mem", parse_size, 0, "a GPU tier of this size on the current CUDA device, "
             "where ucx:// puts land (0: none; needs --transport ucx)", _NODES, "SIZE",

@@ -414,7 +414,8 @@ async def test_the_scrub_gives_way_to_exchanges_but_not_past_its_age_bound(
 
 
 _HOST_MAPPING = [("tcp", True, "mapped"), ("tcp", False, "off"),
-                 pytest.param("ucx", True, "off", marks=TRANSPORTS[1].marks)]  # fmt: skip
+                 pytest.param("ucx", True, "mapped", marks=TRANSPORTS[1].marks),
+                 pytest.param("ucx", False, "off", marks=TRANSPORTS[1].marks)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("transport", "prefault", "ends"), _HOST_MAPPING)
@@ -422,8 +423,8 @@ async def test_stats_say_whether_host_memory_is_mapped(
     transport: str, prefault: bool, ends: str
 ) -> None:
     """A node's stats say ``mapping`` while it maps its host memory at start, then
-    ``mapped`` with every byte of it; ``off`` (nothing mapped up front) when told not to
-    or over ``ucx://``, whose registration maps the pages."""
+    ``mapped`` with every byte of it (over ``ucx://`` too: its registration maps pages
+    only where a NIC pins them); ``off`` (nothing mapped up front) when told not to."""
     if ends == "mapped" and populate(Arena(4 * 2**20).tensor) == 0:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
     async with running(transport, prefault_memory=prefault) as rig:

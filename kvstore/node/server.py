@@ -170,10 +170,10 @@ class StorageNode:
             target=self._populate_host, name="kvstore-node-prefault", daemon=True
         )
         self.host_mapping = "off"
-        """``mapping`` while the node maps its host memory at start (``prefault_memory``),
-        ``mapped`` once it did, ``off`` where it does not (``ucx``: registration maps the
-        pages; an old kernel; ``--prefault-memory false``): pages are then mapped as puts
-        first write them."""
+        """``mapping`` while the node maps its host memory at start (``prefault_memory``;
+        over ``ucx`` once its NIXL agent registered the memory), ``mapped`` once it did,
+        ``off`` where it does not (an old kernel; ``--prefault-memory false``): pages are
+        then mapped as puts first write them."""
         self.host_mapped_bytes = 0
         """Host memory mapped so far by that start-up mapping."""
         self.objects = ObjectStore(
@@ -266,8 +266,6 @@ class StorageNode:
         """
         cfg = self.config
         if cfg.prefault_memory and cfg.transport != "ucx":
-            # (ucx: registering the arena for RDMA maps and pins its pages anyway, and UCX
-            # hooks the process's memory calls: a madvise beside its start crashed once)
             self.host_mapping = "mapping"
             self._prefault.start()
         scheme, tls_opts = ("tls", {"ssl_context": cfg.data_tls}) if cfg.data_tls else ("tcp", {})
@@ -285,6 +283,13 @@ class StorageNode:
         self.data_uri = self.migration.own_uri = self._listener.address
         if cfg.transport == "ucx":
             await self._start_nixl()
+            if cfg.prefault_memory:
+                # Only now: UCX hooks the process's memory calls as it starts (a madvise
+                # beside its start crashed once). Its registration maps the pages only where
+                # it pins them for a NIC; over shared memory or TCP a writer's first WRITE
+                # into each page faulted it in (docs/decisions.md).
+                self.host_mapping = "mapping"
+                self._prefault.start()
         await self._when_master_answers(self._check_master_authenticates)
         if cfg.disk_path:
             await self._open_disk()
