@@ -1,15 +1,24 @@
 """Puts into a fresh node: host memory mapped when the node starts, beside mapped as the
 puts first write it, in the same run.
 
-    python bench/first_fill.py [--host-mem 3GiB] [--fill 2GiB] [--chunk "512 KiB"] [--plot out.png]
+    python bench/first_fill.py [--host-mem 3GiB] [--fill 2GiB] [--chunk "512 KiB"]
+                               [--transport tcp|ucx] [--plot out.png]
 
 Starts two ``kvstore serve --host-mem H`` nodes at once, one as shipped (``prefault-memory``
 on: a thread maps the host arena's pages when the node starts) and one with
-``--prefault-memory false``, and puts ``--fill`` bytes of fresh keys into each over one kept
-``tcp://`` connection, 8 pre-encoded chunks (``quant="none"``) an exchange, the two nodes
-taking turns exchange by exchange, as soon as both are ready (a user's first puts). Reports
-per node: put GB/s, p50/p99 per exchange, the node's CPU seconds and minor page faults over
-the fill (``/proc``). Markdown on stdout, progress on stderr.
+``--prefault-memory false``, and puts ``--fill`` bytes of fresh keys into each, 8 chunks
+(``quant="none"``) an exchange, the two nodes taking turns exchange by exchange, as soon as
+both are ready (a user's first puts):
+
+- ``tcp``: over one kept ``tcp://`` connection, ``NodeClient.put`` of pre-encoded chunks;
+- ``ucx``: ``--transport ucx`` nodes, ``KVClient(ucx=True).put_layer`` of 8 fresh blocks a
+  call (the engine's path: encode into registered staging, one-sided WRITE, ``landed``).
+  Over shared memory or TCP UCX copies with ``process_vm_writev``, which faults the node's
+  unmapped pages in on the writer's CPU, so the writer's CPU is reported too.
+
+Reports per node: put GB/s, p50/p99 per exchange, the node's CPU seconds and minor page
+faults over the fill (``/proc``), the writer's CPU per GB (this process's thread time
+around each exchange). Markdown on stdout, progress on stderr.
 """
 
 from __future__ import annotations
@@ -58,14 +67,19 @@ def namespace(tokens: int) -> Namespace:
                      head_dim=D, block_tokens=tokens, quant="none")  # fmt: skip
 
 
-async def fill(nodes: dict[str, Serve], fill_bytes: int, chunk_bytes: int) -> dict[str, dict]:
+async def fill(
+    nodes: dict[str, Serve], fill_bytes: int, chunk_bytes: int, transport: str = "tcp"
+) -> dict[str, dict]:
     """Put ``fill_bytes`` of fresh keys into each node, taking turns; per node its
-    latencies, bytes, CPU seconds and minor faults over the fill."""
+    latencies, bytes, writer CPU, and the node's CPU seconds and minor faults over the
+    fill."""
     tokens = chunk_bytes // (2 * H * D * 2)
     ns = namespace(tokens)
     kv = torch.randn(2, tokens * PER_EXCHANGE, H, D).bfloat16()
     per_exchange = PER_EXCHANGE * ns_chunk_bytes(tokens)
     n = max(1, fill_bytes // per_exchange)
+    if transport == "ucx":
+        return await _fill_ucx(nodes, ns, kv, n, per_exchange)
     exchanges = []  # encoded beforehand: the timing is the put alone
     for i in range(n):
         keys = [(i * PER_EXCHANGE + j + 1).to_bytes(16, "big") for j in range(PER_EXCHANGE)]
@@ -77,7 +91,7 @@ async def fill(nodes: dict[str, Serve], fill_bytes: int, chunk_bytes: int) -> di
         conn = await connect(serve.addresses["data"], timeout=30.0)
         conns.append(conn)
         clients[name] = NodeClient(serve.addresses["data"], KeptConnection(conn), timeout_s=30.0)
-    out: dict[str, dict] = {name: {"lat": []} for name in nodes}
+    out: dict[str, dict] = {name: {"lat": [], "writer_s": 0.0} for name in nodes}
     for name, serve in nodes.items():
         out[name]["before"] = proc_stat(serve.proc.pid)
     with progress() as bar:
@@ -85,8 +99,9 @@ async def fill(nodes: dict[str, Serve], fill_bytes: int, chunk_bytes: int) -> di
         for i in range(n):
             for name, client in clients.items():
                 spec, bufs = exchanges[i]
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 ack = await client.put(ns.canonical_bytes(), spec, bufs)
+                out[name]["writer_s"] += time.thread_time() - c0
                 out[name]["lat"].append(time.perf_counter() - t0)
                 expect(ack.stored == PER_EXCHANGE, f"{name}: {ack}")
                 bar.advance(task)
@@ -98,25 +113,70 @@ async def fill(nodes: dict[str, Serve], fill_bytes: int, chunk_bytes: int) -> di
     return out
 
 
+async def _fill_ucx(
+    nodes: dict[str, Serve], ns: Namespace, kv: torch.Tensor, n: int, per_exchange: int
+) -> dict[str, dict]:
+    """:func:`fill` over ``ucx://``: ``KVClient(ucx=True).put_layer`` of 8 fresh blocks a
+    call into each node (one client per node, both in this process)."""
+    from kvclient import KVClient
+
+    clients = {name: await KVClient.connect(serve.addresses["grpc"], ns, timeout_s=30.0,
+                                            ucx=True)
+               for name, serve in nodes.items()}  # fmt: skip
+    out: dict[str, dict] = {name: {"lat": [], "writer_s": 0.0} for name in nodes}
+    try:
+        block = ns.block_tokens  # untimed: one block each, so that the client's NIXL agent,
+        for client in clients.values():  # its staging and its link to the node are set up
+            await client.put_layer(list(range(1 << 30, (1 << 30) + block)), 0, kv[:, :block])
+        for name, serve in nodes.items():
+            out[name]["before"] = proc_stat(serve.proc.pid)
+        tokens = kv.shape[1]
+        with progress() as bar:
+            task = bar.add_task("exchanges", total=n * len(nodes))
+            for i in range(n):
+                prompt = [i * tokens + j for j in range(tokens)]  # (fresh blocks each time)
+                for name, client in clients.items():
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    stored = await client.put_layer(prompt, 0, kv)
+                    out[name]["writer_s"] += time.thread_time() - c0
+                    out[name]["lat"].append(time.perf_counter() - t0)
+                    expect(stored == tokens, f"{name}: stored {stored} of {tokens} tokens")
+                    bar.advance(task)
+        for name, serve in nodes.items():
+            out[name]["after"] = proc_stat(serve.proc.pid)
+            out[name]["bytes"] = n * per_exchange
+    finally:
+        for client in clients.values():
+            await client.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--host-mem", default="3GiB")
     p.add_argument("--fill", default="2GiB")
     p.add_argument("--chunk", default="512 KiB")
+    p.add_argument("--transport", choices=("tcp", "ucx"), default="tcp")
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
     flags = {"mapped at start": (), "mapped as first written": ("--prefault-memory", "false")}
+    ucx = ("--transport", "ucx") if args.transport == "ucx" else ()
     nodes = {
-        name: Serve.start("--host-mem", args.host_mem, *extra) for name, extra in flags.items()
+        name: Serve.start("--host-mem", args.host_mem, *ucx, *extra)
+        for name, extra in flags.items()
     }
     try:
-        got = asyncio.run(fill(nodes, parse_size(args.fill), parse_size(args.chunk)))
+        got = asyncio.run(
+            fill(nodes, parse_size(args.fill), parse_size(args.chunk), args.transport)
+        )
     finally:
         for serve in nodes.values():
             serve.stop()
+    how = ("ucx://, KVClient.put_layer" if args.transport == "ucx"
+           else "tcp://, one kept connection")  # fmt: skip
     table = Table(
         f"A fresh node's first {args.fill} of puts (host memory {args.host_mem}, "
-        f"{PER_EXCHANGE} x {args.chunk} an exchange, tcp://, one kept connection)",
+        f"{PER_EXCHANGE} x {args.chunk} an exchange, {how})",
         [
             "host memory",
             "GB/s",
@@ -125,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             "node CPU s",
             "node CPU s/GB",
             "minor faults",
+            "writer CPU s/GB",
         ],
     )
     for name, r in got.items():
@@ -133,13 +194,17 @@ def main(argv: list[str] | None = None) -> int:
         gb = r["bytes"] / 1e9
         table.rows.append([name, f"{gb / sum(r['lat']):.2f}", f"{stats['p50'] * 1e3:.2f}",
                            f"{stats['p99'] * 1e3:.2f}", f"{used.cpu_s:.2f}",
-                           f"{used.cpu_s / gb:.3f}", used.minor_faults])  # fmt: skip
+                           f"{used.cpu_s / gb:.3f}", used.minor_faults,
+                           f"{r['writer_s'] / gb:.3f}"])  # fmt: skip
     table.notes.append(
         "the two nodes run at once and take turns exchange by exchange; the fill starts once "
-        "both are ready and its exchanges are encoded (seconds: the first node's mapping "
-        "thread, ~0.4 s of a core per GiB here, has mostly run by then and is not counted); "
+        "both are ready and its exchanges are encoded (tcp://) or the client's NIXL agent "
+        "has put one block into each node (ucx://): seconds, in which the first node's "
+        "mapping thread (~0.4 s of a core per GiB here) has mostly run; it is not counted; "
         "GB/s: bytes over the sum of the exchanges' times; CPU and faults: /proc of each "
-        "node over the fill"
+        "node over the fill; writer CPU: this process's thread time around each exchange "
+        "(over ucx:// it holds the copy into the node's memory, and the faults of pages the "
+        "node did not map; not the codec thread's encode)"
     )
     print_report("Puts into a fresh node", "bench/first_fill.py", argv, [table])
     if args.plot:
