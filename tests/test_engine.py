@@ -140,11 +140,12 @@ def test_cancel_mid_transfer_leaves_no_pins(server: Server) -> None:
 def test_partial_miss_reported_block_by_block() -> None:
     """Two nodes share the blocks by HRW placement; one is killed: a get loads what the
     survivor holds and names exactly the blocks the dead node held."""
-    # A lease of 3 s, not 1: a node is suspect (not placed on) after half a lease without a
-    # heartbeat, and on a loaded machine a just-started node's heartbeat can be 0.5 s late
-    # (CI once saw all 16 blocks placed on the other node).
+    # A lease of 6 s, not 1: a node is suspect (not placed on) after half a lease without a
+    # heartbeat (one every third of a lease), and on a loaded machine a just-started node's
+    # heartbeat came late by more than 0.5 s twice in CI (lease 1 s, then 3 s: all 16
+    # blocks were placed on the other node); it must now be late by a second.
     master = start_server("master", "--grpc-port", "0", "--metrics-port", "0",
-                          "--node-lease-s", "3")  # fmt: skip
+                          "--node-lease-s", "6")  # fmt: skip
     nodes = []
     for i in range(2):
         args = ["--master", master.grpc, "--data-port", "0", "--metrics-port", "0",
@@ -158,7 +159,7 @@ def test_partial_miss_reported_block_by_block() -> None:
             held = [node_stats(n.data)["slots"] for n in nodes]
             assert all(held), "placement should spread 16 blocks over both nodes"
             nodes[1].kill()
-            time.sleep(3.5)  # one lease: the master declares the node dead
+            time.sleep(6.5)  # one lease: the master declares the node dead
             out = torch.zeros(2, 16 * 256, H, D, dtype=torch.bfloat16)
             result = kv.start_get_layer(tokens, 0, out).wait(timeout=30)
             missing = [i for i, _ in result.missing]
