@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
@@ -91,26 +92,16 @@ async def fill(
         conn = await connect(serve.addresses["data"], timeout=30.0)
         conns.append(conn)
         clients[name] = NodeClient(serve.addresses["data"], KeptConnection(conn), timeout_s=30.0)
-    out: dict[str, dict] = {name: {"lat": [], "writer_s": 0.0} for name in nodes}
-    for name, serve in nodes.items():
-        out[name]["before"] = proc_stat(serve.proc.pid)
-    with progress() as bar:
-        task = bar.add_task("exchanges", total=n * len(nodes))
-        for i in range(n):
-            for name, client in clients.items():
-                spec, bufs = exchanges[i]
-                t0, c0 = time.perf_counter(), time.thread_time()
-                ack = await client.put(ns.canonical_bytes(), spec, bufs)
-                out[name]["writer_s"] += time.thread_time() - c0
-                out[name]["lat"].append(time.perf_counter() - t0)
-                expect(ack.stored == PER_EXCHANGE, f"{name}: {ack}")
-                bar.advance(task)
-    for name, serve in nodes.items():
-        out[name]["after"] = proc_stat(serve.proc.pid)
-        out[name]["bytes"] = n * per_exchange
-    for conn in conns:
-        await conn.close()
-    return out
+
+    async def put(name: str, i: int) -> None:
+        ack = await clients[name].put(ns.canonical_bytes(), *exchanges[i])
+        expect(ack.stored == PER_EXCHANGE, f"{name}: {ack}")
+
+    try:
+        return await _take_turns(nodes, n, per_exchange, put)
+    finally:
+        for conn in conns:
+            await conn.close()
 
 
 async def _fill_ucx(
@@ -123,31 +114,47 @@ async def _fill_ucx(
     clients = {name: await KVClient.connect(serve.addresses["grpc"], ns, timeout_s=30.0,
                                             ucx=True)
                for name, serve in nodes.items()}  # fmt: skip
-    out: dict[str, dict] = {name: {"lat": [], "writer_s": 0.0} for name in nodes}
+    tokens = kv.shape[1]
+
+    async def put(name: str, i: int) -> None:
+        prompt = [i * tokens + j for j in range(tokens)]  # (fresh blocks each time)
+        stored = await clients[name].put_layer(prompt, 0, kv)
+        expect(stored == tokens, f"{name}: stored {stored} of {tokens} tokens")
+
     try:
         block = ns.block_tokens  # untimed: one block each, so that the client's NIXL agent,
         for client in clients.values():  # its staging and its link to the node are set up
             await client.put_layer(list(range(1 << 30, (1 << 30) + block)), 0, kv[:, :block])
-        for name, serve in nodes.items():
-            out[name]["before"] = proc_stat(serve.proc.pid)
-        tokens = kv.shape[1]
-        with progress() as bar:
-            task = bar.add_task("exchanges", total=n * len(nodes))
-            for i in range(n):
-                prompt = [i * tokens + j for j in range(tokens)]  # (fresh blocks each time)
-                for name, client in clients.items():
-                    t0, c0 = time.perf_counter(), time.thread_time()
-                    stored = await client.put_layer(prompt, 0, kv)
-                    out[name]["writer_s"] += time.thread_time() - c0
-                    out[name]["lat"].append(time.perf_counter() - t0)
-                    expect(stored == tokens, f"{name}: stored {stored} of {tokens} tokens")
-                    bar.advance(task)
-        for name, serve in nodes.items():
-            out[name]["after"] = proc_stat(serve.proc.pid)
-            out[name]["bytes"] = n * per_exchange
+        return await _take_turns(nodes, n, per_exchange, put)
     finally:
         for client in clients.values():
             await client.close()
+
+
+async def _take_turns(
+    nodes: dict[str, Serve],
+    n: int,
+    per_exchange: int,
+    put: Callable[[str, int], Awaitable[None]],
+) -> dict[str, dict]:
+    """``put(node, i)`` for ``i`` in ``range(n)``, the nodes taking turns; per node its
+    latencies, writer CPU (this thread's time around each put), bytes, and its process's
+    ``/proc`` figures before and after."""
+    out: dict[str, dict] = {name: {"lat": [], "writer_s": 0.0} for name in nodes}
+    for name, serve in nodes.items():
+        out[name]["before"] = proc_stat(serve.proc.pid)
+    with progress() as bar:
+        task = bar.add_task("exchanges", total=n * len(nodes))
+        for i in range(n):
+            for name in nodes:
+                t0, c0 = time.perf_counter(), time.thread_time()
+                await put(name, i)
+                out[name]["writer_s"] += time.thread_time() - c0
+                out[name]["lat"].append(time.perf_counter() - t0)
+                bar.advance(task)
+    for name, serve in nodes.items():
+        out[name]["after"] = proc_stat(serve.proc.pid)
+        out[name]["bytes"] = n * per_exchange
     return out
 
 
