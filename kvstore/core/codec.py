@@ -440,16 +440,15 @@ class _Form(NamedTuple):
     dtype: torch.dtype
     scheme: str
     checksum: str
+    quants: tuple[str, str]
+    """:attr:`ChunkHeader.quants` of its chunks."""
     layout: _Layout
     plan: Any
 
     def fits(self, spec: ChunkSpec) -> bool:
         """Whether a chunk of this form passes ``spec`` (as :func:`_check_expected`)."""
         shape = (2, spec.tokens, spec.heads, spec.head_dim)
-        family = "none" if self.scheme == "raw" else self.scheme[:4]
-        return (
-            shape == self.shape and spec.dtype == self.dtype and spec.quant in (family, self.scheme)
-        )
+        return shape == self.shape and spec.dtype == self.dtype and spec.quant in self.quants
 
 
 _FORMS: dict[tuple[bytes, bytes, int], _Form] = {}
@@ -515,7 +514,7 @@ def _parse_header(raw: bytes, size: int) -> tuple[ChunkHeader, _Layout]:
     if modes and scheme not in _INT4_GROUPS and native.available():
         plan = native.plan_of(modes, layout.shape, layout.scale_slots,
                               (HEADER_NBYTES, layout.payload_offset))  # fmt: skip
-    form = _Form(header.shape, header.dtype, *names, layout, plan)
+    form = _Form(header.shape, header.dtype, *names, header.quants, layout, plan)
     _FORMS[raw[:8], raw[32:_CHECKED], size] = form
     return header, layout
 
