@@ -35,6 +35,7 @@ from kvstore import __version__
 from kvstore.config import (
     COMMANDS,
     CONFIG_ENV,
+    PORT_SETTINGS,
     Resolved,
     Setting,
     render_toml,
@@ -268,9 +269,7 @@ def _probe_ports(cfg: Resolved) -> None:
     """Bind and release each fixed port this command will open (as the servers do, with
     SO_REUSEADDR), so that a taken port is reported in one line of ours before any server
     starts — gRPC logs its own line before it fails. Raises OSError naming the port."""
-    ports = [("gRPC", "grpc_port"), ("commit", "commit_port"), ("data", "data_port"),
-             ("metrics", "metrics_port")]  # fmt: skip
-    for what, dest in ports:
+    for dest, what in PORT_SETTINGS.items():
         port = cfg.values.get(dest)
         if not isinstance(port, int) or port == 0:
             continue

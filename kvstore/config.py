@@ -56,6 +56,7 @@ __all__ = [
     "COMMANDS",
     "CONFIG_ENV",
     "LOG_LEVELS",
+    "PORT_SETTINGS",
     "SETTINGS",
     "Resolved",
     "Setting",
@@ -442,6 +443,11 @@ def _parsed(s: Setting, raw: object, where: str) -> Value:
         raise InvalidArgument(f"{where}: {exc}") from None
 
 
+PORT_SETTINGS: dict[str, str] = {"grpc_port": "gRPC", "commit_port": "commit",
+                                 "data_port": "data", "metrics_port": "metrics"}  # fmt: skip
+"""The settings that name a port a server of the command binds (dest → that server)."""
+
+
 def _check_together(values: Mapping[str, Value], sources: Mapping[str, str]) -> None:
     """Checks across settings (decisions: "--gpu-mem without --transport ucx is refused")."""
     if values.get("disk_path") and not values.get("disk_size"):
@@ -457,7 +463,7 @@ def _check_together(values: Mapping[str, Value], sources: Mapping[str, str]) -> 
             "be written"
         )
     fixed: dict[int, str] = {}  # two servers of one process never share a fixed port
-    for dest in ("grpc_port", "commit_port", "data_port", "metrics_port"):
+    for dest in PORT_SETTINGS:
         port = values.get(dest)
         if not isinstance(port, int) or isinstance(port, bool) or port == 0:
             continue
