@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from transfer import Measured, Point, Results
 
 __all__ = [
+    "EMPTY_PROBE",
     "GET_PATHS",
     "IDLE_TARGET",
     "PUT_PATHS",
@@ -50,7 +51,10 @@ TARGETS = {
 """kvstore ÷ baseline GB/s targets by chunk size (exchanges of 8 chunks, one in flight):
 ``ucx://`` ÷ raw NIXL, ``tcp://`` ÷ raw asyncio."""
 STATS_PROBE = "kvstore tcp://: stats frame and answer"
-"""Section 1b's framed round trip on the node's data port (the floor under a control step)."""
+"""Section 1b's framed round trip that builds the node's counters on the way."""
+EMPTY_PROBE = "kvstore tcp://: a framed request the node does nothing for"
+"""Section 1b's framed round trip with no work in the node's handler (``unhold`` of no
+hold): the floor under every control step, and section 4's floor's round trip."""
 IDLE_TARGET = 0.15
 """Most idle CPU of the node, in cores."""
 CLIENT_CPU_TARGET = 1.5
@@ -170,8 +174,10 @@ def probe_table(res: Results, probes: int) -> Table:
     for name, st in res.probes.items():
         table.add(name, *(f"{st[k] * 1e6:.0f}" for k in ("p50", "p99", "mean")))
     table.notes.append(
-        "stats: one framed JSON request and answer on the node's data port (the floor under "
-        "every control step in section 1). NIXL rows: against the raw NIXL target process."
+        "kvstore rows: one framed JSON request and answer on the node's data port; the one the "
+        "node does nothing for (an unhold of a hold that does not exist) is the floor under "
+        "every control step in section 1, stats also builds the node's counters. NIXL rows: "
+        "against the raw NIXL target process."
     )
     return table
 
@@ -276,7 +282,7 @@ def exchange_table(res: Results) -> Table:
     links = [f"at {g} Gb/s: GB/s (÷ link)" for g in LINKS_GBPS]
     table = Table("3b. CPU per exchange, and an RDMA projection (depth 1)",
                   ["point", "path", "MiB per exchange", "exchanges", "node CPU µs",
-                   "client CPU µs", *links])  # fmt: skip
+                   "of which the scrub µs", "client CPU µs", *links])  # fmt: skip
     for point, path in itertools.product(res.points, EXCHANGE_PATHS):
         m = res.by.get((point.name, path, 1))
         if m is None or not m.seconds:
@@ -288,8 +294,9 @@ def exchange_table(res: Results) -> Table:
             wire_s = m.nbytes * 8 / (gbit * 1e9)
             gbps = m.nbytes / (node_s + client_s + wire_s) / 1e9
             cells.append(f"{gbps:.2f} ({gbps * 8 / gbit:.2f})")
+        scrub = "-" if m.scrub_us is None else f"{m.scrub_us:.0f}"
         table.add(point.name, path.removeprefix("kv "), f"{m.nbytes / 2**20:.2f}", n,
-                  f"{node_s * 1e6:.0f}", f"{client_s * 1e6:.0f}", *cells)  # fmt: skip
+                  f"{node_s * 1e6:.0f}", scrub, f"{client_s * 1e6:.0f}", *cells)  # fmt: skip
     table.notes.append(
         "Node and client CPU: each process's CPU over the timed exchanges ÷ their number "
         "(section 3's accounting). The projection charges one exchange the node's and the "
@@ -298,7 +305,10 @@ def exchange_table(res: Results) -> Table:
         "overlapped: an RDMA NIC moves the bytes without either CPU. Over ucx:// here the "
         "client's CPU includes the kernel's copy (CMA), which a NIC would do, so the "
         "projection is a floor. The node's CPU is read in clock ticks (10 ms): a row of n "
-        "exchanges resolves 10 ms ÷ n (79 µs at 127)."
+        "exchanges resolves 10 ms ÷ n (79 µs at 127). The scrub (ucx:// puts): the node's "
+        "CPU for checking every landed byte's checksum after the ack (its scrub_cpu_us ÷ "
+        "the chunks it scrubbed over the job, x the chunks of an exchange), part of the "
+        "node's CPU, since it runs in the exchanges' gaps."
     )
     return table
 
@@ -344,7 +354,7 @@ def _floor(res: Results, point: Point, depth: int) -> str:
     """The floor of a one-round-trip ``ucx://`` put ÷ raw NIXL WRITE (ratio_table's note)."""
     layers = res.by.get((point.name, "kv ucx layers put", depth))
     raw = res.by.get((point.name, "raw NIXL WRITE", depth))
-    rt = res.probes.get(STATS_PROBE)
+    rt = res.probes.get(EMPTY_PROBE)
     if depth != 1 or layers is None or raw is None or rt is None or "move" not in layers.phases:
         return "-"
     seconds = statistics.median(layers.phases["move"]) + rt["p50"]

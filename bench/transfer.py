@@ -65,6 +65,7 @@ from _common import (
     window_cpu,
 )
 from _transfer_report import (
+    EMPTY_PROBE,
     STATS_PROBE,
     baseline_table,
     client_cpu_table,
@@ -209,6 +210,8 @@ class Measured:
     wall: float = 0.0
     node_cpu: float = 0.0
     client_cpu: float = 0.0
+    scrub_us: float | None = None
+    """The node's scrub CPU per exchange (``ucx://`` puts; :func:`scrubbed`)."""
 
     @property
     def gbps(self) -> float:
@@ -567,7 +570,9 @@ def job_put(setup: Setup, point: Point, transport: str, depth: int) -> Measured:
     async def put(i: int, lane: int) -> Phases:
         return await KV[(transport, "put")](lane, ns, keys.pop(i), _rows(point, i))
 
-    return _measure(setup, point, depth, in_lanes(put, depth), prepare)
+    if transport != "ucx":
+        return _measure(setup, point, depth, in_lanes(put, depth), prepare)
+    return scrubbed(point, lambda: _measure(setup, point, depth, in_lanes(put, depth), prepare))
 
 
 def job_put_layers(setup: Setup, point: Point, depth: int) -> Measured:
@@ -587,7 +592,28 @@ def job_put_layers(setup: Setup, point: Point, depth: int) -> Measured:
         return await put_ucx_layers(lane, ns, keys.pop(i), _rows(point, i), i % layers,
                                     layers - 1)  # fmt: skip
 
-    return _measure(setup, point, depth, in_lanes(put, depth), prepare)
+    return scrubbed(point, lambda: _measure(setup, point, depth, in_lanes(put, depth), prepare))
+
+
+def scrubbed(point: Point, job: Callable[[], Measured]) -> Measured:
+    """``job()`` (``ucx://`` puts), with the node's scrub CPU per exchange: from its
+    counters before the job and once its scrub has checked every chunk after it (untimed;
+    waits up to :data:`IO_TIMEOUT_S`)."""
+    node = _STATE["nodes"][0]
+    before = _run(node.stats())
+    res = job()
+
+    async def settled() -> dict[str, Any]:
+        deadline = time.monotonic() + IO_TIMEOUT_S
+        while (stats := await node.stats())["scrub_pending"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return stats
+
+    after = _run(settled())
+    chunks = after["scrubbed"] - before["scrubbed"]
+    if chunks > 0:
+        res.scrub_us = (after["scrub_cpu_us"] - before["scrub_cpu_us"]) / chunks * point.batch
+    return res
 
 
 def job_get(setup: Setup, point: Point, transport: str, depth: int) -> Measured:
@@ -735,6 +761,7 @@ async def _probes(setup: Setup) -> dict[str, dict[str, float]]:
     view = as_byte_view(tiny, writable=True)
     calls = {
         "raw socket: 9 B request, 64 B answer": lambda: raw_socket_get(_STATE["raws"][0], [view]),
+        EMPTY_PROBE: lambda: node.unhold("no-such-hold"),
         STATS_PROBE: stats,
         "raw NIXL WRITE of 64 B (binding, spinning)": raw_nixl,
         "NixlAgent.write of 64 B (kvstore's layer)": lambda: agent.write(

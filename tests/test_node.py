@@ -329,6 +329,7 @@ async def test_a_ucx_chunk_is_acked_on_its_header_and_scrubbed_for_the_rest(rig:
         await asyncio.wait_for(rig.node.scrub.idle(), TIMEOUT)
         stats = await NodeClient(rig.node.data_uri).stats()
         assert (stats["scrub_pending"], stats["scrub_dropped"]) == (0, 1 if by_ucx else 0)
+        assert (stats["scrub_cpu_us"] > 0) == by_ucx  # (tcp:// chunks are checked on arrival)
         for _ in range(100):  # the sweeper's next commit (every 0.5 s) reports the drop
             if await rig.holders(keys) == [1, 0, 0, 1]:
                 break
@@ -407,6 +408,7 @@ async def test_the_scrub_gives_way_to_exchanges_but_not_past_its_age_bound(
         assert (s.pending, dropped) == (1, []), "busy: the scrub waits"
         await asyncio.wait_for(s.idle(), 5)
         assert (s.pending, s.scrubbed, dropped) == (0, 1, [0])
+        assert s.cpu_s > 0
     finally:
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)

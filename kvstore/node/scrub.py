@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -92,6 +93,8 @@ class Scrub:
         """Chunks checked so far."""
         self.dropped = 0
         """Chunks that failed their scrub and were dropped."""
+        self.cpu_s = 0.0
+        """CPU seconds the scrub's checks took so far (the event loop's thread's time)."""
 
     @property
     def pending(self) -> int:
@@ -152,6 +155,13 @@ class Scrub:
             self._idle.set()
 
     def _slice(self) -> None:
+        start = time.thread_time()
+        try:
+            self._check_slice()
+        finally:
+            self.cpu_s += time.thread_time() - start
+
+    def _check_slice(self) -> None:
         done = 0
         while self._queue and done < SLICE_BYTES:
             item = self._queue.popleft()

@@ -928,6 +928,7 @@ class StorageNode:
                 "scrub_pending": self.scrub.pending,
                 "scrubbed": self.scrub.scrubbed,
                 "scrub_dropped": self.scrub.dropped,
+                "scrub_cpu_us": round(self.scrub.cpu_s * 1e6),
                 "objects": len(self.objects),
                 "capacity_bytes": sum(st.capacity_bytes for _, st in stats),
                 "used_bytes": sum(st.used_bytes for _, st in stats),
