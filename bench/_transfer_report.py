@@ -398,7 +398,11 @@ def idle_table(res: Results) -> Table:
         busiest = ", ".join(f"{n} {c:.1%}" for n, c in w.threads) or "-"
         mark = "✓" if w.cores < IDLE_TARGET else "✗"
         table.add(when, f"{w.seconds:.1f}", f"{w.cores:.1%} {mark}", busiest)
-    table.notes.append("/proc/<pid>/task/*/stat, 10 ms ticks (0.2% of a core over 5 s).")
+    table.notes.append(
+        "/proc/<pid>/task/*/stat, 10 ms ticks (0.2% of a core over 5 s). The fresh node's "
+        f"window starts once it has mapped its host memory, {res.mapping_s:.1f} s after its "
+        "ready line (a one-off at start, on a nice-19 thread that then ends)."
+    )
     return table
 
 
