@@ -345,7 +345,8 @@ def ratio_table(res: Results) -> Table:
         "Floor: what a put of one WRITE and one round trip could reach if the node did no "
         "work for it (no header checks, commit or grants): the exchange's bytes over the "
         "median of the layered put's WRITE (section 1, move) plus the median framed round "
-        "trip of section 1b (stats), both measured in this run; depth 1 only.",
+        "trip of section 1b that the node does nothing for, both measured in this run; "
+        "depth 1 only.",
     ]
     return table
 
