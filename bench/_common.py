@@ -409,10 +409,12 @@ class ProcStat:
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def proc_stat(pid: int) -> ProcStat:
-    """Read ``/proc/<pid>/stat`` (utime + stime, minflt). Never blocks; resolution is one
-    clock tick (usually 10 ms). Raises ``OSError`` when the process is gone."""
-    raw = Path(f"/proc/{pid}/stat").read_text()
+def proc_stat(pid: int, tid: int | None = None) -> ProcStat:
+    """Read ``/proc/<pid>/stat`` (utime + stime, minflt), or with ``tid`` that thread's
+    (``/proc/<pid>/task/<tid>/stat``). Never blocks; resolution is one clock tick (usually
+    10 ms). Raises ``OSError`` when the process (or the thread) is gone."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    raw = Path(path).read_text()
     fields = raw[raw.rindex(")") + 2 :].split()  # after "pid (comm) ": state is fields[0]
     minflt, utime, stime = int(fields[7]), int(fields[11]), int(fields[12])
     return ProcStat((utime + stime) / _CLK_TCK, minflt)
@@ -476,17 +478,19 @@ def percentile(values: Sequence[float], q: float) -> float:
 @contextlib.contextmanager
 def meter(pid: int) -> Iterator[dict[str, float]]:
     """Measure the ``with`` body: ``s`` (wall seconds), ``server_cpu`` / ``server_faults``
-    (CPU seconds and minor faults of process ``pid``, e.g. a server) and ``client_cpu`` /
-    ``client_faults`` (the same for this process, every thread). The yielded dict is filled
-    when the body exits. Raises ``OSError`` when ``pid`` is gone."""
+    (CPU seconds and minor faults of process ``pid``, e.g. a server), ``server_main_cpu``
+    (the CPU seconds of its main thread alone: a kvstore server's event loop) and
+    ``client_cpu`` / ``client_faults`` (the same for this process, every thread). The
+    yielded dict is filled when the body exits. Raises ``OSError`` when ``pid`` is gone."""
     rec: dict[str, float] = {}
-    s0, c0 = proc_stat(pid), resource.getrusage(resource.RUSAGE_SELF)
+    s0, m0, c0 = proc_stat(pid), proc_stat(pid, pid), resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     yield rec
     t1 = time.perf_counter()
-    s1, c1 = proc_stat(pid), resource.getrusage(resource.RUSAGE_SELF)
+    s1, m1, c1 = proc_stat(pid), proc_stat(pid, pid), resource.getrusage(resource.RUSAGE_SELF)
     rec["s"] = t1 - t0
     rec["server_cpu"] = (s1 - s0).cpu_s
+    rec["server_main_cpu"] = (m1 - m0).cpu_s
     rec["server_faults"] = (s1 - s0).minor_faults
     rec["client_cpu"] = (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
     rec["client_faults"] = c1.ru_minflt - c0.ru_minflt

@@ -209,6 +209,8 @@ class Measured:
     phases: dict[str, list[float]] = field(default_factory=dict)
     wall: float = 0.0
     node_cpu: float = 0.0
+    node_loop_cpu: float = 0.0
+    """The part of ``node_cpu`` on the node's main thread (its event loop)."""
     client_cpu: float = 0.0
     scrub_us: float | None = None
     """The node's scrub CPU per exchange (``ucx://`` puts; :func:`scrubbed`)."""
@@ -373,6 +375,7 @@ def _measure(setup: Setup, point: Point, depth: int, segment: Segment,
         if a >= warm:
             res.wall += wall
             res.node_cpu += cpu["server_cpu"]
+            res.node_loop_cpu += cpu["server_main_cpu"]
             res.client_cpu += cpu["client_cpu"]
             for seconds, phases in samples:
                 res.add(seconds, phases)
