@@ -573,9 +573,10 @@ def job_put(setup: Setup, point: Point, transport: str, depth: int) -> Measured:
     async def put(i: int, lane: int) -> Phases:
         return await KV[(transport, "put")](lane, ns, keys.pop(i), _rows(point, i))
 
-    if transport != "ucx":
+    def measure() -> Measured:
         return _measure(setup, point, depth, in_lanes(put, depth), prepare)
-    return scrubbed(point, lambda: _measure(setup, point, depth, in_lanes(put, depth), prepare))
+
+    return scrubbed(point, measure) if transport == "ucx" else measure()
 
 
 def job_put_layers(setup: Setup, point: Point, depth: int) -> Measured:
