@@ -317,9 +317,11 @@ class MetricsServer:
         except OSError as exc:  # the client went away or was too slow (TimeoutError)
             logger.debug("metrics request dropped: %s", exc)
         finally:
-            conn.close()
+            # The slot is given back before the close that tells the client the answer is
+            # over: a client that asks again at once is not refused for its own last request.
             with self._lock:
                 self._active.pop(conn, None)
+            conn.close()
 
     def _read_head(self, conn: socket.socket, deadline: float) -> bytes | None:
         """The request line and headers, read by ``deadline`` and within the size bound;
