@@ -45,7 +45,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from rich.console import Console
 from rich.progress import (
@@ -67,7 +67,6 @@ __all__ = [
     "SpawnedServer",
     "Table",
     "WindowCpu",
-    "exit_with",
     "expect",
     "in_flight",
     "latency_stats",
@@ -785,15 +784,6 @@ async def _raw_serve(sock: socket.socket, region: memoryview) -> None:
                 await (loop.sock_sendall(sock, view) if op == b"G" else _recv_exactly(sock, view))
             if op == b"P":
                 await loop.sock_sendall(sock, b"k")
-
-
-def exit_with(status: int) -> NoReturn:
-    """End a benchmark with ``status``. A process that loaded NIXL ends without its C
-    libraries' destructors, which crash it on RDMA hosts after its work is done
-    (``kvstore.transport.nixl_binding.end_process`` says why)."""
-    from kvstore.transport.nixl_binding import exit_process
-
-    exit_process(status)
 
 
 def open_direct(path: str | Path, flags: int) -> tuple[int, bool]:

@@ -677,6 +677,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from _common import exit_with
-
-    exit_with(main())
+    sys.exit(main())

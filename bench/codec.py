@@ -345,6 +345,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from _common import exit_with
-
-    exit_with(main())
+    sys.exit(main())

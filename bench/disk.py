@@ -399,6 +399,4 @@ def tables(results: list[Result], args: argparse.Namespace, total: int,
 
 
 if __name__ == "__main__":
-    from _common import exit_with
-
-    exit_with(main())
+    sys.exit(main())

@@ -53,6 +53,7 @@ import asyncio
 import contextlib
 import heapq
 import shutil
+import sys
 import tempfile
 import time
 from collections import OrderedDict
@@ -603,6 +604,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from _common import exit_with
-
-    exit_with(main())
+    sys.exit(main())

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -77,7 +78,9 @@ class Initiator:
     """The raw binding agent and a :class:`NixlAgent`, both on one local buffer."""
 
     def __init__(self, metadata: bytes, remote_addr: int) -> None:
-        import nixl_cu12._bindings as nixl
+        from kvstore.transport.nixl_binding import import_bindings
+
+        nixl = import_bindings()
 
         self.nixl = nixl
         self.remote = remote_addr
@@ -209,6 +212,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from _common import exit_with
-
-    exit_with(main())
+    sys.exit(main())

@@ -33,8 +33,7 @@ Three questions, in order:
 CPU s/GB: this process's CPU seconds (``time.process_time``: every thread, NIXL's too) per
 GB read. The file goes to a temporary directory in ``--dir`` (default: the current
 directory; not a tmpfs, which refuses ``O_DIRECT``), deleted at exit. Markdown on stdout,
-progress on stderr. Ends with ``kvstore.transport.nixl_binding.end_process`` (a process that
-loaded NIXL may crash in a library destructor at exit on hosts with RDMA providers).
+progress on stderr.
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import BenchError, Table, open_direct, percentile, print_report, progress
 
 from kvstore.core.sizes import format_size, parse_size
-from kvstore.transport.nixl_binding import end_process, import_bindings
+from kvstore.transport.nixl_binding import import_bindings
 
 MODES: dict[str, dict[str, str]] = {
     "aio": {"use_aio": "true"},
@@ -305,7 +304,7 @@ def owner_main(conn: Connection, path: str, nbytes: int) -> None:
         code = 1
         with contextlib.suppress(OSError):
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
-    end_process(code)
+    sys.exit(code)
 
 
 def _owner(conn: Connection, path: str, nbytes: int) -> None:
@@ -697,4 +696,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    end_process(main())
+    sys.exit(main())

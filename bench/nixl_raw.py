@@ -114,7 +114,9 @@ def initiator_main(conn: Connection, env: dict[str, str], metadata: bytes, wire:
 
 
 async def _initiator(conn: Connection, metadata: bytes, wire: list) -> None:
-    import nixl_cu12._bindings as nixl
+    from kvstore.transport.nixl_binding import import_bindings
+
+    nixl = import_bindings()
     import torch
 
     from kvstore.transport.nixl import NixlAgent, Span
@@ -338,6 +340,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from _common import exit_with
-
-    exit_with(main())
+    sys.exit(main())

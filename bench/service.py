@@ -31,6 +31,7 @@ import contextlib
 import multiprocessing as mp
 import statistics
 import struct
+import sys
 from collections.abc import Awaitable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -828,6 +829,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from _common import exit_with
-
-    exit_with(main())
+    sys.exit(main())

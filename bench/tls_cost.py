@@ -23,6 +23,7 @@ import asyncio
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -248,6 +249,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from _common import exit_with
-
-    exit_with(main())
+    sys.exit(main())

@@ -35,6 +35,7 @@ import contextlib
 import functools
 import itertools
 import os
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -263,7 +264,9 @@ def job_init(setup: Setup, role: str) -> None:
     os.environ.update(nixl_raw.LOOPBACK)
     _run(_init(setup, role))
     if role == "writer":
-        import nixl_cu12._bindings as nixl
+        from kvstore.transport.nixl_binding import import_bindings
+
+        nixl = import_bindings()
 
         agent = nixl.nixlAgent(f"bench-raw-{uuid.uuid4().hex[:8]}", nixl.nixlAgentConfig())
         agent.createBackend("UCX", {})
@@ -1010,6 +1013,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from _common import exit_with
-
-    exit_with(main())
+    sys.exit(main())

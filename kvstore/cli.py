@@ -27,7 +27,6 @@ import argparse
 import os
 import socket
 import sys
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -477,25 +476,8 @@ def _wire_master_counters(master: MasterServer, metrics: Metrics) -> None:
 
 
 def entry() -> None:
-    """The ``kvstore`` command: :func:`main`; a process that loaded NIXL ends through
-    :func:`~kvstore.transport.nixl_binding.end_process` (its libraries' destructors crash
-    on RDMA hosts)."""
-    from kvstore.transport import nixl_binding
-
-    try:
-        code = main()
-    except SystemExit as exc:  # (argparse's usage errors and --help)
-        if not nixl_binding.loaded():
-            raise
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
-    except BaseException:
-        if not nixl_binding.loaded():
-            raise
-        traceback.print_exc()
-        code = 1
-    nixl_binding.exit_process(code)
+    """The ``kvstore`` command: :func:`main`, its status the process's."""
+    sys.exit(main())
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 
 import torch
@@ -184,6 +185,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from kvstore.transport.nixl_binding import exit_process
-
-    exit_process(main())  # (NIXL's libraries' destructors crash on RDMA hosts: see there)
+    sys.exit(main())

@@ -27,9 +27,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvstore.errors import UnknownScheme
+from kvstore.transport.nixl_binding import import_bindings
+
 try:
-    import nixl_cu12._bindings
-except ImportError as exc:  # pragma: no cover - depends on the environment
+    nixl_bindings = import_bindings()  # (as kvstore imports it: see there)
+except UnknownScheme as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"nixl-cu12 is not installed ({exc})", allow_module_level=True)
 
 import torch
@@ -268,7 +271,7 @@ class Recording:
 
     def releaseXferReq(self, handle: int) -> Any:
         status = self._real.releaseXferReq(handle)
-        if status == nixl_cu12._bindings.NIXL_SUCCESS:
+        if status == nixl_bindings.NIXL_SUCCESS:
             self.released.append(handle)
         return status
 
@@ -592,7 +595,7 @@ class RefusesOneRelease:
     def releaseXferReq(self, handle: int) -> Any:
         if self._refuse:
             self._refuse -= 1
-            return nixl_cu12._bindings.NIXL_ERR_REPOST_ACTIVE
+            return nixl_bindings.NIXL_ERR_REPOST_ACTIVE
         return self._real.releaseXferReq(handle)
 
 
@@ -694,6 +697,38 @@ def test_importing_the_module_does_not_import_nixl() -> None:
     code = "import sys, kvstore.transport.nixl; print('nixl_cu12' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+_ENDS_BY_ITSELF = """
+import asyncio, torch
+from kvclient.ucx import nixl_available
+from kvstore.transport.nixl import NixlAgent
+
+async def main():
+    assert nixl_available()
+    target = NixlAgent("end-target", progress_thread=True)
+    async with target, NixlAgent("end-writer") as writer:
+        dst, src = torch.zeros(4096, dtype=torch.uint8), torch.full((4096,), 7, dtype=torch.uint8)
+        span = (await target.register(dst)).span()
+        await writer.register(src)
+        peer = await writer.add_peer(await target.metadata())
+        assert await writer.write(peer, [span], [src], timeout=10) == 4096
+        assert bool((dst == 7).all())
+    print("written")
+
+asyncio.run(main())
+"""
+
+
+def test_a_process_that_used_ucx_ends_by_itself_with_status_0() -> None:
+    """An engine that embeds kvclient ends through Python's own exit, C destructors and all:
+    on a host with the system's RDMA providers (CI installs them) the wheel's and the
+    system's libnl-route-3 crashed it with SIGSEGV there (nixl_binding says why)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _ENDS_BY_ITSELF], capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip() == "written", out.stderr[-2000:]
+    assert out.returncode == 0, f"status {out.returncode}: {out.stderr[-2000:]}"
 
 
 def test_missing_nixl_is_an_unknown_scheme(monkeypatch: pytest.MonkeyPatch) -> None:

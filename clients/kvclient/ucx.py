@@ -43,8 +43,9 @@ import torch
 
 from kvstore.core.arena import Arena
 from kvstore.dataplane.location import SlotLocation
-from kvstore.errors import CapacityError, Closed, KVStoreError
+from kvstore.errors import CapacityError, Closed, KVStoreError, UnknownScheme
 from kvstore.transport.nixl import ALONE_INLINE_BYTES, NixlAgent, Registration, Span
+from kvstore.transport.nixl_binding import import_bindings
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
@@ -74,10 +75,11 @@ _MAX_GRANTS = 65536
 
 @lru_cache(maxsize=1)
 def nixl_available() -> bool:
-    """Whether ``nixl-cu12`` can be imported here (checked once)."""
+    """Whether ``nixl-cu12`` can be imported here (checked once; imported the way
+    :func:`~kvstore.transport.nixl_binding.import_bindings` imports it)."""
     try:
-        import nixl_cu12  # noqa: F401
-    except ImportError:
+        import_bindings()
+    except UnknownScheme:
         return False
     return True
 

@@ -4,14 +4,14 @@ translating its exceptions, and reading an agent's name from its metadata (see
 
 from __future__ import annotations
 
-import atexit
 import contextlib
+import ctypes
 import importlib
 import os
 import struct
 import sys
 from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 from kvstore.errors import (
     KVStoreError,
@@ -24,10 +24,7 @@ from kvstore.errors import (
 __all__ = [
     "NAME_MAX",
     "agent_name_of",
-    "end_process",
-    "exit_process",
     "import_bindings",
-    "loaded",
     "segment",
     "translate",
     "translating",
@@ -68,44 +65,42 @@ def translating(b: Any, what: str) -> Iterator[None]:
 
 
 def import_bindings() -> Any:
+    if "nixl_cu12._bindings" not in sys.modules:
+        _load_system_libnl_apart()
     try:
         return importlib.import_module("nixl_cu12._bindings")
     except (ImportError, OSError) as exc:
         raise UnknownScheme(f"ucx:// needs nixl-cu12: {exc}") from exc
 
 
+SYSTEM_LIBNL_ROUTE = "libnl-route-3.so.200"
+"""The soname of the system's ``libnl-route-3``, which the system's ``libibverbs`` needs."""
+
+
+def _load_system_libnl_apart() -> None:
+    """Load the system's ``libnl-route-3`` (where installed) bound to itself, before NIXL.
+
+    The ``nixl-cu12`` wheel carries its own ``libibverbs``, ``libnl-3`` and
+    ``libnl-route-3`` (renamed copies), and UCX loads its modules into the process's global
+    symbol scope. On a host with RDMA providers installed (Debian's ``ibverbs-providers``:
+    every RDMA host), that ``libibverbs`` loads the system's providers, which bring the
+    system's ``libibverbs`` and ``libnl-route-3``. That ``libnl-route-3`` then binds its own
+    calls to the wheel's copy, found first in the global scope: its start-up registration
+    of traffic-control operations is refused there (the wheel's copy holds operations of
+    the same kinds), and at exit its unregistration unlinks operations that were never
+    linked, so every process that created a UCX backend ended with ``SIGSEGV`` in
+    ``rtnl_tc_unregister`` from ``_dl_fini`` (status 139), after its work. Loaded first with
+    ``RTLD_DEEPBIND``, the system's copy binds to itself and its own ``libnl-3``, each copy
+    keeps its own registrations, and the process ends as it should: an engine that embeds
+    ``kvclient`` must not crash at exit. A host without the library has nothing to do."""
+    flags = os.RTLD_NOW | os.RTLD_LOCAL | getattr(os, "RTLD_DEEPBIND", 0)
+    with contextlib.suppress(OSError):
+        ctypes.CDLL(SYSTEM_LIBNL_ROUTE, mode=flags)
+
+
 def loaded() -> bool:
     """Whether this process has loaded the binding (and with it UCX and its libraries)."""
     return "nixl_cu12._bindings" in sys.modules
-
-
-def end_process(code: int) -> NoReturn:
-    """End the process with status ``code`` once it has shut down in order: Python's exit
-    handlers run and the standard streams are flushed, but not the C libraries'
-    destructors (``os._exit``).
-
-    Why: the ``nixl-cu12`` wheel carries its own ``libibverbs`` and ``libnl-route-3``. On a
-    host with RDMA providers installed (Debian's ``ibverbs-providers``: every RDMA host),
-    that ``libibverbs`` loads the system's providers, which bring the system's
-    ``libnl-route-3``; at exit the two copies' destructors crash the process
-    (``SIGSEGV`` in ``rtnl_tc_unregister``, from ``_dl_fini``) after it has stopped
-    cleanly, so every ``ucx://`` node ended with status 139. Nothing is left for those
-    destructors to do by then."""
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
-
-
-def exit_process(status: int) -> NoReturn:
-    """End the process with ``status``: through :func:`end_process` once the binding is
-    loaded, else as ``sys.exit`` does."""
-    if loaded():
-        end_process(status)
-    sys.exit(status)
 
 
 def segment(bindings: Any, mem: str) -> Any:
