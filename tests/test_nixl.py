@@ -80,6 +80,10 @@ async def _peer_serve(conn: Connection, nbytes: int) -> None:
                 conn.send(hashlib.sha256(buf[start : start + size].numpy().tobytes()).hexdigest())
             elif cmd == "notifs":
                 conn.send(await agent.poll_notifs())
+            elif cmd == "notify":  # (opens this side's connection to an initiator)
+                metadata, message = args
+                await agent.notify(await agent.add_peer(metadata), message)
+                conn.send("sent")
             elif cmd == "idle_cpu":
                 before = time.process_time()
                 await asyncio.sleep(args[0])
@@ -662,6 +666,25 @@ async def test_idle_agents_do_not_spin(peer: Peer, initiator: Initiator) -> None
     print(f"idle CPU (cores): target {target_cpu:.4f}, initiator {initiator_cpu:.4f}")
     assert target_cpu < 0.15
     assert initiator_cpu < 0.15
+
+
+async def test_a_peer_does_not_spin_while_an_initiator_idles() -> None:
+    """A target whose UCX opened its side of a connection to an initiator waits for the
+    initiator's acknowledgement with the socket armed for writing, and its progress thread
+    spun a core for as long as the initiator made no progress (0.5 s of CPU every 0.5 s
+    here; a node did it for as long as a client stayed idle). An initiator progresses its
+    worker while idle (IDLE_PROGRESS_S), so the wait ends at once and the notification that
+    opened it is delivered."""
+    with running_peer() as peer:
+        async with NixlAgent("test-idle-initiator") as agent:
+            await agent.add_peer(peer.metadata)
+            assert peer.ask("notify", await agent.metadata(), b"hello") == "sent"
+            await asyncio.sleep(0.5)  # (the peer's wait, if any, ends within this)
+            target_cpu = peer.ask("idle_cpu", 1.0)
+            print(f"target CPU over 1 s, the initiator idle: {target_cpu:.3f} s")
+            assert target_cpu < 0.15
+            assert await agent.poll_notifs() == {peer.name: [b"hello"]}
+            assert await agent.poll_notifs() == {}
 
 
 def test_net_device_for() -> None:

@@ -34,7 +34,9 @@ NIXL's progress thread does it event-driven (``poll()`` on the worker's fd;
 ``progress_delay_us`` only bounds the sleep), so a node passes ``progress_thread=True`` and
 idles under 1 % of a core. The wrapper ``nixl_cu12._api.nixl_agent`` hard-codes that delay to
 0, which spins a core, hence this module drives ``nixl_cu12._bindings`` directly. An
-initiator runs without the thread: its own polling drives UCX.
+initiator runs without the thread: its own polling drives UCX, and while it has peers and
+nothing to do its worker thread progresses UCX every :data:`IDLE_PROGRESS_S` (a peer waiting
+for it to acknowledge a connection spins a core until it does).
 
 **Polling.** A call of at most :data:`INLINE_BYTES` (all its spans together) is posted on
 the event loop's thread if the lock is free — the loop never waits for it: held by the
@@ -168,6 +170,20 @@ DEFAULT_PROGRESS_DELAY_US = 10_000
 POLL_SLICE_S = 0.005
 """Longest one poll of a transfer holds the worker thread before other work gets a turn."""
 
+IDLE_PROGRESS_S = 0.05
+"""An initiator (no progress thread) with peers progresses its UCX worker at least this
+often, from its worker thread, while it has nothing else to do. A peer's UCX answers a new
+connection by opening its own side over the initiator's socket and waits for the
+initiator's acknowledgement with the socket armed for writing: until the initiator's worker
+makes progress, the peer's progress thread wakes at once, each time, and spins a core (a
+node spun at 100% of a core for as long as a client that had connected stayed idle).
+Progressed this often, a peer's wait ends within this long; idle, it costs the initiator
+20 short wake-ups a second."""
+
+MAX_KEPT_NOTIFS = 4096
+"""Notifications an initiator's idle progress keeps for :meth:`NixlAgent.poll_notifs`; past
+it the oldest are dropped (logged)."""
+
 
 INLINE_BYTES = 1 << 20
 """Largest call (bytes, all spans together) posted on the event loop's thread instead of
@@ -276,6 +292,8 @@ class NixlAgent:
         self._peers: dict[str, bytes] = {}
         self._live: set[_Transfer] = set()
         self._parked: list[int] = []
+        self._kept_notifs: dict[str, list[bytes]] = {}  # (the worker thread's: _w_idle)
+        self._kept = 0
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -304,7 +322,8 @@ class NixlAgent:
             return self
         if self._state == "closed":
             raise Closed(f"NIXL agent {self._name!r} is closed")
-        worker = self._worker = Worker(f"nixl-{self._name}")
+        idle = None if self._progress_thread else self._w_idle
+        worker = self._worker = Worker(f"nixl-{self._name}", idle, IDLE_PROGRESS_S)
         self._state = "started"
         try:
             await self._call(self._w_create)
@@ -725,7 +744,38 @@ class NixlAgent:
     def _w_poll_notifs(self) -> dict[str, list[bytes]]:
         with self._translated("poll notifications"):
             got = self._live_agent().getNotifs({})
-        return {str(k): [bytes(m) for m in v] for k, v in got.items() if v}
+        self._keep_notifs(got)
+        out, self._kept_notifs, self._kept = self._kept_notifs, {}, 0
+        return out
+
+    def _w_idle(self) -> None:
+        """The worker thread had no job for :data:`IDLE_PROGRESS_S`: progress the UCX
+        worker once, if this agent has peers and nobody holds the lock (whoever does is
+        progressing it), keeping what notifications it brings for :meth:`poll_notifs`."""
+        if self._agent is None or not self._peers or not self._lock.acquire(blocking=False):
+            return
+        try:
+            got = self._agent.getNotifs({})
+        except Exception as exc:  # (a peer gone: the next call says so to its caller)
+            logger.debug("NIXL: idle progress failed: %s", exc)
+            return
+        finally:
+            self._lock.release()
+        self._keep_notifs(got)
+
+    def _keep_notifs(self, got: dict[Any, list[Any]]) -> None:
+        for k, v in got.items():
+            if v:
+                self._kept_notifs.setdefault(str(k), []).extend(bytes(m) for m in v)
+                self._kept += len(v)
+        while self._kept > MAX_KEPT_NOTIFS:
+            name = next(iter(self._kept_notifs))
+            dropped = self._kept_notifs[name][: self._kept - MAX_KEPT_NOTIFS]
+            del self._kept_notifs[name][: len(dropped)]
+            if not self._kept_notifs[name]:
+                del self._kept_notifs[name]
+            self._kept -= len(dropped)
+            logger.warning("NIXL: %d notifications from %r dropped unread", len(dropped), name)
 
     def _w_post(
         self, op: str, peer: str, groups: Groups, notif: bytes, deadline: float

@@ -44,11 +44,16 @@ class Job:
 
 class Worker:
     """The agent's one thread: runs :class:`Job` s in order from a ``SimpleQueue`` and
-    stops after the jobs queued before :meth:`stop`. A daemon, so a hung NIXL call cannot
-    hold up interpreter exit."""
+    stops after the jobs queued before :meth:`stop`. With ``idle``, calls it each time no
+    job came for ``idle_s`` seconds. A daemon, so a hung NIXL call cannot hold up
+    interpreter exit."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(
+        self, name: str, idle: Callable[[], None] | None = None, idle_s: float = 0.05
+    ) -> None:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._idle = idle
+        self._idle_s = idle_s
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -61,5 +66,16 @@ class Worker:
         self._jobs.put(None)
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=self._idle_s if self._idle else None)
+            except queue.Empty:  # (only with ``idle``: no job for idle_s)
+                assert self._idle is not None
+                try:
+                    self._idle()
+                except Exception:  # never let the idle call stop the thread
+                    logger.exception("NIXL worker: the idle call failed")
+                continue
+            if job is None:
+                return
             job.run()
