@@ -98,11 +98,6 @@ def _load_system_libnl_apart() -> None:
         ctypes.CDLL(SYSTEM_LIBNL_ROUTE, mode=flags)
 
 
-def loaded() -> bool:
-    """Whether this process has loaded the binding (and with it UCX and its libraries)."""
-    return "nixl_cu12._bindings" in sys.modules
-
-
 def segment(bindings: Any, mem: str) -> Any:
     return bindings.DRAM_SEG if mem == "DRAM" else bindings.VRAM_SEG
 
