@@ -2,7 +2,8 @@
 
     python bench/gpu_check.py [--device cuda] [--quick] [--json PATH]
 
-Sections, each a Markdown table (progress on stderr):
+Sections, each a Markdown table printed as the section ends (progress on stderr; a
+section that raises is reported in its place and the others still run):
 
 1. **The device**: its name and memory, and the copy bandwidth it measures here (device to
    device, host to device, device to host) — what the codec is compared with.
@@ -40,6 +41,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -303,28 +305,48 @@ def main() -> int:
     device = torch.device(args.device)
     reps, layers = (3, 2) if args.quick else (20, 8)
     sections: list[Table] = []
+    errors: list[str] = []
+    print(machine_markdown(), flush=True)
+
+    def section(title: str, make: Callable[[], Table]) -> None:
+        """Run one section and print its table at once; one that raises is reported and
+        the others go on (a first run on a new machine must not lose what did work)."""
+        try:
+            table = make()
+        except Exception as exc:
+            errors.append(f"{title}: {type(exc).__name__}: {exc}")
+            print(f"### {title}\n\nfailed: {type(exc).__name__}: {exc}\n", flush=True)
+            traceback.print_exc()
+            return
+        sections.append(table)
+        print(table.to_markdown(), flush=True)
+
     gpu = ["--transport", "ucx"] if nixl_available() else []
     gpu += ["--gpu-mem", "2GiB"] if device.type == "cuda" else []
     with progress() as bar:
         task = bar.add_task("device check", total=5)
-        table, _ = device_table(device, reps)
-        sections.append(table)
+        section("The device", lambda: device_table(device, reps)[0])
         bar.advance(task)
-        sections.append(codec_table(device, reps, compile_cpu=not args.quick))
+        section("Codec", lambda: codec_table(device, reps, compile_cpu=not args.quick))
         bar.advance(task)
-        with Serve.start("--host-mem", "2GiB", *gpu) as serve:
-            sections.append(stream_table(serve.addresses["grpc"], device))
-            bar.advance(task)
-            sections.append(
-                tier_table(serve.addresses["grpc"], serve.addresses["data"], device, layers)
-            )
-            bar.advance(task)
+        try:
+            serve = Serve.start("--host-mem", "2GiB", *gpu)
+        except Exception as exc:
+            errors.append(f"the node: {type(exc).__name__}: {exc}")
+            print(f"### A node for the next sections\n\nfailed to start: {exc}\n", flush=True)
+        else:
+            with serve:
+                master = serve.addresses["grpc"]
+                section("Stream ordering", lambda: stream_table(master, device))
+                bar.advance(task)
+                section(
+                    "Writer and reader processes",
+                    lambda: tier_table(master, serve.addresses["data"], device, layers),
+                )
+                bar.advance(task)
         if device.type == "cuda":
-            sections.append(tests_table())
+            section("Tests that skip without CUDA", tests_table)
         bar.advance(task)
-    print(machine_markdown())
-    for table in sections:
-        print(table.to_markdown())
     if args.json:
         Path(args.json).write_text(
             json.dumps([t.__dict__ for t in sections], default=str, indent=1)
@@ -332,7 +354,9 @@ def main() -> int:
     failed = [t.title for t in sections if any("NO" in map(str, row) for row in t.rows)]
     if failed:
         print(f"gpu_check: a check failed in: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed else 0
+    for error in errors:
+        print(f"gpu_check: {error}", file=sys.stderr)
+    return 1 if failed or errors else 0
 
 
 if __name__ == "__main__":
