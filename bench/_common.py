@@ -106,6 +106,8 @@ DISK_COUNTERS = (
 the disk benchmarks report."""
 
 if TYPE_CHECKING:
+    import torch
+
     from kvstore.transport.base import Connection
 
 _REPO = Path(__file__).resolve().parent.parent
@@ -749,14 +751,29 @@ async def raw_socket_get(sock: socket.socket, chunks: Sequence[memoryview]) -> N
 def serve_raw_sockets(pipe: Pipe, region_bytes: int = 256 * 2**20) -> None:
     """Process target (:class:`SpawnedServer`): a plain asyncio socket server on loopback
     that receives into (``sock_recv_into``) and sends from (``sock_sendall``) successive
-    slices of ``region_bytes`` of preallocated, touched memory; an exchange may move at most
-    ``region_bytes``. Sends ``(host, port)`` through ``pipe``; serves until terminated."""
+    slices of ``region_bytes`` of preallocated, touched memory (a node's kind: huge pages
+    where the kernel has them); an exchange may move at most ``region_bytes``. Sends
+    ``(host, port)`` through ``pipe``; serves until terminated."""
     asyncio.run(_raw_server(pipe, region_bytes))
+
+
+def node_memory(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory as a node maps its own (``kvstore.core.arena.host_memory``:
+    huge pages where the kernel has them), every page written: a raw target's memory, so a
+    ratio to it measures kvstore's work and not the kind of memory it copies into."""
+    import torch
+
+    from kvstore.core.arena import host_memory
+
+    t, _ = host_memory(nbytes)
+    with torch.no_grad():
+        t.fill_(1)
+    return t
 
 
 async def _raw_server(pipe: Pipe, region_bytes: int) -> None:
     loop = asyncio.get_running_loop()
-    region = memoryview(bytearray(b"\x01") * region_bytes)  # written: every page touched
+    region = memoryview(node_memory(region_bytes).numpy())  # written: every page touched
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
     pipe.send(listener.getsockname()[:2])

@@ -208,6 +208,9 @@ def baseline_table(res: Results) -> Table:
         "server process, a 9-byte header per exchange, chunks straight into preallocated "
         "rotating memory, a 1-byte ack per put (no framing, no checks, no commit); depth D: "
         "D sockets, one exchange in flight on each.",
+        "Both raw servers hold a node's kind of memory (huge pages where the kernel has "
+        "them, as the node's arena), so a ratio to them measures kvstore's work, not the "
+        "pages it copies into.",
         "raw NIXL: the binding called directly from the writer process, one request carrying "
         "the exchange's spans, spinning on getXferStatus, against bench/nixl_raw.py's target "
         "(progress thread, like a node); UCX_NET_DEVICES=lo. Depth D: D requests posted, "

@@ -34,7 +34,7 @@ from typing import Any
 
 import nixl_raw
 import torch
-from _common import SpawnedServer, Table, percentile, print_report, progress
+from _common import SpawnedServer, Table, node_memory, percentile, print_report, progress
 
 from kvstore.transport.nixl import NixlAgent
 
@@ -56,7 +56,7 @@ def serve_target(pipe: Pipe) -> None:
 
 
 async def _target(pipe: Pipe) -> None:
-    buf = torch.ones(REGION, dtype=torch.uint8)  # touched: no page faults while timed
+    buf = node_memory(REGION)  # touched: no page faults while timed (a node's kind)
     async with NixlAgent(f"calls-target-{os.getpid()}", progress_thread=True) as agent:
         reg = await agent.register(buf)
         pipe.send((await agent.metadata(), reg.addr))

@@ -54,6 +54,7 @@ from _common import (
     expect,
     in_flight,
     meter,
+    node_memory,
     print_report,
     progress,
     raw_socket_connect,
@@ -823,7 +824,7 @@ def serve_raw_nixl(pipe: Pipe) -> None:
 
 
 async def _raw_nixl_target(pipe: Pipe) -> None:
-    buf = torch.ones(REGION, dtype=torch.uint8)  # touched: no page faults while timed
+    buf = node_memory(REGION)  # touched: no page faults while timed
     async with NixlAgent(f"bench-target-{uuid.uuid4().hex[:8]}", progress_thread=True) as agent:
         reg = await agent.register(buf)
         pipe.send((await agent.metadata(), reg.addr))

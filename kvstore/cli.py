@@ -356,6 +356,7 @@ async def _run(
                     node_id=cfg["node_id"],
                     host_mem=cfg["host_mem"],
                     prefault_memory=cfg["prefault_memory"],
+                    huge_pages=cfg["huge_pages"],
                     gpu_mem=cfg["gpu_mem"],
                     disk_path=cfg["disk_path"] or "",
                     disk_size=cfg["disk_size"],

@@ -20,11 +20,14 @@ from hypothesis.stateful import (
 )
 
 from kvstore.core.arena import (
+    HUGE_PAGE,
     POPULATE_STEP,
     SLOT_ALIGN,
     Arena,
     ExtentHeap,
     default_page_bytes,
+    host_memory,
+    huge_page_bytes,
     parse_size,
     populate,
     slab_geometry,
@@ -378,3 +381,56 @@ def test_populate_maps_a_host_arena_now_and_keeps_what_it_holds() -> None:
     stop = threading.Event()
     stop.set()
     assert populate(Arena(8 * 2**20).tensor, stop) == 0  # (stopped before its first step)
+
+
+def _thp_mode() -> str:
+    """The kernel's transparent huge page mode (``always``, ``madvise``, ``never``; ``""``
+    where it has none)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _smaps_field(t: torch.Tensor, name: str) -> int:
+    """``name`` (e.g. ``THPeligible``) of the mapping holding ``t``, from /proc/self/smaps."""
+    at, inside = t.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head, *rest = line.split()
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= at < hi
+            elif inside and head == name + ":":
+                return int(rest[0])
+    raise AssertionError(f"no {name} for the mapping at {at:#x}")
+
+
+@pytest.mark.skipif(_thp_mode() in ("", "never"), reason="no transparent huge pages here")
+def test_host_arena_memory_is_on_huge_pages_and_outlives_its_mapping_object() -> None:
+    """A host arena starts on a 2 MiB boundary in a mapping of its own advised for huge
+    pages (torch's allocator advises nothing: not eligible where the kernel's mode is
+    ``madvise``), and once written every 2 MiB page of it can be a huge page."""
+    arena = Arena(16 * MiB)
+    t = arena.tensor
+    assert arena.huge_pages and t.data_ptr() % HUGE_PAGE == 0
+    assert _smaps_field(t, "THPeligible") == 1
+    t.fill_(5)  # (the tensor alone keeps the mapping: nothing else refers to it)
+    assert int(t[::4096].sum()) == 5 * (16 * MiB // 4096)
+    huge = arena.huge_page_bytes()
+    assert huge == huge_page_bytes(t) == _smaps_field(t, "AnonHugePages") * KiB
+    assert 0 < huge <= 16 * MiB and huge % HUGE_PAGE == 0
+    if _thp_mode() == "madvise":
+        plain = Arena(16 * MiB, huge_pages=False)
+        plain.tensor.fill_(5)
+        assert not plain.huge_pages and _smaps_field(plain.tensor, "THPeligible") == 0
+        assert plain.huge_page_bytes() == 0
+
+
+def test_host_memory_is_zeroed_aligned_and_sized() -> None:
+    """What :func:`host_memory` hands out: ``nbytes`` of zeros from a 2 MiB boundary, and
+    the advice's outcome (False when not asked)."""
+    t, advised = host_memory(3 * MiB + 4096, huge_pages=False)
+    assert not advised and t.numel() == 3 * MiB + 4096 and t.dtype == torch.uint8
+    assert t.data_ptr() % HUGE_PAGE == 0 and int(t.count_nonzero()) == 0

@@ -420,6 +420,14 @@ _HOST_MAPPING = [("tcp", True, "mapped"), ("tcp", False, "off"),
                  pytest.param("ucx", False, "off", marks=TRANSPORTS[1].marks)]  # fmt: skip
 
 
+def _huge_pages_here() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize(("transport", "prefault", "ends"), _HOST_MAPPING)
 async def test_stats_say_whether_host_memory_is_mapped(
     transport: str, prefault: bool, ends: str
@@ -441,3 +449,5 @@ async def test_stats_say_whether_host_memory_is_mapped(
         assert seen[-1] == ends and set(seen) <= {"mapping", ends}, seen
         mapped, size = stats["host_mapped_bytes"], rig.node.tiers.host.arena.capacity_bytes
         assert (size - 4096 <= mapped <= size) if ends == "mapped" else mapped == 0
+        huge = stats["host_huge_bytes"]  # (counted once the mapping ended; 0 when it did not)
+        assert 0 <= huge <= size and (huge > 0) == (ends == "mapped" and _huge_pages_here())

@@ -38,6 +38,7 @@ import ctypes
 import errno
 import heapq
 import math
+import mmap
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -52,6 +53,7 @@ from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
 
 __all__ = [
     "EXTENT_ALIGN",
+    "HUGE_PAGE",
     "OBJECT_SPAN_BYTES",
     "SLOT_ALIGN",
     "Arena",
@@ -59,6 +61,8 @@ __all__ = [
     "ExtentHeap",
     "Lease",
     "default_page_bytes",
+    "host_memory",
+    "huge_page_bytes",
     "parse_size",
     "populate",
     "slab_geometry",
@@ -77,6 +81,8 @@ OBJECT_SPAN_BYTES = 1 * MiB
 """Smallest span the object heap takes from the page heap (big objects get bigger ones)."""
 
 PAGE_ALIGN = 4 * KiB
+HUGE_PAGE = 2 * MiB
+"""Size and alignment of a transparent huge page (x86-64, and arm64 with 4 KiB pages)."""
 MAX_SPAN_BYTES = 16 * MiB
 """Slab spans of small slots are at most this big (slots bigger than this get one each)."""
 
@@ -387,9 +393,11 @@ class Arena:
 
     ``capacity_bytes`` (int or size string) is rounded down to whole pages; ``device`` is any
     torch device (``"cpu"``, ``"cuda:0"``); ``pin_memory=None`` pins host memory exactly when
-    CUDA is available. Construction allocates the tensor once (raises :class:`CapacityError`
-    if the device cannot, :class:`InvalidArgument` for a bad size or device); afterwards
-    nothing allocates tensors except :meth:`view`. Not thread-safe: one event loop owns it.
+    CUDA is available. Unpinned host memory is mapped on its own, 2 MiB-aligned, and with
+    ``huge_pages`` (the default) advised for transparent huge pages (:func:`host_memory`).
+    Construction allocates the tensor once (raises :class:`CapacityError` if the device
+    cannot, :class:`InvalidArgument` for a bad size or device); afterwards nothing allocates
+    tensors except :meth:`view`. Not thread-safe: one event loop owns it.
     """
 
     def __init__(
@@ -398,6 +406,8 @@ class Arena:
         device: str | torch.device = "cpu",
         pin_memory: bool | None = None,
         page_bytes: int | str | None = None,
+        *,
+        huge_pages: bool = True,
     ) -> None:
         capacity = parse_size(capacity_bytes)
         page = default_page_bytes(capacity) if page_bytes is None else parse_size(page_bytes)
@@ -408,7 +418,10 @@ class Arena:
         self.page_bytes = page
         self.n_pages = capacity // page
         self.capacity_bytes = self.n_pages * page
-        self._tensor = _allocate(self.capacity_bytes, device, pin_memory)
+        self._tensor, self.huge_pages = _allocate(
+            self.capacity_bytes, device, pin_memory, huge_pages
+        )
+        """Whether the kernel took the advice to back this host memory with huge pages."""
         self.device = self._tensor.device
         self.pinned = bool(self._tensor.device.type == "cpu" and self._tensor.is_pinned())
         self._pages = ExtentHeap()
@@ -435,6 +448,10 @@ class Arena:
     ) -> int:
         """Blocking: map every page of a host arena now (:func:`populate`); the bytes."""
         return populate(self._tensor, stop, progress)
+
+    def huge_page_bytes(self) -> int:
+        """Bytes of this host arena backed by huge pages now (:func:`huge_page_bytes`)."""
+        return huge_page_bytes(self._tensor) if self.device.type == "cpu" else 0
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """A ``uint8`` view of ``[offset, offset+nbytes)`` (no copy). Raises on out-of-range."""
@@ -736,7 +753,9 @@ def _check_tiling(pieces: list[tuple[int, int, str]], n_pages: int) -> None:
         raise KVStoreError(f"arena invariant: pages cover {pos} of {n_pages}")
 
 
-def _allocate(nbytes: int, device: str | torch.device, pin_memory: bool | None) -> torch.Tensor:
+def _allocate(
+    nbytes: int, device: str | torch.device, pin_memory: bool | None, huge_pages: bool
+) -> tuple[torch.Tensor, bool]:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -744,11 +763,65 @@ def _allocate(nbytes: int, device: str | torch.device, pin_memory: bool | None) 
     if pin_memory is None:
         pin_memory = dev.type == "cpu" and torch.cuda.is_available()
     try:
-        return torch.empty(nbytes, dtype=torch.uint8, device=dev, pin_memory=pin_memory)
+        if dev.type == "cpu" and not pin_memory:
+            return host_memory(nbytes, huge_pages=huge_pages)
+        t = torch.empty(nbytes, dtype=torch.uint8, device=dev, pin_memory=pin_memory)
+        return t, False
     except torch.OutOfMemoryError as exc:
         raise CapacityError(f"cannot allocate {nbytes} bytes on {dev}: {exc}") from exc
     except (RuntimeError, AssertionError) as exc:
         raise InvalidArgument(f"cannot allocate an arena on {dev}: {exc}") from exc
+
+
+def host_memory(nbytes: int, *, huge_pages: bool = True) -> tuple[torch.Tensor, bool]:
+    """A ``uint8`` tensor of ``nbytes`` of anonymous host memory, mapped on its own and
+    starting on a :data:`HUGE_PAGE` boundary, and with ``huge_pages`` advised
+    ``MADV_HUGEPAGE``: (the tensor, whether the kernel took the advice). Pages are mapped as
+    they are first written (:func:`populate` maps them at once); where the kernel has
+    transparent huge pages (``/sys/kernel/mm/transparent_hugepage/enabled`` not ``never``),
+    a 2 MiB page each time it can. Raises :class:`CapacityError` when the mapping fails.
+
+    Why: a copy into memory of 4 KiB pages pays per page (a one-sided WRITE over CMA pins
+    each target page; a receive and a scrub walk page tables 512 times as often). On this
+    project's AMD VM, 8 x 512 KiB copied into another process with ``process_vm_writev``
+    took 665 µs p50 into 4 KiB pages and 328 µs into huge pages (docs/decisions.md, "Host
+    memory on huge pages"); torch's own allocator advises nothing by default."""
+    try:
+        m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, OverflowError, ValueError) as exc:
+        raise CapacityError(f"cannot map {nbytes} bytes of host memory: {exc}") from exc
+    base = torch.frombuffer(m, dtype=torch.uint8, count=1).data_ptr()
+    skip = -base % HUGE_PAGE
+    advised = False
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE, skip, nbytes)
+            advised = True
+        except OSError:  # (a kernel built without transparent huge pages)
+            pass
+    # The tensor keeps the mapping alive; the mapping ends with the last view of it.
+    return torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=skip), advised
+
+
+def huge_page_bytes(t: torch.Tensor) -> int:
+    """Bytes of the host memory under ``t`` that huge pages back now: the ``AnonHugePages``
+    of the mapping holding it, from ``/proc/self/smaps`` (0 where there is no such file).
+    Reads the whole file (milliseconds in a large process): for start-up reports, not for
+    a request's path."""
+    at = t.data_ptr()
+    try:
+        with open("/proc/self/smaps", encoding="ascii", errors="replace") as f:
+            inside = False
+            for line in f:
+                head, _, rest = line.partition(" ")
+                if "-" in head and not head.endswith(":"):
+                    lo, _, hi = head.partition("-")
+                    inside = int(lo, 16) <= at < int(hi, 16)
+                elif inside and head == "AnonHugePages:":
+                    return int(rest.split()[0]) * KiB
+    except (OSError, ValueError):
+        return 0
+    return 0
 
 
 MADV_POPULATE_WRITE = 23

@@ -31,6 +31,10 @@ class NodeConfig:
     """Map host memory's pages when the node starts, on a thread of its own, so puts do not
     pay a page fault per page they first write (``kvstore.core.arena.populate``); not with
     ``transport="ucx"``, whose registration of the arena maps it for RDMA."""
+    huge_pages: bool = True
+    """Back host memory with transparent huge pages where the kernel has them (2 MiB pages:
+    a put's copy into them costs half as much, ``kvstore.core.arena.host_memory``); not
+    where CUDA pins host memory."""
     disk_compress: str = "auto"
     """lz4 on the disk tier: ``auto`` where the measured disk and lz4 speeds say reads get
     faster, ``lz4`` always, ``off`` never (``kvstore/node/disk_lz4.py``)."""

@@ -163,7 +163,13 @@ class StorageNode:
         """With a disk tier and no ``node_id``, the id the disk was written by: a node
         restarted on its disk is the same node."""
         self.metrics = metrics or Metrics()
-        self.tiers = Tiers(config.host_mem, config.gpu_mem, config.gpu_device, self.metrics)
+        self.tiers = Tiers(
+            config.host_mem,
+            config.gpu_mem,
+            config.gpu_device,
+            self.metrics,
+            huge_pages=config.huge_pages,
+        )
         """Fastest first: ``[gpu, host]`` with ``--gpu-mem``, else ``[host]``."""
         self._prefault_stop = threading.Event()
         self._prefault = threading.Thread(
@@ -176,6 +182,8 @@ class StorageNode:
         then mapped as puts first write them."""
         self.host_mapped_bytes = 0
         """Host memory mapped so far by that start-up mapping."""
+        self.host_huge_bytes = 0
+        """Host memory on huge pages once that mapping ended (``huge_pages``)."""
         self.objects = ObjectStore(
             self.tiers.host.arena,
             max_object_bytes=config.max_object_bytes,
@@ -252,8 +260,15 @@ class StorageNode:
             self.host_mapping = "off"
             logger.warning("host memory is mapped as puts first write it: %s", exc)
             return
-        self.host_mapping = "mapped" if done and not self._prefault_stop.is_set() else "off"
-        logger.info("host memory: %d MiB mapped in %.2f s", done >> 20, time.perf_counter() - t0)
+        mapped = done and not self._prefault_stop.is_set()
+        self.host_huge_bytes = self.tiers.host.arena.huge_page_bytes()  # (before "mapped")
+        self.host_mapping = "mapped" if mapped else "off"
+        logger.info(
+            "host memory: %d MiB mapped in %.2f s, %d MiB of it on huge pages",
+            done >> 20,
+            time.perf_counter() - t0,
+            self.host_huge_bytes >> 20,
+        )
 
     def _mapped(self, done: int) -> None:
         self.host_mapped_bytes = done
@@ -934,6 +949,7 @@ class StorageNode:
                 "used_bytes": sum(st.used_bytes for _, st in stats),
                 "host_mapping": self.host_mapping,
                 "host_mapped_bytes": self.host_mapped_bytes,
+                "host_huge_bytes": self.host_huge_bytes,
                 "tiers": [tier_stats(name, st) for name, st in stats]
                 + ([self.disk.stats()] if self.disk is not None else []),
                 "tenants": self._tenant_stats(peer),

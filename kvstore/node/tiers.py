@@ -81,15 +81,22 @@ class MemoryTier:
 class Tiers:
     """The node's tiers, fastest first (``[gpu, host]`` with a GPU tier, else ``[host]``).
 
-    ``host_mem`` bytes of host memory; ``gpu_mem`` bytes on ``gpu`` (0: no GPU tier).
+    ``host_mem`` bytes of host memory (on huge pages where the kernel has them, unless
+    ``huge_pages`` is False); ``gpu_mem`` bytes on ``gpu`` (0: no GPU tier).
     Raises :class:`InvalidArgument` for a device torch cannot use.
     """
 
     def __init__(
-        self, host_mem: int, gpu_mem: int = 0, gpu: str = "cuda", metrics: Metrics | None = None
+        self,
+        host_mem: int,
+        gpu_mem: int = 0,
+        gpu: str = "cuda",
+        metrics: Metrics | None = None,
+        *,
+        huge_pages: bool = True,
     ) -> None:
         self.metrics = metrics or Metrics()
-        arena = Arena(host_mem, device="cpu")
+        arena = Arena(host_mem, device="cpu", huge_pages=huge_pages)
         self.host = MemoryTier("host", arena, SlotTable(arena, demote=self._to_disk))
         self.disk: DiskTier | None = None
         """The disk tier below host memory (``--disk-path``; set by the node)."""
