@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} rounds of {args.per})",
         ["operation", "chunk", *(f"{k} µs (rounds' range)" for k in KINDS), "huge ÷ 4 KiB"],
     )
-    panel = BarPanel("p50 per exchange", "µs", [], {k: [] for k in KINDS})
+    panels: dict[int, BarPanel] = {}
     for op, size in cases:
         med = {k: statistics.median(results[op, size, k]) * 1e6 for k in KINDS}
         label = f"{size // KiB} KiB" if size < MiB else f"{size // MiB} MiB"
@@ -212,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         table.add(op, label, *(f"{med[k]:,.0f} ({spread[k][0]:,.0f}-{spread[k][1]:,.0f})"
                                for k in KINDS),
                   f"{med[KINDS[1]] / med[KINDS[0]]:.2f}")  # fmt: skip
-        panel.labels.append(f"{op} {label}")
+        title = f"{args.batch} x {label}: p50 per exchange"
+        panel = panels.setdefault(size, BarPanel(title, "µs", [], {k: [] for k in KINDS}))
+        panel.labels.append(op)
         for k in KINDS:
             panel.series[k].append(med[k])
     table.notes = [
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     print_report("A node's host memory: 4 KiB pages beside huge pages", "bench/huge_pages.py",
                  argv, [table])  # fmt: skip
     if args.plot:
-        save_bar_plot(args.plot, [panel], "4 KiB pages beside huge pages")
+        save_bar_plot(args.plot, list(panels.values()), "4 KiB pages beside huge pages")
     return 0
 
 
