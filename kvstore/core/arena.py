@@ -781,11 +781,12 @@ def host_memory(nbytes: int, *, huge_pages: bool = True) -> tuple[torch.Tensor, 
     transparent huge pages (``/sys/kernel/mm/transparent_hugepage/enabled`` not ``never``),
     a 2 MiB page each time it can. Raises :class:`CapacityError` when the mapping fails.
 
-    Why: a copy into memory of 4 KiB pages pays per page (a one-sided WRITE over CMA pins
-    each target page; a receive and a scrub walk page tables 512 times as often). On this
-    project's AMD VM, 8 x 512 KiB copied into another process with ``process_vm_writev``
-    took 665 µs p50 into 4 KiB pages and 328 µs into huge pages (docs/decisions.md, "Host
-    memory on huge pages"); torch's own allocator advises nothing by default."""
+    Why: a one-sided WRITE or READ between two processes of one host (UCX's CMA copy) pins
+    each page of the other process's memory as it goes. ``python bench/huge_pages.py`` on
+    this project's AMD VM: 8 x 512 KiB written into another process's 4 KiB pages in 570 µs
+    p50, into its huge pages in 336; read out of them in 582 and 255 (a loopback receive and
+    the scrub's hashing within 10%). torch's own allocator advises nothing by default
+    (docs/decisions.md, "Host memory on huge pages")."""
     try:
         m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except (OSError, OverflowError, ValueError) as exc:
