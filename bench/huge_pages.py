@@ -16,6 +16,8 @@ of ``--batch`` chunks of each size at rotating offsets:
 - **READ (CMA)**: ``process_vm_readv`` out of it (a ``ucx://`` get);
 - **receive (TCP)**: the holder receives the chunks from a loopback socket into its
   memory (``recv_into``) and acks one byte (a ``tcp://`` put's receive);
+- **send (TCP)**: the holder sends the chunks out of its memory (``sendall``) to this
+  process, which receives them into its own (a ``tcp://`` get's send);
 - **scrub (xxh3)**: this process hashes chunks of its own memory of each kind (a node's
   scrub of landed chunks).
 
@@ -54,7 +56,7 @@ TARGET = 1 * GiB
 SOURCE = 512 * MiB
 """This process's memory the chunks come from, rotating."""
 KINDS = ("4 KiB pages", "huge pages")
-OPS = ("WRITE (CMA)", "READ (CMA)", "receive (TCP)", "scrub (xxh3)")
+OPS = ("WRITE (CMA)", "READ (CMA)", "receive (TCP)", "send (TCP)", "scrub (xxh3)")
 WARMUP = 10
 
 
@@ -75,19 +77,24 @@ def _memory(nbytes: int, huge: bool) -> torch.Tensor:
 
 def hold(pipe: Pipe, huge: bool) -> None:
     """Holder process: 1 GiB of one kind; sends (pid, address, huge-page bytes, port),
-    then receives ``(offset, nbytes)`` exchanges on its socket until the pipe closes."""
+    then serves ``(op, offset, nbytes)`` exchanges on its socket until the pipe closes: op
+    ``P`` receives that many bytes into its memory at ``offset`` and acks a byte, ``G``
+    sends them from there."""
     mem = _memory(TARGET, huge)
     view = memoryview(mem.numpy())
     listener = socket.create_server(("127.0.0.1", 0))
     pipe.send((os.getpid(), mem.data_ptr(), huge_page_bytes(mem), listener.getsockname()[1]))
     sock, _ = listener.accept()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    head = bytearray(16)
+    head = bytearray(17)
     with sock:
         while True:
             if not _recv_exactly(sock, memoryview(head)):
                 return
-            offset, nbytes = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:], "little")
+            offset, nbytes = int.from_bytes(head[1:9], "little"), int.from_bytes(head[9:], "little")
+            if head[:1] == b"G":
+                sock.sendall(view[offset : offset + nbytes])
+                continue
             if not _recv_exactly(sock, view[offset : offset + nbytes]):
                 return
             sock.sendall(b"k")
@@ -153,12 +160,18 @@ def time_op(op: str, holder: Holder, local: torch.Tensor, src: torch.Tensor, siz
             t0 = time.perf_counter()
             moved = call(holder.pid, liov, batch, riov, batch, 0)
             expect(moved == batch * size, f"{op} moved {moved}: errno {ctypes.get_errno()}")
-        elif op.startswith("receive"):
-            head = there[0].to_bytes(8, "little") + (batch * size).to_bytes(8, "little")
-            holder.sock.sendall(head)
-            for o in here:
-                holder.sock.sendall(src_view[o : o + size])
-            expect(holder.sock.recv(1) == b"k", "the holder did not ack")
+        elif op.startswith(("receive", "send")):
+            code = b"P" if op.startswith("receive") else b"G"
+            nbytes = batch * size
+            holder.sock.sendall(
+                code + there[0].to_bytes(8, "little") + nbytes.to_bytes(8, "little")
+            )
+            if code == b"G":  # (into this process's memory, as a reader's buffer)
+                expect(_recv_exactly(holder.sock, src_view[here[0] : here[0] + nbytes]), "closed")
+            else:
+                for o in here:
+                    holder.sock.sendall(src_view[o : o + size])
+                expect(holder.sock.recv(1) == b"k", "the holder did not ack")
         else:
             mine = memoryview(local.numpy())
             for o in there:
@@ -222,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         "huge pages once written (AnonHugePages); its 4 KiB memory is torch.empty's.",
         "WRITE and READ: one process_vm_writev / process_vm_readv of the exchange's chunks "
         "(UCX's CMA copy). receive: the holder's recv_into of the chunks sent over loopback "
-        "TCP, until its 1-byte ack. scrub: xxh3_64 of each chunk in this process's memory.",
+        "TCP, until its 1-byte ack; send: this process's recv_into of the chunks the holder "
+        "sends from its memory. scrub: xxh3_64 of each chunk in this process's memory.",
     ]
     print_report("A node's host memory: 4 KiB pages beside huge pages", "bench/huge_pages.py",
                  argv, [table])  # fmt: skip

@@ -783,9 +783,9 @@ def host_memory(nbytes: int, *, huge_pages: bool = True) -> tuple[torch.Tensor, 
 
     Why: a one-sided WRITE or READ between two processes of one host (UCX's CMA copy) pins
     each page of the other process's memory as it goes. ``python bench/huge_pages.py`` on
-    this project's AMD VM: 8 x 512 KiB written into another process's 4 KiB pages in 570 µs
-    p50, into its huge pages in 336; read out of them in 582 and 255 (a loopback receive and
-    the scrub's hashing within 10%). torch's own allocator advises nothing by default
+    this project's AMD VM: 8 x 512 KiB written into another process's 4 KiB pages in 506 µs
+    p50, into its huge pages in 316; read out of them in 453 and 249 (a loopback receive and
+    send, and the scrub's hashing, within 10%). torch's own allocator advises nothing by default
     (docs/decisions.md, "Host memory on huge pages")."""
     try:
         m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

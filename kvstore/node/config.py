@@ -33,7 +33,7 @@ class NodeConfig:
     ``transport="ucx"``, whose registration of the arena maps it for RDMA."""
     huge_pages: bool = True
     """Back host memory with transparent huge pages where the kernel has them (a ``ucx://``
-    WRITE or READ between processes of one host takes 0.6x / 0.45x the time with 2 MiB
+    WRITE or READ between processes of one host takes 0.6x / 0.5x the time with 2 MiB
     pages, ``kvstore.core.arena.host_memory``); not where CUDA pins host memory."""
     disk_compress: str = "auto"
     """lz4 on the disk tier: ``auto`` where the measured disk and lz4 speeds say reads get
