@@ -66,12 +66,11 @@ class _Iovec(ctypes.Structure):
 
 def _memory(nbytes: int, huge: bool) -> torch.Tensor:
     """``nbytes`` written once: 4 KiB pages as torch's allocator gives them, or a node's."""
-    if huge:
-        t, advised = host_memory(nbytes)
-        expect(advised, "the kernel refused MADV_HUGEPAGE (no transparent huge pages here)")
-    else:
-        t = torch.empty(nbytes, dtype=torch.uint8)
+    t = host_memory(nbytes)[0] if huge else torch.empty(nbytes, dtype=torch.uint8)
     t.fill_(1)
+    if huge:
+        off = "off (/sys/kernel/mm/transparent_hugepage/enabled) or none was free"
+        expect(huge_page_bytes(t) > 0, f"no huge pages: the kernel's are {off}")
     return t
 
 

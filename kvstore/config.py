@@ -313,8 +313,8 @@ SETTINGS: tuple[Setting, ...] = (
             render=lambda v: "true" if v else "false"),
     Setting("huge-pages", _switch, True, "back the host-memory tier with transparent huge "
             "pages where the kernel has them (a ucx:// WRITE or READ on one host takes about "
-            "0.6x / 0.5x the time); the node's stats say host_huge_bytes", _NODES,
-            "true|false",
+            "0.6x / 0.55x the time; false: 4 KiB pages); the node's stats say "
+            "host_huge_bytes once its start-up mapping ended", _NODES, "true|false",
             render=lambda v: "true" if v else "false"),
     Setting("gpu-mem", parse_size, 0, "a GPU tier of this size on the current CUDA device, "
             "where ucx:// puts land (0: none; needs --transport ucx)", _NODES, "SIZE",

@@ -36,6 +36,7 @@ from kvstore.node import checks, scrub
 from kvstore.node.server import NodeConfig, StorageNode
 from kvstore.node.tiers import Tiers
 from kvstore.transport import Connection, connect
+from tests import thp
 from tests.cluster import TRANSPORTS
 
 H, D, TOKENS = 8, 64, 64
@@ -420,14 +421,6 @@ _HOST_MAPPING = [("tcp", True, "mapped"), ("tcp", False, "off"),
                  pytest.param("ucx", False, "off", marks=TRANSPORTS[1].marks)]  # fmt: skip
 
 
-def _huge_pages_here() -> bool:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize(("transport", "prefault", "ends"), _HOST_MAPPING)
 async def test_stats_say_whether_host_memory_is_mapped(
     transport: str, prefault: bool, ends: str
@@ -437,6 +430,7 @@ async def test_stats_say_whether_host_memory_is_mapped(
     only where a NIC pins them); ``off`` (nothing mapped up front) when told not to."""
     if ends == "mapped" and populate(Arena(4 * 2**20).tensor) == 0:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+    fallbacks = thp.fallbacks()
     async with running(transport, prefault_memory=prefault) as rig:
         node = NodeClient(rig.node.data_uri)
         seen = []
@@ -449,5 +443,30 @@ async def test_stats_say_whether_host_memory_is_mapped(
         assert seen[-1] == ends and set(seen) <= {"mapping", ends}, seen
         mapped, size = stats["host_mapped_bytes"], rig.node.tiers.host.arena.capacity_bytes
         assert (size - 4096 <= mapped <= size) if ends == "mapped" else mapped == 0
-        huge = stats["host_huge_bytes"]  # (counted once the mapping ended; 0 when it did not)
-        assert 0 <= huge <= size and (huge > 0) == (ends == "mapped" and _huge_pages_here())
+        # Huge pages: counted once the mapping ended (0 when it did not), and only where the
+        # memory was advised for them (pinned host memory is CUDA's, on 4 KiB pages).
+        huge, arena = stats["host_huge_bytes"], rig.node.tiers.host.arena
+        assert 0 <= huge <= size
+        if ends != "mapped" or not arena.huge_pages or not thp.usable():
+            assert huge == 0
+        elif huge == 0 and thp.fallbacks() > fallbacks:
+            pytest.skip("the kernel had no free 2 MiB page for this node (thp_fault_fallback)")
+        else:
+            assert huge > 0
+
+
+async def test_a_node_told_no_huge_pages_keeps_its_host_memory_on_4_kib_pages() -> None:
+    """``huge_pages=False`` reaches the host tier: its memory is advised against huge pages
+    (not eligible for them whatever the kernel's mode) and the stats count none."""
+    async with running("tcp", huge_pages=False) as rig:
+        arena = rig.node.tiers.host.arena
+        assert not arena.huge_pages
+        if thp.usable() and not arena.pinned:
+            assert thp.smaps_field(arena.tensor, "THPeligible") in (0, None)
+        stats = await NodeClient(rig.node.data_uri).stats()
+        for _ in range(200):  # (32 MiB maps in well under a second)
+            if stats["host_mapping"] != "mapping":
+                break
+            await asyncio.sleep(0.025)
+            stats = await NodeClient(rig.node.data_uri).stats()
+        assert stats["host_huge_bytes"] == 0 and arena.huge_page_bytes() == 0

@@ -421,7 +421,8 @@ class Arena:
         self._tensor, self.huge_pages = _allocate(
             self.capacity_bytes, device, pin_memory, huge_pages
         )
-        """Whether the kernel took the advice to back this host memory with huge pages."""
+        """Whether this host memory was advised for huge pages (the kernel took the advice;
+        whether it found them is :meth:`huge_page_bytes`)."""
         self.device = self._tensor.device
         self.pinned = bool(self._tensor.device.type == "cpu" and self._tensor.is_pinned())
         self._pages = ExtentHeap()
@@ -775,11 +776,17 @@ def _allocate(
 
 def host_memory(nbytes: int, *, huge_pages: bool = True) -> tuple[torch.Tensor, bool]:
     """A ``uint8`` tensor of ``nbytes`` of anonymous host memory, mapped on its own and
-    starting on a :data:`HUGE_PAGE` boundary, and with ``huge_pages`` advised
-    ``MADV_HUGEPAGE``: (the tensor, whether the kernel took the advice). Pages are mapped as
-    they are first written (:func:`populate` maps them at once); where the kernel has
-    transparent huge pages (``/sys/kernel/mm/transparent_hugepage/enabled`` not ``never``),
-    a 2 MiB page each time it can. Raises :class:`CapacityError` when the mapping fails.
+    starting on a :data:`HUGE_PAGE` boundary, and advised ``MADV_HUGEPAGE`` with
+    ``huge_pages``, else ``MADV_NOHUGEPAGE`` (4 KiB pages even where the kernel's mode is
+    ``always``): (the tensor, whether huge pages were advised and the kernel took it).
+    Pages are mapped as they are first written (:func:`populate` maps them at once); where
+    the kernel has transparent huge pages, advised memory gets a 2 MiB page each time one
+    is free. Unadvised pages of the mapping stay on both sides of the tensor, so the kernel
+    never merges its range with a neighbouring advised mapping (whose huge pages
+    :func:`huge_page_bytes` would then count). Where ``mmap`` cannot map privately (not a
+    POSIX system), torch's allocator gives the memory, unadvised. Raises
+    :class:`InvalidArgument` for ``nbytes`` < 1, :class:`CapacityError` when the mapping
+    fails.
 
     Why: a one-sided WRITE or READ between two processes of one host (UCX's CMA copy) pins
     each page of the other process's memory as it goes. ``python bench/huge_pages.py`` on
@@ -787,17 +794,22 @@ def host_memory(nbytes: int, *, huge_pages: bool = True) -> tuple[torch.Tensor, 
     p50, into its huge pages in 316; read out of them in 453 and 249 (a loopback receive and
     send, and the scrub's hashing, within 10%). torch's own allocator advises nothing by default
     (docs/decisions.md, "Host memory on huge pages")."""
+    if type(nbytes) is not int or nbytes < 1:
+        raise InvalidArgument(f"host memory of {nbytes!r} bytes: must be a positive int")
+    if not hasattr(mmap, "MAP_PRIVATE"):
+        return torch.empty(nbytes, dtype=torch.uint8), False
     try:
-        m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        m = mmap.mmap(-1, nbytes + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except (OSError, OverflowError, ValueError) as exc:
         raise CapacityError(f"cannot map {nbytes} bytes of host memory: {exc}") from exc
     base = torch.frombuffer(m, dtype=torch.uint8, count=1).data_ptr()
-    skip = -base % HUGE_PAGE
+    skip = HUGE_PAGE - base % HUGE_PAGE  # (1 to 2 MiB below, at least 2 MiB - skip above)
+    advice = getattr(mmap, "MADV_HUGEPAGE" if huge_pages else "MADV_NOHUGEPAGE", None)
     advised = False
-    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+    if advice is not None:
         try:
-            m.madvise(mmap.MADV_HUGEPAGE, skip, nbytes)
-            advised = True
+            m.madvise(advice, skip, nbytes)
+            advised = huge_pages
         except OSError:  # (a kernel built without transparent huge pages)
             pass
     # The tensor keeps the mapping alive; the mapping ends with the last view of it.
@@ -806,23 +818,25 @@ def host_memory(nbytes: int, *, huge_pages: bool = True) -> tuple[torch.Tensor, 
 
 def huge_page_bytes(t: torch.Tensor) -> int:
     """Bytes of the host memory under ``t`` that huge pages back now: the ``AnonHugePages``
-    of the mapping holding it, from ``/proc/self/smaps`` (0 where there is no such file).
-    Reads the whole file (milliseconds in a large process): for start-up reports, not for
-    a request's path."""
-    at = t.data_ptr()
+    of the mappings that lie inside ``t``'s bytes (as :func:`host_memory` makes them: the
+    advised range is a mapping of its own), from ``/proc/self/smaps``; 0 where there is no
+    such file. Reads the whole file (milliseconds in a large process): for start-up
+    reports, not for a request's path."""
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    total, inside = 0, False
     try:
         with open("/proc/self/smaps", encoding="ascii", errors="replace") as f:
-            inside = False
             for line in f:
                 head, _, rest = line.partition(" ")
                 if "-" in head and not head.endswith(":"):
                     lo, _, hi = head.partition("-")
-                    inside = int(lo, 16) <= at < int(hi, 16)
+                    inside = start <= int(lo, 16) and int(hi, 16) <= end
                 elif inside and head == "AnonHugePages:":
-                    return int(rest.split()[0]) * KiB
+                    total += int(rest.split()[0]) * KiB
     except (OSError, ValueError):
         return 0
-    return 0
+    return total
 
 
 MADV_POPULATE_WRITE = 23

@@ -33,8 +33,9 @@ class NodeConfig:
     ``transport="ucx"``, whose registration of the arena maps it for RDMA."""
     huge_pages: bool = True
     """Back host memory with transparent huge pages where the kernel has them (a ``ucx://``
-    WRITE or READ between processes of one host takes 0.6x / 0.5x the time with 2 MiB
-    pages, ``kvstore.core.arena.host_memory``); not where CUDA pins host memory."""
+    WRITE or READ between processes of one host takes 0.6x / 0.55x the time with 2 MiB
+    pages, ``kvstore.core.arena.host_memory``); not where CUDA pins host memory. False
+    advises against them (4 KiB pages even where the kernel's mode is ``always``)."""
     disk_compress: str = "auto"
     """lz4 on the disk tier: ``auto`` where the measured disk and lz4 speeds say reads get
     faster, ``lz4`` always, ``off`` never (``kvstore/node/disk_lz4.py``)."""
