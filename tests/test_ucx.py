@@ -363,3 +363,25 @@ async def test_a_device_whose_memory_cannot_be_registered_uses_host_staging() ->
             assert ucx.holds(rows[0])
     finally:
         await ucx.close()
+
+
+async def test_a_reader_whose_first_peer_is_on_another_host_reads_from_it() -> None:
+    """A client's first ``ucx://`` call may name a node on another host (a decode engine
+    reads first; RDMA makes ``prefer_ucx`` choose ``ucx`` for a remote node). The node's
+    address then belongs to no interface here, so it cannot pick the client's UCX
+    interfaces: the agent takes them all and the READ goes through. (The client's agent
+    once raised InvalidArgument "no local network interface has address ..." there.)"""
+    from kvstore.transport.nixl import NixlAgent
+
+    region = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+    async with NixlAgent("remote-node", progress_thread=True) as node:
+        reg = await node.register(region)
+        metadata = await node.metadata()
+        ucx = kvclient.ucx.UcxPath(staging_bytes=4 * 2**20)
+        try:
+            peer = await ucx.peer(metadata, "192.0.2.10")  # (TEST-NET-1: never a local address)
+            async with ucx.staging(1, 4096) as rows:
+                moved = await ucx.read(peer, [reg.span(4096, 4096).to_wire()], [rows[0]], 5.0)
+                assert moved == 4096 and torch.equal(rows[0], region[4096:8192])
+        finally:
+            await ucx.close()

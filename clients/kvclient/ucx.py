@@ -161,9 +161,10 @@ class UcxPath:
         self._closed = False
 
     async def _ensure(self, host: str | None = None) -> NixlAgent:
-        """The agent, created on first use with the host's staging; UCX's interfaces follow
-        the first peer's host (loopback for a node on this host), like a node's follow its
-        ``--host``."""
+        """The agent, created on first use with the host's staging. UCX's interfaces follow
+        the first peer's host when it is this host's (loopback for a node here, like a
+        node's follow its ``--host``); a peer on another host, or none, leaves UCX every
+        interface (no interface here owns that host's address, and UCX picks the route)."""
         if self._agent is not None and not self._closed:
             return self._agent  # (no lock: a device's registration must not stall transfers)
         async with self._lock:
@@ -171,7 +172,8 @@ class UcxPath:
                 raise Closed("client is closed")
             if self._agent is None:
                 name = f"kvclient-{uuid.uuid4().hex[:12]}"
-                agent = NixlAgent(name, host=host, alone_inline_bytes=ALONE_INLINE_BYTES)
+                here = host if host is not None and _is_local(host) else None
+                agent = NixlAgent(name, host=here, alone_inline_bytes=ALONE_INLINE_BYTES)
                 try:
                     await agent.start()
                     await self._add_arena(agent, torch.device("cpu"))
