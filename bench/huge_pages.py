@@ -45,9 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import xxhash
-from _common import BarPanel, Table, expect, print_report, progress, save_bar_plot
+from _common import BarPanel, Table, expect, node_memory, print_report, progress, save_bar_plot
 
-from kvstore.core.arena import host_memory, huge_page_bytes
+from kvstore.core.arena import huge_page_bytes
 from kvstore.core.sizes import parse_size
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -66,8 +66,7 @@ class _Iovec(ctypes.Structure):
 
 def _memory(nbytes: int, huge: bool) -> torch.Tensor:
     """``nbytes`` written once: 4 KiB pages as torch's allocator gives them, or a node's."""
-    t = host_memory(nbytes)[0] if huge else torch.empty(nbytes, dtype=torch.uint8)
-    t.fill_(1)
+    t = node_memory(nbytes) if huge else torch.ones(nbytes, dtype=torch.uint8)
     if huge:
         off = "off (/sys/kernel/mm/transparent_hugepage/enabled) or none was free"
         expect(huge_page_bytes(t) > 0, f"no huge pages: the kernel's are {off}")

@@ -92,12 +92,11 @@ def target_main(conn: Connection, env: dict[str, str]) -> None:
 
 
 async def _target(conn: Connection) -> None:
+    from _common import node_memory
 
-    from kvstore.core.arena import host_memory
     from kvstore.transport.nixl import NixlAgent
 
-    buf, _ = host_memory(REGION)  # a node's kind of memory (huge pages where there are)
-    buf.fill_(1)  # touched: no page faults while timed
+    buf = node_memory(REGION)  # touched: no page faults while timed (a node's kind)
     async with NixlAgent("bench-target", progress_thread=True) as agent:
         reg = await agent.register(buf)
         conn.send((await agent.metadata(), reg.span().to_wire()))
