@@ -421,6 +421,19 @@ _HOST_MAPPING = [("tcp", True, "mapped"), ("tcp", False, "off"),
                  pytest.param("ucx", False, "off", marks=TRANSPORTS[1].marks)]  # fmt: skip
 
 
+async def _when_mapping_ends(rig: Rig) -> tuple[dict[str, Any], list[str]]:
+    """The node's stats once its start-up mapping ended (polled for at most 10 s), and each
+    ``host_mapping`` they said meanwhile."""
+    node, seen = NodeClient(rig.node.data_uri), []
+    for _ in range(400):  # (32 MiB maps in well under a second)
+        stats = await node.stats()
+        seen.append(stats["host_mapping"])
+        if seen[-1] != "mapping":
+            break
+        await asyncio.sleep(0.025)
+    return stats, seen
+
+
 @pytest.mark.parametrize(("transport", "prefault", "ends"), _HOST_MAPPING)
 async def test_stats_say_whether_host_memory_is_mapped(
     transport: str, prefault: bool, ends: str
@@ -432,14 +445,7 @@ async def test_stats_say_whether_host_memory_is_mapped(
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
     fallbacks = thp.fallbacks()
     async with running(transport, prefault_memory=prefault) as rig:
-        node = NodeClient(rig.node.data_uri)
-        seen = []
-        for _ in range(400):  # (32 MiB maps in well under a second)
-            stats = await node.stats()
-            seen.append(stats["host_mapping"])
-            if seen[-1] != "mapping":
-                break
-            await asyncio.sleep(0.025)
+        stats, seen = await _when_mapping_ends(rig)
         assert seen[-1] == ends and set(seen) <= {"mapping", ends}, seen
         mapped, size = stats["host_mapped_bytes"], rig.node.tiers.host.arena.capacity_bytes
         assert (size - 4096 <= mapped <= size) if ends == "mapped" else mapped == 0
@@ -463,10 +469,5 @@ async def test_a_node_told_no_huge_pages_keeps_its_host_memory_on_4_kib_pages() 
         assert not arena.huge_pages
         if thp.usable() and not arena.pinned:
             assert thp.smaps_field(arena.tensor, "THPeligible") in (0, None)
-        stats = await NodeClient(rig.node.data_uri).stats()
-        for _ in range(200):  # (32 MiB maps in well under a second)
-            if stats["host_mapping"] != "mapping":
-                break
-            await asyncio.sleep(0.025)
-            stats = await NodeClient(rig.node.data_uri).stats()
+        stats, _ = await _when_mapping_ends(rig)
         assert stats["host_huge_bytes"] == 0 and arena.huge_page_bytes() == 0
