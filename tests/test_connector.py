@@ -310,7 +310,9 @@ def test_engine_starts_with_the_pool_down_and_uses_it_once_it_answers(
     """The connector never takes its engine down: built while nothing listens at the
     master's address, it warns once, matches nothing, saves nothing and reports the saves
     done (the engine frees the blocks); once a pool answers there, a later request uses it.
-    The retry thread ends once connected, and closing leaves no thread behind."""
+    The worker's client warms up as soon as it connects (asked for when the engine
+    registered its caches), the scheduler's never does. The retry thread ends once
+    connected, and closing leaves no thread behind."""
     import socket
     import threading
 
@@ -322,6 +324,7 @@ def test_engine_starts_with_the_pool_down_and_uses_it_once_it_answers(
     master = f"127.0.0.1:{port}"
     threads_before = {t.name for t in threading.enumerate()}
     caplog.set_level("WARNING", logger="kvclient")
+    caplog.set_level("INFO", logger="kvclient.lazy")
     cfg = vllm_config(master, "kv_both", f"down-{port}", "cpu_dn")
     cfg.kv_transfer_config.kv_connector_extra_config.update(retry_s=0.2, max_retry_s=0.4)
     sched = KVStoreConnector(cfg, SimpleNamespace(name="SCHEDULER"), None)
@@ -361,6 +364,8 @@ def test_engine_starts_with_the_pool_down_and_uses_it_once_it_answers(
             for t in retrying:
                 t.join(timeout=5)
             assert not any(t.is_alive() for t in retrying)  # the retry threads ended
+            warmed = [r for r in caplog.records if "warm-up done" in r.getMessage()]
+            assert len(warmed) == 1, caplog.text  # the worker's, on its connecting thread
             r2 = Request("r2", prompt)
             assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)  # pool empty
             sched.update_state_after_alloc(r2, Blocks(blocks), 0)
@@ -391,6 +396,35 @@ def test_engine_starts_with_the_pool_down_and_uses_it_once_it_answers(
         work.shutdown()
     left = {t.name for t in threading.enumerate()} - threads_before
     assert "kvclient-connect" not in left
+
+
+def test_a_connected_pool_link_warms_up_on_a_thread_of_its_own(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``PoolLink.warm_up`` returns at once and warms the client up on a thread
+    (``kvclient-warm``): over ``ucx://`` the node is then ready for one-sided transfers.
+    Closing the link waits for the thread."""
+    import threading
+
+    import kvclient
+    from kvclient.lazy import PoolLink
+
+    caplog.set_level("INFO", logger="kvclient.lazy")
+    ns = kvclient.Namespace(model="warm", revision="r", num_layers=L, num_kv_heads=H,
+                            head_dim=D, dtype=torch.bfloat16, block_tokens=B)  # fmt: skip
+    link = PoolLink(server.grpc, ns, timeout_s=5)
+    try:
+        assert link.connected
+        link.warm_up()
+        deadline = time.monotonic() + 20
+        while not (done := [r for r in caplog.records if "warm-up done" in r.getMessage()]):
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.05)
+        ucx = "ucx" in server.proc.args  # (serving's --transport)
+        assert done[0].getMessage().endswith(f"ready to {int(ucx)} node(s)")
+    finally:
+        link.close()
+    assert "kvclient-warm" not in {t.name for t in threading.enumerate()}
 
 
 def test_a_cache_in_kernel_blocks_smaller_than_the_schedulers_is_refused() -> None:

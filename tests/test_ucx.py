@@ -385,3 +385,44 @@ async def test_a_reader_whose_first_peer_is_on_another_host_reads_from_it() -> N
                 assert moved == 4096 and torch.equal(rows[0], region[4096:8192])
         finally:
             await ucx.close()
+
+
+async def test_a_warmed_up_client_has_its_agent_peers_and_staging_before_its_first_put(
+    master: Server,
+) -> None:
+    """``warm_up`` pays a client's one-time costs before its first request: the NIXL agent
+    (UCX's start), its host staging registered and every page of it mapped, each ``ucx``
+    node loaded and connected as a peer, a data connection to each node dialled. The
+    first put then finds all of it in place and the bytes read back; a ``tcp``-only client
+    warms its connections alone. (A client's first ``put_layer`` once took ~0.5 s for it.)"""
+    from tests import thp
+
+    node = ucx_node(master)
+    staging = 16 * 2**20
+    n, tokens = 2 * 256, _tokens(21, 2 * 256)
+    t = realistic_kv(n, H, D, torch.bfloat16, seed=41)
+    try:
+        async with await kvclient.KVClient.connect(master.grpc, _ns(), staging_bytes=staging) as kv:
+            ucx = kv._ucx
+            assert ucx._agent is None and not ucx.devices()  # nothing until first use
+            assert await kv.warm_up() == [node.data]
+            agent, arena = ucx._agent, ucx._arenas[torch.device("cpu")]
+            assert agent is not None and ucx.devices() == [torch.device("cpu")]
+            assert list(ucx._peers.values()) == list(agent.peers)  # the node, loaded
+            rss = thp.smaps_field(arena.tensor, "Rss")
+            assert rss is None or rss * 1024 >= staging  # every staging page mapped
+            assert len(kv._pool._idle[node.data]) == 1  # a connection kept
+            assert await kv.warm_up() == [node.data]  # (again: nothing new)
+            assert ucx._agent is agent and len(agent.peers) == 1
+            assert await kv.put_layer(tokens, 0, t) == n
+            assert ucx._agent is agent and ucx.stats.written_in_place == 2
+            back = await kv.get_layer(tokens, 0)
+            error = (back.float() - t.float()).norm() / t.float().norm()
+            assert back.shape == t.shape and error < 0.05  # (INT8: close, not equal)
+        async with await kvclient.KVClient.connect(master.grpc, _ns(), ucx=False) as tcp:
+            assert await tcp.warm_up() == []
+            assert tcp._ucx._agent is None and len(tcp._pool._idle[node.data]) == 1
+            assert torch.equal(await tcp.get_layer(tokens, 0), back)
+    finally:
+        rc, out = node.stop()
+    assert rc == 0 and "pinned_slots=0" in out, out

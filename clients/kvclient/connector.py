@@ -318,7 +318,10 @@ class WorkerConnector:
         ``[num_blocks, 2, block_size, H, D]`` (guessed from the shape when None) or
         ``"kv_pair"``: each cache a ``(K, V)`` pair of ``[num_blocks, block_size, H, D]``
         views (:mod:`kvclient.layouts` makes them from an engine's page form). Block ids
-        in the specs index these caches. Raises :class:`~kvstore.errors.BadShape` or
+        in the specs index these caches. Then warms the client up for transfers of
+        these caches (:meth:`~kvclient.KVClient.warm_up`: in the background for a
+        :class:`~kvclient.lazy.PoolLink`), so the first request does not pay for it.
+        Raises :class:`~kvstore.errors.BadShape` or
         :class:`~kvstore.errors.InvalidArgument` for caches that do not fit."""
         names = list(caches)
         L = self.kv.ns.num_layers
@@ -336,6 +339,10 @@ class WorkerConnector:
         self._caches = paged
         self._layer_of = {n: i for i, n in enumerate(names)}
         self._engine_bs = paged[0].block_size
+        try:
+            self.kv.warm_up(paged[0].device)
+        except KVStoreError as exc:  # (the first transfers pay for it instead)
+            logger.warning("kvstore warm-up failed: %s", exc)
 
     def layer_index(self, layer: str | int) -> int:
         """A layer name (or index) → its index."""

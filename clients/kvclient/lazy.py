@@ -54,6 +54,8 @@ class PoolLink:
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._warm: tuple[Any] | None = None  # (device,) of a warm-up asked for
+        self._warming: threading.Thread | None = None
         try:
             self._try()
         except KVStoreError as exc:
@@ -84,13 +86,39 @@ class PoolLink:
             raise AttributeError(name)
         return getattr(self.client(), name)
 
+    def warm_up(self, device: Any = None) -> None:
+        """:meth:`~kvclient.SyncKVClient.warm_up` in the background: returns at once. Once
+        the pool answers (now, on a thread of its own, ``kvclient-warm``; else on the
+        connecting thread, right after it connects). A failure is logged, never raised:
+        the first transfers then pay for what it did not do."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._warm, client = (device,), self._client
+            if client is None or self._warming is not None:
+                return  # (the connecting thread warms it up; or one already runs)
+            self._warming = threading.Thread(
+                target=self._warm_up, args=(client, device), name="kvclient-warm", daemon=True
+            )
+            self._warming.start()
+
+    def _warm_up(self, client: SyncKVClient, device: Any) -> None:
+        try:
+            ready = client.warm_up(device)  # type: ignore[attr-defined]
+        except KVStoreError as exc:
+            logger.warning("kvstore warm-up failed (%s): the first transfers pay for it", exc)
+            return
+        logger.info("kvstore warm-up done: ucx:// ready to %d node(s)", len(ready))
+
     def _try(self) -> None:
         client = SyncKVClient.connect(self.master, self.ns, **self._options)
         with self._lock:
             if self._closed.is_set():  # closed while connecting: nobody will use it
                 client.close()
                 return
-            self._client = client
+            self._client, warm = client, self._warm
+        if warm is not None:  # (asked for before the pool answered)
+            self._warm_up(client, *warm)
 
     def _retry(self) -> None:
         delay = self._retry_s
@@ -110,7 +138,9 @@ class PoolLink:
         with self._lock:
             self._closed.set()
             client, self._client = self._client, None
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=float(self._options.get("timeout_s", 10.0)) + 5)
+        wait = float(self._options.get("timeout_s", 10.0)) + 5
+        for thread in (self._thread, self._warming):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=wait)
         if client is not None:
             client.close()

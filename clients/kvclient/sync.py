@@ -40,6 +40,7 @@ _BLOCKING = (
     "get_object",
     "exists",
     "remove",
+    "warm_up",
 )
 _DIRECT = (
     "block_hashes",

@@ -41,7 +41,7 @@ from functools import lru_cache
 
 import torch
 
-from kvstore.core.arena import Arena
+from kvstore.core.arena import Arena, populate
 from kvstore.dataplane.location import SlotLocation
 from kvstore.errors import CapacityError, Closed, KVStoreError, UnknownScheme
 from kvstore.transport.nixl import ALONE_INLINE_BYTES, NixlAgent, Registration, Span
@@ -222,6 +222,24 @@ class UcxPath:
             agent = await self._ensure(host)
             name = await agent.add_peer(metadata)
             self._peers[metadata] = name
+        return name
+
+    async def start(self, host: str | None, device: torch.device) -> None:
+        """Start the agent now (as its first peer at ``host`` would) with the host's
+        staging and ``device``'s registered, and map the host staging's pages (on a
+        thread), so that transfers do not fault them in one by one. Raises what NIXL
+        raises."""
+        await self._ensure(host)
+        await self._arena(device)
+        host_staging = self._arenas.get(torch.device("cpu"))
+        if host_staging is not None:
+            await asyncio.to_thread(populate, host_staging.tensor)
+
+    async def connect(self, metadata: bytes, host: str | None = None) -> str:
+        """Load the node of ``metadata`` as a peer and connect to it now, so that the
+        first transfer does not set up UCX's endpoint; its agent name."""
+        name = await self.peer(metadata, host)
+        await (await self._ensure()).connect(name)
         return name
 
     def fits(self, rows: int, row_bytes: int) -> bool:
