@@ -1,28 +1,33 @@
 """The engine-facing client's overheads, against a running ``kvstore serve`` it starts.
 
-    python bench/client.py [--calls 300]
+    python bench/client.py [--calls 300] [--reps 21] [--first-rounds 5]
 
 Prints Markdown: per-call time of the sync twin next to the async client for the same
-calls (so the difference is the cost of the loop-thread hop), and how long the caller's
+calls (so the difference is the cost of the loop-thread hop), how long the caller's
 thread is blocked by ``start_put_layer`` for one 2048-token layer next to a blocking
-``put_layer`` of the same layer.
+``put_layer`` of the same layer, and a fresh client's first requests (a writer's first
+and second ``put_layer``, a reader's first ``get_layer``, each client in a process of
+its own) without and after ``KVClient.warm_up``, rounds of the two alternating, over
+``tcp://`` and (where NIXL is installed) ``ucx://``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import Table, machine_markdown, percentile, progress
+from _common import Serve, Table, machine_markdown, percentile, progress
 
 import kvclient
 from kvstore.core.kvgen import realistic_kv
@@ -87,10 +92,85 @@ def blocked_time(master: str, reps: int) -> tuple[list[float], list[float], list
     return starts, totals, blocking
 
 
+FIRST_TOKENS = 2048
+
+
+async def first_requests(
+    master: str, ucx: bool, warm: bool, seed: int, role: str
+) -> dict[str, float]:
+    """A fresh writer's first two ``put_layer`` calls, or a fresh reader's first
+    ``get_layer`` of them (the client warmed up first when ``warm``), in seconds."""
+    tokens = [(seed * 100_003 + i) % 150_000 for i in range(FIRST_TOKENS)]
+    out: dict[str, float] = {}
+    async with await kvclient.KVClient.connect(master, NS, ucx=ucx) as kv:
+        t0 = time.perf_counter()
+        if warm:
+            await kv.warm_up()
+        out[f"{role} warm_up"] = time.perf_counter() - t0
+        if role == "writer":
+            for layer in (0, 1):
+                t = realistic_kv(FIRST_TOKENS, 8, 128, torch.bfloat16, seed=seed + layer)
+                t0 = time.perf_counter()
+                await kv.put_layer(tokens, layer, t)
+                out[("first", "second")[layer] + " put_layer"] = time.perf_counter() - t0
+        else:
+            t0 = time.perf_counter()
+            got = await kv.get_layer(tokens, 0)
+            out["first get_layer"] = time.perf_counter() - t0
+            assert got.shape[1] == FIRST_TOKENS, got.shape
+    return out
+
+
+def _first(master: str, transport: str, warm: bool, seed: int, role: str) -> dict[str, float]:
+    torch.set_num_threads(1)
+    return asyncio.run(first_requests(master, transport == "ucx", warm, seed, role))
+
+
+def first_table(runs: dict[tuple[str, bool], list[dict[str, float]]], rounds: int) -> Table:
+    table = Table(
+        f"A fresh client's first requests, ms (2048-token layer, H=8, D=128, bf16; median "
+        f"of {rounds} rounds, cold and warmed alternating; range in brackets)",
+        ["transport", "client", "warm_up", "first put_layer", "second put_layer",
+         "reader warm_up", "reader's first get_layer"],
+    )  # fmt: skip
+    keys = ("writer warm_up", "first put_layer", "second put_layer", "reader warm_up",
+            "first get_layer")  # fmt: skip
+    for (transport, warm), samples in runs.items():
+        cells = []
+        for key in keys:
+            xs = [x[key] * 1e3 for x in samples]
+            cells.append(f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})")
+        table.add(transport, "warm_up() first" if warm else "cold", *cells)
+    return table
+
+
+def first_runs(rounds: int, bar: Any, task: Any) -> dict[tuple[str, bool], list[dict[str, float]]]:
+    """:func:`first_requests` of a writer, then a reader, on a ``tcp`` and (with NIXL) a
+    ``ucx`` node, each mapped."""
+    from kvclient.ucx import nixl_available
+
+    runs: dict[tuple[str, bool], list[dict[str, float]]] = {}
+    ctx = multiprocessing.get_context("spawn")
+    for transport in ("tcp", "ucx") if nixl_available() else ("tcp",):
+        with Serve.start("--host-mem", "1GiB", "--transport", transport, mapped=True) as srv:
+            for r in range(rounds):
+                for warm in (False, True) if r % 2 == 0 else (True, False):
+                    got: dict[str, float] = {}
+                    for role in ("writer", "reader"):  # (each a process of its own, as
+                        # engines are: UCX's start is paid once per process)
+                        with ctx.Pool(1) as pool:
+                            call = (srv.addresses["grpc"], transport, warm, r, role)
+                            got.update(pool.apply(_first, call))
+                    runs.setdefault((transport, warm), []).append(got)
+                    bar.advance(task)
+    return runs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--reps", type=int, default=21)
+    parser.add_argument("--first-rounds", type=int, default=5)
     args = parser.parse_args()
     srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
                        "--host-mem", "256MiB")  # fmt: skip
@@ -108,6 +188,9 @@ def main() -> int:
             bar.advance(task)
     finally:
         srv.stop()
+    with progress() as bar:
+        task = bar.add_task("first requests", total=4 * args.first_rounds)
+        firsts = first_runs(args.first_rounds, bar, task)
     table = Table(
         f"Sync twin vs async client, same calls ({args.calls} each, µs)",
         ["call", "async p50", "async p99", "sync p50", "sync p99", "sync overhead p50"],
@@ -130,6 +213,7 @@ def main() -> int:
     print(machine_markdown())
     print(table.to_markdown())
     print(blocked.to_markdown())
+    print(first_table(firsts, args.first_rounds).to_markdown())
     return 0
 
 
