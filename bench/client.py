@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import Serve, Table, machine_markdown, percentile, progress
 
 import kvclient
+from kvclient.ucx import nixl_available
 from kvstore.core.kvgen import realistic_kv
 from tests.cluster import start_server
 
@@ -146,9 +147,7 @@ def first_table(runs: dict[tuple[str, bool], list[dict[str, float]]], rounds: in
 
 def first_runs(rounds: int, bar: Any, task: Any) -> dict[tuple[str, bool], list[dict[str, float]]]:
     """:func:`first_requests` of a writer, then a reader, on a ``tcp`` and (with NIXL) a
-    ``ucx`` node, each mapped."""
-    from kvclient.ucx import nixl_available
-
+    ``ucx`` node, each mapped; each round puts prompts of its own."""
     runs: dict[tuple[str, bool], list[dict[str, float]]] = {}
     ctx = multiprocessing.get_context("spawn")
     for transport in ("tcp", "ucx") if nixl_available() else ("tcp",):
@@ -159,7 +158,7 @@ def first_runs(rounds: int, bar: Any, task: Any) -> dict[tuple[str, bool], list[
                     for role in ("writer", "reader"):  # (each a process of its own, as
                         # engines are: UCX's start is paid once per process)
                         with ctx.Pool(1) as pool:
-                            call = (srv.addresses["grpc"], transport, warm, r, role)
+                            call = (srv.addresses["grpc"], transport, warm, 2 * r + warm, role)
                             got.update(pool.apply(_first, call))
                     runs.setdefault((transport, warm), []).append(got)
                     bar.advance(task)
@@ -189,7 +188,8 @@ def main() -> int:
     finally:
         srv.stop()
     with progress() as bar:
-        task = bar.add_task("first requests", total=4 * args.first_rounds)
+        kinds = 4 if nixl_available() else 2  # (tcp, and ucx where NIXL is) x (cold, warm)
+        task = bar.add_task("first requests", total=kinds * args.first_rounds)
         firsts = first_runs(args.first_rounds, bar, task)
     table = Table(
         f"Sync twin vs async client, same calls ({args.calls} each, µs)",

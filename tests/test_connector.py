@@ -403,7 +403,7 @@ def test_a_connected_pool_link_warms_up_on_a_thread_of_its_own(
 ) -> None:
     """``PoolLink.warm_up`` returns at once and warms the client up on a thread
     (``kvclient-warm``): over ``ucx://`` the node is then ready for one-sided transfers.
-    Closing the link waits for the thread."""
+    Once it ended, another call runs again. No thread is left."""
     import threading
 
     import kvclient
@@ -415,13 +415,24 @@ def test_a_connected_pool_link_warms_up_on_a_thread_of_its_own(
     link = PoolLink(server.grpc, ns, timeout_s=5)
     try:
         assert link.connected
-        link.warm_up()
-        deadline = time.monotonic() + 20
-        while not (done := [r for r in caplog.records if "warm-up done" in r.getMessage()]):
-            assert time.monotonic() < deadline, caplog.text
-            time.sleep(0.05)
         ucx = "ucx" in server.proc.args  # (serving's --transport)
-        assert done[0].getMessage().endswith(f"ready to {int(ucx)} node(s)")
+
+        def warmed(n: int) -> list[str]:
+            deadline = time.monotonic() + 20
+            while len(done := [r.getMessage() for r in caplog.records
+                               if "warm-up done" in r.getMessage()]) < n:  # fmt: skip
+                assert time.monotonic() < deadline, caplog.text
+                time.sleep(0.05)
+            while any(t.name == "kvclient-warm" for t in threading.enumerate()):
+                assert time.monotonic() < deadline, "the warm-up thread did not end"
+                time.sleep(0.05)
+            return done
+
+        link.warm_up()
+        done = warmed(1)
+        assert len(done) == 1 and done[0].endswith(f"ready to {int(ucx)} node(s)")
+        link.warm_up()  # (the first ended: this one runs too)
+        assert len(warmed(2)) == 2
     finally:
         link.close()
     assert "kvclient-warm" not in {t.name for t in threading.enumerate()}

@@ -346,3 +346,34 @@ async def test_an_unauthenticated_payload_gets_its_refusal_not_a_broken_pipe(
     for _ in range(3):
         with pytest.raises(Unauthorized, match="authenticate first"):
             await intruder.put(b"kvstore-ns/3", [chunk], [data])
+
+
+async def test_a_warm_up_skips_a_node_that_does_not_answer(
+    pool: tuple[Server, list[Server], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``warm_up`` dials every live node (here each dial authenticates, so a node must
+    answer it); one that is frozen (SIGSTOP) is logged and skipped after the client's
+    ``node_timeout_s``, not the end of the whole call: the other node is warmed up, and
+    over ``ucx://`` reported ready."""
+    import signal
+
+    from kvclient.ucx import nixl_available
+
+    master, nodes, auth = pool
+    ucx = nixl_available()
+    nodes.append(_node(master, auth, "--transport", "ucx" if ucx else "tcp"))
+    frozen, live = nodes
+    caplog.set_level("WARNING", logger="kvclient")
+    async with await kvclient.KVClient.connect(
+        master.grpc, namespace(1), token=CLIENT, timeout_s=8, node_timeout_s=1,
+        staging_bytes=16 * 2**20,
+    ) as kv:  # fmt: skip
+        frozen.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert await kv.warm_up() == ([live.data] if ucx else [])
+        finally:
+            frozen.proc.send_signal(signal.SIGCONT)
+        skipped = [r.getMessage() for r in caplog.records if "not dialled" in r.getMessage()]
+        assert len(skipped) == 1 and frozen.data in skipped[0], skipped
+        tokens = prompt(512, seed=73)
+        assert await kv.put_layer(tokens, 0, layer_kv(512, 0, 73)) == 512

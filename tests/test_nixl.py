@@ -557,31 +557,6 @@ async def test_peer_killed_before_connecting_raises_peer_disconnected(
         await agent.remove_peer(name)
 
 
-async def test_connect_sets_up_a_peer_before_its_first_transfer(initiator: Initiator) -> None:
-    """``connect`` makes the UCX endpoint to a loaded peer ahead of any transfer; the
-    transfer then moves its bytes. An unknown peer is a typed error. A peer killed before
-    the connect is not found out by it (UCX sets the endpoint up without an answer): the
-    transfer after it raises, as without a connect."""
-    agent, buf = initiator.agent, initiator.buf
-    with pytest.raises(InvalidArgument, match="unknown NIXL peer"):
-        await agent.connect("nobody")
-    with running_peer(MiB) as fresh:
-        name = await agent.add_peer(fresh.metadata)
-        await agent.connect(name)
-        await agent.connect(name)  # (again: nothing new)
-        await agent.read(name, [(fresh.span.addr, MiB)], [buf[:MiB]], timeout=10)
-        assert np.array_equal(buf[:MiB].numpy(), pattern(MiB))
-        await agent.remove_peer(name)
-    with running_peer(MiB) as doomed:
-        name = await agent.add_peer(doomed.metadata)
-        doomed.signal(signal.SIGKILL)
-        doomed.process.join(10)
-        await asyncio.wait_for(agent.connect(name), 10)
-        with pytest.raises(PeerDisconnected):
-            await agent.read(name, [(doomed.span.addr, MiB)], [buf[:MiB]], timeout=10)
-        await agent.remove_peer(name)
-
-
 async def test_frozen_peer_times_out_then_recovers(initiator: Initiator) -> None:
     # A stopped target cannot answer UCX's connection handshake, so the first transfer
     # stays in flight (once connected, CMA would not need the target at all).

@@ -392,9 +392,10 @@ async def test_a_warmed_up_client_has_its_agent_peers_and_staging_before_its_fir
 ) -> None:
     """``warm_up`` pays a client's one-time costs before its first request: the NIXL agent
     (UCX's start), its host staging registered and every page of it mapped, each ``ucx``
-    node loaded and connected as a peer, a data connection to each node dialled. The
-    first put then finds all of it in place and the bytes read back; a ``tcp``-only client
-    warms its connections alone. (A client's first ``put_layer`` once took ~0.5 s for it.)"""
+    node loaded as a peer, a data connection to each node dialled. The first put then
+    finds all of it in place and the bytes read back; a ``tcp``-only client warms its
+    connections alone; a device that is not one is refused before anything starts. (A
+    client's first ``put_layer`` once took ~0.5 s for it.)"""
     from tests import thp
 
     node = ucx_node(master)
@@ -405,6 +406,10 @@ async def test_a_warmed_up_client_has_its_agent_peers_and_staging_before_its_fir
         async with await kvclient.KVClient.connect(master.grpc, _ns(), staging_bytes=staging) as kv:
             ucx = kv._ucx
             assert ucx._agent is None and not ucx.devices()  # nothing until first use
+            for bad in ("no-such-device", *(() if torch.cuda.is_available() else ("cuda",))):
+                with pytest.raises(InvalidArgument, match="warm_up: no device"):
+                    await kv.warm_up(bad)
+            assert ucx._agent is None
             assert await kv.warm_up() == [node.data]
             agent, arena = ucx._agent, ucx._arenas[torch.device("cpu")]
             assert agent is not None and ucx.devices() == [torch.device("cpu")]

@@ -59,7 +59,7 @@ from .pool import ConnectionPool
 from .reads import ChunkReader, LayerRead, NodeEntry, batches
 from .routing import RoutingOps
 from .stream import StreamOps
-from .ucx import DEFAULT_STAGING_BYTES, UcxPath, prefer_ucx, staging_device
+from .ucx import DEFAULT_STAGING_BYTES, UcxPath, agent_host, prefer_ucx, staging_device
 from .writes import PUT_DEADLINE, ChunkWriter
 
 __all__ = ["DEFAULT_MAX_OBJECT_BYTES", "ClientCore", "KVClient"]
@@ -260,39 +260,59 @@ class ClientCore:
 
     async def warm_up(self, device: Any = None, *, timeout: float | None = None) -> list[str]:
         """Pay this client's one-time costs now instead of in its first put or get: a data
-        connection to each live node, and where a node takes ``ucx://``, this client's
-        NIXL agent (UCX's start: ~0.5 s of CPU here), its host staging and ``device``'s
-        (where the KV lives: default the host) registered, and the node loaded and
-        connected as a peer. Returns the data URIs of the nodes now ready for ``ucx://``
-        (none with ``ucx=False``).
+        connection to each live node and, where a node takes ``ucx://``, this client's
+        NIXL agent (UCX's start: ~0.45 s of CPU here), its host staging and ``device``'s
+        (where the KV lives: default the host) registered, the host staging's pages mapped,
+        and each such node loaded as a peer. Returns the data URIs of the nodes ready for
+        ``ucx://`` (none with ``ucx=False``).
 
         Optional: a put or get does what it needs of this on first use, and waits for a
         warm-up in flight rather than repeat it. An engine calls it once while it starts
-        (the connectors do, when the engine registers its KV caches). A node that cannot
-        be reached is logged and skipped. Raises :class:`KVTimeout`, what asking the
-        master raises, and :class:`TransportError` when NIXL cannot start."""
+        (the connector's worker does, when the engine registers its KV caches). A node
+        that does not answer within ``node_timeout_s`` is logged and skipped. Raises
+        :class:`InvalidArgument` for a ``device`` that is not one, :class:`KVTimeout`,
+        what asking the master raises, and :class:`TransportError` when NIXL cannot start
+        or register the staging."""
         self._limit(timeout)
-        return list(await self._deadline(self._warm_up(device), timeout, "warm_up"))
+        try:
+            dev = staging_device(device)
+        except (RuntimeError, AssertionError) as exc:  # (torch: no such device, no CUDA)
+            raise InvalidArgument(f"warm_up: no device {device!r} here ({exc})") from None
+        return list(await self._deadline(self._warm_up(dev), timeout, "warm_up"))
 
-    async def _warm_up(self, device: Any) -> list[str]:
+    async def _warm_up(self, device: torch.device) -> list[str]:
         await self._live_nodes(refresh=True)
         nodes = list(self._by_uri.values())  # (every live node: draining ones are read)
+        dials = asyncio.gather(*map(self._dial, nodes))  # (each logs its own failure)
         ucx = [n for n in nodes if n.ucx]
-        if ucx:  # (the agent's interfaces follow its first peer's host)
-            await self._ucx.start(ucx[0].host, staging_device(device))
-
-        async def one(node: NodeEntry) -> str | None:
+        try:
+            if ucx:
+                await self._ucx.start(agent_host([n.host for n in ucx]), device)
+        except BaseException:
+            dials.cancel()
+            raise
+        await dials
+        ready = []
+        for node in ucx:
             try:
-                async with self._pool.use(node.data_uri, self.timeout_s):
-                    pass  # (dialled and authenticated; kept for the first exchange)
-                if node.ucx:
-                    await self._ucx.connect(node.nixl_metadata, node.host)
-                    return node.data_uri
-            except TransportError as exc:
-                logger.warning("warm-up: node %s skipped: %s", node.data_uri, exc)
-            return None
+                await self._ucx.peer(node.nixl_metadata, node.host)
+            except Closed:
+                raise
+            except KVStoreError as exc:
+                logger.warning("warm-up: ucx:// node %s skipped: %s", node.data_uri, exc)
+                continue
+            ready.append(node.data_uri)
+        return ready
 
-        return [uri for uri in await asyncio.gather(*map(one, nodes)) if uri is not None]
+    async def _dial(self, node: NodeEntry) -> None:
+        """A data connection to ``node``, dialled and kept in the pool; a failure logged."""
+        try:
+            async with self._pool.use(node.data_uri, self.node_timeout_s):
+                pass
+        except Closed:
+            raise
+        except KVStoreError as exc:
+            logger.warning("warm-up: node %s not dialled: %s", node.data_uri, exc)
 
     async def __aenter__(self) -> Self:
         return self

@@ -319,8 +319,10 @@ class WorkerConnector:
         ``"kv_pair"``: each cache a ``(K, V)`` pair of ``[num_blocks, block_size, H, D]``
         views (:mod:`kvclient.layouts` makes them from an engine's page form). Block ids
         in the specs index these caches. Then warms the client up for transfers of
-        these caches (:meth:`~kvclient.KVClient.warm_up`: in the background for a
-        :class:`~kvclient.lazy.PoolLink`), so the first request does not pay for it.
+        these caches (:meth:`~kvclient.KVClient.warm_up`; a
+        :class:`~kvclient.lazy.PoolLink` does it in the background, except on CUDA), so
+        the first request does not pay for it: a plain client blocks here for it (~0.5-1 s
+        when a node takes ``ucx://``).
         Raises :class:`~kvstore.errors.BadShape` or
         :class:`~kvstore.errors.InvalidArgument` for caches that do not fit."""
         names = list(caches)
@@ -339,9 +341,9 @@ class WorkerConnector:
         self._caches = paged
         self._layer_of = {n: i for i, n in enumerate(names)}
         self._engine_bs = paged[0].block_size
-        try:
+        try:  # (a PoolLink never raises; a client, as its first transfer would)
             self.kv.warm_up(paged[0].device)
-        except KVStoreError as exc:  # (the first transfers pay for it instead)
+        except (KVStoreError, OSError) as exc:  # (the first transfers pay for it instead)
             logger.warning("kvstore warm-up failed: %s", exc)
 
     def layer_index(self, layer: str | int) -> int:

@@ -18,6 +18,8 @@ import logging
 import threading
 from typing import Any
 
+import torch
+
 from kvstore.core.hashing import Namespace
 from kvstore.errors import KVStoreError, Unreachable
 
@@ -26,6 +28,17 @@ from .sync import SyncKVClient
 __all__ = ["NotConnected", "PoolLink"]
 
 logger = logging.getLogger("kvclient.lazy")
+
+
+def _uses_cuda(device: Any) -> bool:
+    """Whether a warm-up for ``device`` would make CUDA calls that must not race an
+    engine's CUDA graph capture: ``device`` is a GPU, or this process initialised CUDA."""
+    try:
+        if device is not None and torch.device(device).type == "cuda":
+            return True
+    except (RuntimeError, TypeError):
+        return False  # (not a device: the warm-up says so)
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 class NotConnected(Unreachable):
@@ -87,16 +100,32 @@ class PoolLink:
         return getattr(self.client(), name)
 
     def warm_up(self, device: Any = None) -> None:
-        """:meth:`~kvclient.SyncKVClient.warm_up` in the background: returns at once. Once
-        the pool answers (now, on a thread of its own, ``kvclient-warm``; else on the
-        connecting thread, right after it connects). A failure is logged, never raised:
-        the first transfers then pay for what it did not do."""
-        with self._lock:
-            if self._closed.is_set():
+        """:meth:`~kvclient.SyncKVClient.warm_up` for ``device`` (where the engine's KV
+        lives), never raising: a failure is logged, and the first transfers then pay for
+        what it did not do.
+
+        Where the process uses CUDA (``device`` a GPU, or CUDA initialised) it runs now,
+        on the caller's thread and bounded by the client's ``timeout_s``, and only if the
+        pool has answered: an engine captures CUDA graphs after it registers its caches,
+        and a capture fails on CUDA calls from another thread (the staging's pinned or
+        device memory, its registration). Otherwise it runs in the background and this
+        returns at once: on a thread of its own (``kvclient-warm``) once connected, else
+        on the connecting thread right after the pool answers. One at a time: a call
+        while one runs is dropped."""
+        if _uses_cuda(device):
+            client = self._client
+            if client is None:
+                logger.info("kvstore pool not connected yet: no warm-up on this CUDA process")
                 return
-            self._warm, client = (device,), self._client
-            if client is None or self._warming is not None:
-                return  # (the connecting thread warms it up; or one already runs)
+            self._warm_up(client, device)
+            return
+        with self._lock:
+            if self._closed.is_set() or self._warming is not None:
+                return
+            client = self._client
+            if client is None:
+                self._warm = (device,)  # (the connecting thread warms it up)
+                return
             self._warming = threading.Thread(
                 target=self._warm_up, args=(client, device), name="kvclient-warm", daemon=True
             )
@@ -107,8 +136,14 @@ class PoolLink:
             ready = client.warm_up(device)  # type: ignore[attr-defined]
         except KVStoreError as exc:
             logger.warning("kvstore warm-up failed (%s): the first transfers pay for it", exc)
-            return
-        logger.info("kvstore warm-up done: ucx:// ready to %d node(s)", len(ready))
+        except Exception:  # (not ours: logged all the same, the engine goes on)
+            logger.warning("kvstore warm-up failed: the first transfers pay for it", exc_info=True)
+        else:
+            logger.info("kvstore warm-up done: ucx:// ready to %d node(s)", len(ready))
+        finally:
+            with self._lock:
+                if self._warming is threading.current_thread():
+                    self._warming = None
 
     def _try(self) -> None:
         client = SyncKVClient.connect(self.master, self.ns, **self._options)
@@ -116,7 +151,9 @@ class PoolLink:
             if self._closed.is_set():  # closed while connecting: nobody will use it
                 client.close()
                 return
-            self._client, warm = client, self._warm
+            self._client, warm, self._warm = client, self._warm, None
+            if warm is not None:
+                self._warming = threading.current_thread()
         if warm is not None:  # (asked for before the pool answered)
             self._warm_up(client, *warm)
 

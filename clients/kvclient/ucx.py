@@ -34,7 +34,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -119,6 +119,13 @@ def prefer_ucx(transport: str, host: str, metadata: bytes) -> bool:
     if transport != "ucx" or not metadata or not nixl_available():
         return False
     return _is_local(host) or _rdma_present()
+
+
+def agent_host(hosts: Sequence[str]) -> str | None:
+    """The host a client's agent should take its UCX interfaces from, given the hosts of
+    the ``ucx`` nodes it will talk to: theirs when every one is this host (loopback
+    then), else None (every interface: UCX picks each peer's route)."""
+    return hosts[0] if hosts and all(_is_local(h) for h in hosts) else None
 
 
 def staging_device(device: torch.device | str | None) -> torch.device:
@@ -225,22 +232,19 @@ class UcxPath:
         return name
 
     async def start(self, host: str | None, device: torch.device) -> None:
-        """Start the agent now (as its first peer at ``host`` would) with the host's
-        staging and ``device``'s registered, and map the host staging's pages (on a
-        thread), so that transfers do not fault them in one by one. Raises what NIXL
-        raises."""
+        """Start the agent now (``host`` as for a first peer there) with the host's staging
+        and ``device``'s registered, and map the host staging's pages on a thread, so that
+        transfers do not fault them in one by one (best effort: a refusal is logged).
+        Raises what starting NIXL and registering raise."""
         await self._ensure(host)
         await self._arena(device)
         host_staging = self._arenas.get(torch.device("cpu"))
-        if host_staging is not None:
+        if host_staging is None:
+            return
+        try:
             await asyncio.to_thread(populate, host_staging.tensor)
-
-    async def connect(self, metadata: bytes, host: str | None = None) -> str:
-        """Load the node of ``metadata`` as a peer and connect to it now, so that the
-        first transfer does not set up UCX's endpoint; its agent name."""
-        name = await self.peer(metadata, host)
-        await (await self._ensure()).connect(name)
-        return name
+        except OSError as exc:  # (e.g. ENOMEM under a memory limit: pages fault in later)
+            logger.warning("ucx:// staging not mapped ahead (%s)", exc)
 
     def fits(self, rows: int, row_bytes: int) -> bool:
         """Whether one transfer of ``rows`` rows can take staging (at most half of it)."""

@@ -409,14 +409,6 @@ class NixlAgent:
         """Forget a peer and disconnect from it; False if it was not known."""
         return await self._call(self._w_remove_peer, name)
 
-    async def connect(self, peer: str) -> None:
-        """Connect to a loaded peer now, so that the first transfer to it does not pay for
-        UCX's endpoint set-up. Optional: a transfer connects on its own. It does not wait
-        for the peer's answer, so a dead peer is found out by the next transfer. Raises
-        :class:`~kvstore.errors.InvalidArgument` (unknown peer),
-        :class:`~kvstore.errors.PeerDisconnected`, :class:`~kvstore.errors.TransportError`."""
-        await self._call(self._w_connect, peer)
-
     # ---- transfers ---------------------------------------------------------------------
 
     async def read(
@@ -742,12 +734,6 @@ class NixlAgent:
         except Exception as exc:
             logger.warning("NIXL: forgetting peer %r failed: %s", name, exc)
         return True
-
-    def _w_connect(self, peer: str) -> None:
-        agent = self._live_agent()
-        self._require_peer(peer)
-        with self._translated(f"connect to {peer!r}"):
-            self._check(agent.makeConnection(peer, []), f"connect to {peer!r}")
 
     def _w_notify(self, peer: str, message: bytes) -> None:
         agent = self._live_agent()
