@@ -87,6 +87,8 @@ class Engine:
             self.scheduler = SchedulerConnector(kv, block_size, load=load, save=save)
             self.worker = WorkerConnector(kv, timeout_s=kv.timeout_s, stream_timeout_s=stream_s)
             names = {f"model.layers.{i}.self_attn": p for i, p in enumerate(self.pages)}
+            # (it also warms the client up, blocking here: ~0.5-1 s where a node takes
+            # ucx://, so that the first request does not pay for UCX's start)
             self.worker.register_kv_caches(names, layout="kv_first")
 
     # ---------------------------------------------------------------- a request
