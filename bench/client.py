@@ -7,8 +7,8 @@ calls (so the difference is the cost of the loop-thread hop), how long the calle
 thread is blocked by ``start_put_layer`` for one 2048-token layer next to a blocking
 ``put_layer`` of the same layer, and a fresh client's first requests (a writer's first
 and second ``put_layer``, a reader's first ``get_layer``, each client in a process of
-its own) without and after ``KVClient.warm_up``, rounds of the two alternating, over
-``tcp://`` and (where NIXL is installed) ``ucx://``.
+its own, idle 1 s before its first request) without and after ``KVClient.warm_up``,
+rounds of the two alternating, over ``tcp://`` and (where NIXL is installed) ``ucx://``.
 """
 
 from __future__ import annotations
@@ -94,13 +94,18 @@ def blocked_time(master: str, reps: int) -> tuple[list[float], list[float], list
 
 
 FIRST_TOKENS = 2048
+IDLE_S = 1.0
+"""How long a fresh client idles between connecting (and warming up) and its first request,
+warm or cold alike: an engine compiles and captures its graphs in between, and a warm-up's
+greeting needs the client's UCX progressed once (every 50 ms when idle) to take effect."""
 
 
 async def first_requests(
     master: str, ucx: bool, warm: bool, seed: int, role: str
 ) -> dict[str, float]:
     """A fresh writer's first two ``put_layer`` calls, or a fresh reader's first
-    ``get_layer`` of them (the client warmed up first when ``warm``), in seconds."""
+    ``get_layer`` of them (the client warmed up first when ``warm``; either way idle for
+    :data:`IDLE_S` before its first request), in seconds."""
     tokens = [(seed * 100_003 + i) % 150_000 for i in range(FIRST_TOKENS)]
     out: dict[str, float] = {}
     async with await kvclient.KVClient.connect(master, NS, ucx=ucx) as kv:
@@ -108,6 +113,7 @@ async def first_requests(
         if warm:
             await kv.warm_up()
         out[f"{role} warm_up"] = time.perf_counter() - t0
+        await asyncio.sleep(IDLE_S)
         if role == "writer":
             for layer in (0, 1):
                 t = realistic_kv(FIRST_TOKENS, 8, 128, torch.bfloat16, seed=seed + layer)

@@ -392,7 +392,8 @@ async def test_a_warmed_up_client_has_its_agent_peers_and_staging_before_its_fir
 ) -> None:
     """``warm_up`` pays a client's one-time costs before its first request: the NIXL agent
     (UCX's start), its host staging registered and every page of it mapped, each ``ucx``
-    node loaded as a peer, a data connection to each node dialled. The first put then
+    node loaded as a peer and greeted (the node reads the greeting and lets it go), a data
+    connection to each node dialled. The first put then
     finds all of it in place and the bytes read back; a ``tcp``-only client warms its
     connections alone; a device that is not one is refused before anything starts. (A
     client's first ``put_layer`` once took ~0.5 s for it.)"""
@@ -419,6 +420,12 @@ async def test_a_warmed_up_client_has_its_agent_peers_and_staging_before_its_fir
             assert len(kv._pool._idle[node.data]) == 1  # a connection kept
             assert await kv.warm_up() == [node.data]  # (again: nothing new)
             assert ucx._agent is agent and len(agent.peers) == 1
+            # Each warm-up greeted the node (a NIXL notification, so UCX set its endpoint
+            # up); the node's sweep read both and let them go.
+            deadline = time.monotonic() + 10
+            while (await node_stats(node.data))["notifications"] < 2:
+                assert time.monotonic() < deadline, "the node never read the greetings"
+                await asyncio.sleep(0.1)
             assert await kv.put_layer(tokens, 0, t) == n
             assert ucx._agent is agent and ucx.stats.written_in_place == 2
             back = await kv.get_layer(tokens, 0)

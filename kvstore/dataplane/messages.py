@@ -676,7 +676,8 @@ class Stats(Message):
 class NodeStats(Message):
     """The node's counters, as a JSON object: node_id, epoch, slots, pinned_slots, leases,
     holds, inflight (chunks a put is transferring or has granted now), grants (chunks
-    claimed for a writer's next ``write``), objects, capacity_bytes, used_bytes,
+    claimed for a writer's next ``write``), notifications (NIXL notifications read: one
+    per client warm-up), objects, capacity_bytes, used_bytes,
     tiers: [{name, slots, pinned_slots, capacity_bytes, used_bytes}], and the drain's
     progress: draining, drain_state, drain_reason, drain_passes, drain_moved_chunks,
     drain_moved_bytes, drain_left, drain_failed, drain_dropped (kvstore.node.migrate)."""

@@ -238,6 +238,9 @@ class StorageNode:
         self.disk: DiskTier | None = None
         self._closing = False
         self._nixl: NixlAgent | None = None
+        self.notifications = 0
+        """NIXL notifications peers sent, read and let go by the sweep (a client's warm-up
+        sends one: see :meth:`_drain_notifications`)."""
         self._nixl_metadata = b""
         self.data_uri = ""
         self._ticket_root = ticket_root(config.token) if config.token else None
@@ -493,8 +496,17 @@ class StorageNode:
                     del self._holds[hid]
                 await self.link.commit(self._take_readds())
                 self._refresh_usage()
+                await self._drain_notifications()
             except KVStoreError as exc:
                 logger.warning("node sweep: %s", exc)
+
+    async def _drain_notifications(self) -> None:
+        """Read and let go of the NIXL notifications peers sent. A client's warm-up sends
+        one to each ``ucx`` node, so that UCX sets its endpoint up before the first
+        transfer; nothing here waits for them, and NIXL keeps each until it is read."""
+        if self._nixl is not None:
+            got = await self._nixl.poll_notifs()
+            self.notifications += sum(len(v) for v in got.values())
 
     async def _mover(self) -> None:
         """Move blocks between the tiers (:meth:`Tiers.move_one`) between requests: woken
@@ -944,6 +956,7 @@ class StorageNode:
                 "scrubbed": self.scrub.scrubbed,
                 "scrub_dropped": self.scrub.dropped,
                 "scrub_cpu_us": round(self.scrub.cpu_s * 1e6),
+                "notifications": self.notifications,
                 "objects": len(self.objects),
                 "capacity_bytes": sum(st.capacity_bytes for _, st in stats),
                 "used_bytes": sum(st.used_bytes for _, st in stats),
