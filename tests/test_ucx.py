@@ -393,10 +393,10 @@ async def test_a_warmed_up_client_has_its_agent_peers_and_staging_before_its_fir
     """``warm_up`` pays a client's one-time costs before its first request: the NIXL agent
     (UCX's start), its host staging registered and every page of it mapped, each ``ucx``
     node loaded as a peer and greeted (the node reads the greeting and lets it go), a data
-    connection to each node dialled. The first put then
-    finds all of it in place and the bytes read back; a ``tcp``-only client warms its
-    connections alone; a device that is not one is refused before anything starts. (A
-    client's first ``put_layer`` once took ~0.5 s for it.)"""
+    connection to each node dialled. The first put then finds all of it in place and the
+    bytes read back; a ``tcp``-only client warms its connections alone; a device that is
+    not one is refused before anything starts. (A client's first ``put_layer`` once took
+    ~0.5 s for it.)"""
     from tests import thp
 
     node = ucx_node(master)
