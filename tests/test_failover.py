@@ -168,3 +168,29 @@ async def test_a_put_with_every_node_draining_says_so(
         await kv._live_nodes(refresh=True)  # (the client reuses its node list for 1 s)
         with pytest.raises(kvclient.errors.Unreachable, match="2 draining"):
             await kv.put_layer(prompt(256, seed=94), 0, layer_kv(256, 0, 94))
+
+
+@pytest.mark.parametrize("transport", ["tcp"])  # (the node list is the same for either)
+async def test_a_node_list_past_half_its_life_is_refreshed_behind_the_calls(
+    cluster: tuple[Server, list[Server]],
+) -> None:
+    """A client places puts on a snapshot of the node list. Past half its life the call
+    that finds it so goes on with it and refreshes it in the background, so steady puts
+    never wait for the master's ``Nodes`` RPC (here the master is frozen meanwhile: the
+    call still answers at once); the refresh lands once the master answers again."""
+    from kvclient.client import _NODES_TTL_S
+
+    master, _ = cluster
+    async with await _connect(master) as kv:
+        kv._nodes_at = before = time.monotonic() - 0.75 * _NODES_TTL_S
+        master.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert len(await asyncio.wait_for(kv._live_nodes(), 2.0)) == 2
+            assert kv._nodes_ahead is not None and kv._nodes_at == before  # (behind)
+        finally:
+            master.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + TIMEOUT_S
+        while kv._nodes_ahead is not None:
+            assert time.monotonic() < deadline, "the refresh never landed"
+            await asyncio.sleep(0.05)
+        assert kv._nodes_at > before and len(kv._nodes) == 2

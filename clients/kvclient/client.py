@@ -78,7 +78,11 @@ runs on the client's loop instead of its codec thread: measured on a 2-core AMD 
 hand-off and wake-up cost ~200 µs, more than such an encode takes (int8, 16-token blocks,
 H=8, D=128: 2 blocks, ~68 KiB of chunks, 77 µs on the loop against 310 via the thread; 4
 blocks, ~136 KiB, 101 against 288; docs/decisions.md)."""
-_NODES_TTL_S = 1.0  # how long a placement snapshot of the node list is reused
+_NODES_TTL_S = 1.0
+"""How long a placement snapshot of the node list is used. Past half of it, the call that
+finds it so refreshes it in the background (calls go on with the snapshot meanwhile), so
+steady traffic never waits for the master's ``Nodes`` RPC; past all of it, a call waits for
+a new one."""
 
 _HOLD_TRUST = 0.8
 """Share of a hold's ``hold_s`` a client counts on (the node's clock starts later)."""
@@ -161,6 +165,7 @@ class ClientCore:
         self._nodes_at = -1e9
         self._placing: tuple[list[NodeEntry], dict[str, NodeEntry], list[Candidate]] | None = None
         self._nodes_lock = asyncio.Lock()
+        self._nodes_ahead: asyncio.Task[None] | None = None
         self._codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvclient-codec")
         self._inflight: dict[asyncio.Task[Any], list[bytes]] = {}
         self._node_clients: dict[str, NodeClient] = {}
@@ -252,6 +257,9 @@ class ClientCore:
             # here (watchers stop at the first abort, a second one is harmless).
             hashes = list(dict.fromkeys(h for hs in inflight.values() for h in hs))
             await self._abort(hashes, "client closed with puts in flight")
+        if self._nodes_ahead is not None:
+            self._nodes_ahead.cancel()
+            await asyncio.wait([self._nodes_ahead], timeout=self.timeout_s)
         await self._reads.close()
         await self._pool.close()
         await self._ucx.close()
@@ -372,6 +380,13 @@ class ClientCore:
         return node
 
     async def _live_nodes(self, refresh: bool = False) -> list[NodeEntry]:
+        """The placeable nodes (a snapshot at most :data:`_NODES_TTL_S` old; ``refresh``:
+        a new one)."""
+        age = time.monotonic() - self._nodes_at
+        if not refresh and age <= _NODES_TTL_S:
+            if age > _NODES_TTL_S / 2 and self._nodes_ahead is None and not self._closed:
+                self._nodes_ahead = asyncio.create_task(self._refresh_nodes_ahead())
+            return self._nodes
         async with self._nodes_lock:
             now = time.monotonic()
             if refresh or now - self._nodes_at > _NODES_TTL_S:
@@ -395,6 +410,16 @@ class ClientCore:
                 self._no_place = "" if self._nodes else unplaceable_reason(infos)
                 self._nodes_at = now
             return self._nodes
+
+    async def _refresh_nodes_ahead(self) -> None:
+        """:meth:`_live_nodes` refreshed off the calls' path; a failure is left to the call
+        that then finds the snapshot expired (it asks the master itself)."""
+        try:
+            await self._live_nodes(refresh=True)
+        except KVStoreError as exc:
+            logger.debug("node list refresh ahead of expiry failed: %s", exc)
+        finally:
+            self._nodes_ahead = None
 
     def _place(self, key: bytes, nodes: list[NodeEntry]) -> list[NodeEntry]:
         """The nodes ``key`` goes to (HRW over ``nodes``, weighted by free bytes). The
