@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import Serve, Table, machine_markdown, percentile, progress
+from _common import Serve, Table, machine_markdown, percentile, progress, seeded_tokens
 
 import kvclient
 from kvclient.ucx import nixl_available
@@ -106,7 +106,7 @@ async def first_requests(
     """A fresh writer's first two ``put_layer`` calls, or a fresh reader's first
     ``get_layer`` of them (the client warmed up first when ``warm``; either way idle for
     :data:`IDLE_S` before its first request), in seconds."""
-    tokens = [(seed * 100_003 + i) % 150_000 for i in range(FIRST_TOKENS)]
+    tokens = seeded_tokens(seed, FIRST_TOKENS)  # (the writer's and the reader's processes)
     out: dict[str, float] = {}
     async with await kvclient.KVClient.connect(master, NS, ucx=ucx) as kv:
         t0 = time.perf_counter()
@@ -151,12 +151,14 @@ def first_table(runs: dict[tuple[str, bool], list[dict[str, float]]], rounds: in
     return table
 
 
-def first_runs(rounds: int, bar: Any, task: Any) -> dict[tuple[str, bool], list[dict[str, float]]]:
-    """:func:`first_requests` of a writer, then a reader, on a ``tcp`` and (with NIXL) a
-    ``ucx`` node, each mapped; each round puts prompts of its own."""
+def first_runs(
+    transports: tuple[str, ...], rounds: int, bar: Any, task: Any
+) -> dict[tuple[str, bool], list[dict[str, float]]]:
+    """:func:`first_requests` of a writer, then a reader, on a node of each of
+    ``transports``, each mapped; each round puts prompts of its own."""
     runs: dict[tuple[str, bool], list[dict[str, float]]] = {}
     ctx = multiprocessing.get_context("spawn")
-    for transport in ("tcp", "ucx") if nixl_available() else ("tcp",):
+    for transport in transports:
         with Serve.start("--host-mem", "1GiB", "--transport", transport, mapped=True) as srv:
             for r in range(rounds):
                 for warm in (False, True) if r % 2 == 0 else (True, False):
@@ -194,9 +196,9 @@ def main() -> int:
     finally:
         srv.stop()
     with progress() as bar:
-        kinds = 4 if nixl_available() else 2  # (tcp, and ucx where NIXL is) x (cold, warm)
-        task = bar.add_task("first requests", total=kinds * args.first_rounds)
-        firsts = first_runs(args.first_rounds, bar, task)
+        transports = ("tcp", "ucx") if nixl_available() else ("tcp",)
+        task = bar.add_task("first requests", total=2 * len(transports) * args.first_rounds)
+        firsts = first_runs(transports, args.first_rounds, bar, task)
     table = Table(
         f"Sync twin vs async client, same calls ({args.calls} each, µs)",
         ["call", "async p50", "async p99", "sync p50", "sync p99", "sync overhead p50"],
