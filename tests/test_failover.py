@@ -170,6 +170,24 @@ async def test_a_put_with_every_node_draining_says_so(
             await kv.put_layer(prompt(256, seed=94), 0, layer_kv(256, 0, 94))
 
 
+async def _refreshed_behind(kv: kvclient.KVClient, master: Server, age: float) -> None:
+    """With ``kv``'s node list ``age`` seconds old and the master frozen, a call answers at
+    once with the list and refreshes it in the background; the refresh lands once the
+    master answers again."""
+    kv._nodes_at = before = time.monotonic() - age
+    master.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert len(await asyncio.wait_for(kv._live_nodes(), 2.0)) == 2
+        assert kv._nodes_ahead is not None and kv._nodes_at == before  # (behind)
+    finally:
+        master.proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + TIMEOUT_S
+    while kv._nodes_ahead is not None:
+        assert time.monotonic() < deadline, "the refresh never landed"
+        await asyncio.sleep(0.05)
+    assert kv._nodes_at > before and len(kv._nodes) == 2
+
+
 @pytest.mark.parametrize("transport", ["tcp"])  # (the node list is the same for either)
 async def test_a_node_list_past_half_its_life_is_refreshed_behind_the_calls(
     cluster: tuple[Server, list[Server]],
@@ -182,15 +200,31 @@ async def test_a_node_list_past_half_its_life_is_refreshed_behind_the_calls(
 
     master, _ = cluster
     async with await _connect(master) as kv:
-        kv._nodes_at = before = time.monotonic() - 0.75 * _NODES_TTL_S
-        master.proc.send_signal(signal.SIGSTOP)
-        try:
-            assert len(await asyncio.wait_for(kv._live_nodes(), 2.0)) == 2
-            assert kv._nodes_ahead is not None and kv._nodes_at == before  # (behind)
-        finally:
-            master.proc.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + TIMEOUT_S
-        while kv._nodes_ahead is not None:
-            assert time.monotonic() < deadline, "the refresh never landed"
-            await asyncio.sleep(0.05)
-        assert kv._nodes_at > before and len(kv._nodes) == 2
+        await _refreshed_behind(kv, master, 0.75 * _NODES_TTL_S)
+
+
+@pytest.mark.parametrize("transport", ["tcp"])  # (the node list is the same for either)
+async def test_a_node_list_past_its_life_serves_one_call_while_trusted(
+    cluster: tuple[Server, list[Server]],
+) -> None:
+    """The first put after a quiet spell (an engine's requests seconds apart) finds the
+    snapshot past its life. While it is trusted and younger than ``_NODES_STALE_S``, the
+    call goes on with it and the refresh runs behind (the master is frozen meanwhile: the
+    call still answers at once). Once a node fails one of this client's puts, a snapshot
+    past its life is not used again: the next call waits for the master's new list."""
+    from kvclient.client import _NODES_STALE_S, _NODES_TTL_S
+
+    master, nodes = cluster
+    quiet = (_NODES_TTL_S + _NODES_STALE_S) / 2
+    async with await _connect(master, min_replicas=1) as kv:
+        await _refreshed_behind(kv, master, quiet)
+
+        nodes[0].proc.kill()  # (the master lists it for its lease: the put still goes there)
+        nodes[0].proc.wait(timeout=10)
+        tokens = prompt(512, seed=95)
+        await kv.put_layer(tokens, 0, layer_kv(512, 0, 95))  # (stored on the other node)
+        assert not kv._nodes_trusted
+        kv._nodes_at = before = time.monotonic() - quiet
+        await kv._live_nodes()
+        assert kv._nodes_at > before and kv._nodes_ahead is None  # (asked, on the call's path)
+        assert kv._nodes_trusted

@@ -82,7 +82,16 @@ _NODES_TTL_S = 1.0
 """How long a placement snapshot of the node list is used. Past half of it, the call that
 finds it so refreshes it in the background (calls go on with the snapshot meanwhile), so
 steady traffic never waits for the master's ``Nodes`` RPC; past all of it, a call waits for
-a new one."""
+a new one, unless :data:`_NODES_STALE_S` lets it go on."""
+
+_NODES_STALE_S = 5.0
+"""How old a snapshot may be and still be used by the call that finds it past
+:data:`_NODES_TTL_S`, while a new one is fetched behind it: the first put after a quiet
+spell (an engine whose requests come seconds apart) does not wait for the master. Only
+while the snapshot is trusted: a refresh that failed, or a node that failed this client's
+put or read since the last refresh, makes the next call past the TTL wait for a new one.
+Half the default node lease (10 s), which is how long the master itself takes to suspect
+a silent node (docs/decisions.md)."""
 
 _HOLD_TRUST = 0.8
 """Share of a hold's ``hold_s`` a client counts on (the node's clock starts later)."""
@@ -163,6 +172,8 @@ class ClientCore:
         self._allow_ucx = ucx
         self._ucx = UcxPath(staging_bytes)
         self._nodes_at = -1e9
+        self._nodes_trusted = False
+        """Whether the snapshot may be used past its TTL (:data:`_NODES_STALE_S`)."""
         self._placing: tuple[list[NodeEntry], dict[str, NodeEntry], list[Candidate]] | None = None
         self._nodes_lock = asyncio.Lock()
         self._nodes_ahead: asyncio.Task[None] | None = None
@@ -180,7 +191,7 @@ class ClientCore:
             node=self._node,
             discard=self._pool.discard,
             run_codec=self._run_codec,
-            report_node=self._master.report_node,
+            report_node=self._report_node,
         )
         self._writes = ChunkWriter(
             ns_raw=self._ns_raw,
@@ -193,6 +204,7 @@ class ClientCore:
             ucx=self._ucx,
             node=self._node,
             run_codec=self._run_codec,
+            node_failed=self._distrust_nodes,
         )
         self._loop = asyncio.get_running_loop()
         self._closed = False
@@ -380,10 +392,11 @@ class ClientCore:
         return node
 
     async def _live_nodes(self, refresh: bool = False) -> list[NodeEntry]:
-        """The placeable nodes (a snapshot at most :data:`_NODES_TTL_S` old; ``refresh``:
-        a new one)."""
+        """The placeable nodes (a snapshot at most :data:`_NODES_TTL_S` old, or
+        :data:`_NODES_STALE_S` while trusted; ``refresh``: a new one)."""
         age = time.monotonic() - self._nodes_at
-        if not refresh and age <= _NODES_TTL_S:
+        usable = age <= _NODES_TTL_S or (age <= _NODES_STALE_S and self._nodes_trusted)
+        if not refresh and usable:
             if age > _NODES_TTL_S / 2 and self._nodes_ahead is None and not self._closed:
                 self._nodes_ahead = asyncio.create_task(self._refresh_nodes_ahead())
             return self._nodes
@@ -409,7 +422,21 @@ class ClientCore:
                 self._nodes = [known[n.node_id] for n in infos if n.placeable]
                 self._no_place = "" if self._nodes else unplaceable_reason(infos)
                 self._nodes_at = now
+                self._nodes_trusted = True
             return self._nodes
+
+    def _distrust_nodes(self) -> None:
+        """A node failed this client (or a refresh failed): the snapshot is not used past
+        its TTL (:data:`_NODES_STALE_S`)."""
+        self._nodes_trusted = False
+
+    async def _report_node(
+        self, node_id: str, epoch: int, reason: str = "", *, timeout: float | None = None
+    ) -> bool:
+        """The master client's ``report_node`` (a read of that node failed), the snapshot
+        distrusted first."""
+        self._distrust_nodes()
+        return await self._master.report_node(node_id, epoch, reason, timeout=timeout)
 
     async def _refresh_nodes_ahead(self) -> None:
         """:meth:`_live_nodes` refreshed off the calls' path; a failure is left to the call
@@ -417,6 +444,7 @@ class ClientCore:
         try:
             await self._live_nodes(refresh=True)
         except KVStoreError as exc:
+            self._distrust_nodes()
             logger.debug("node list refresh ahead of expiry failed: %s", exc)
         finally:
             self._nodes_ahead = None

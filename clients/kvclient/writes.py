@@ -31,7 +31,7 @@ import torch
 
 from kvstore.dataplane import NodeClient, PutChunk
 from kvstore.dataplane.messages import Ready
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, KVTimeout, PeerDisconnected, Unreachable
 
 from .encoding import copy_rows
 from .reads import NodeEntry, batches
@@ -41,6 +41,9 @@ __all__ = ["PUT_DEADLINE", "WAIT_SHARE", "ChunkWriter"]
 
 PUT_DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("kvclient_put_deadline")
 """The running put's deadline (loop time), set for its task by the client's tracked put."""
+
+_NODE_FAILED = (Unreachable, PeerDisconnected, KVTimeout)
+"""What a node's put raises when the node, not the request, failed."""
 
 WAIT_SHARE = 0.5
 """Share of a put's remaining time it may spend waiting on a node for another writer's
@@ -52,7 +55,8 @@ class ChunkWriter:
 
     ``node(uri)`` gives the node's data-plane client; ``run_codec(nbytes, fn, *args)`` runs
     copies (:meth:`~kvclient.KVClient._run_codec`); ``ucx`` is the client's ``ucx://``
-    path (agent and staging).
+    path (agent and staging); ``node_failed()`` is called after a put that a node did not
+    answer or hung up on.
     """
 
     def __init__(
@@ -68,6 +72,7 @@ class ChunkWriter:
         ucx: UcxPath,
         node: Callable[[str], NodeClient],
         run_codec: Callable[..., Awaitable[Any]],
+        node_failed: Callable[[], None] = lambda: None,
     ) -> None:
         self.writer = uuid.uuid4().hex
         """Who this client is to nodes' grants."""
@@ -82,6 +87,7 @@ class ChunkWriter:
         self._ucx = ucx
         self._node = node
         self._run_codec = run_codec
+        self._node_failed = node_failed
 
     async def send(
         self,
@@ -151,9 +157,11 @@ class ChunkWriter:
                 await asyncio.wait(pending, timeout=min(2.0, self._timeout_s))
         return self._stored(copies, need, errors)
 
-    @staticmethod
-    def _stored(copies: list[int], need: list[int], errors: list[KVStoreError]) -> set[int]:
-        """The indices with ``need`` copies; the first error when there is none."""
+    def _stored(self, copies: list[int], need: list[int], errors: list[KVStoreError]) -> set[int]:
+        """The indices with ``need`` copies; the first error when there is none. A node
+        that did not answer, or hung up, is said (``node_failed``)."""
+        if any(isinstance(e, _NODE_FAILED) for e in errors):
+            self._node_failed()
         stored = {i for i, c in enumerate(copies) if c >= need[i]}
         if errors and not stored:
             raise errors[0]
