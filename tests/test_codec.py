@@ -1002,6 +1002,68 @@ def test_header_checks_refuse_exactly_what_check_header_refuses() -> None:
     assert checks.check(honest, key) is None
 
 
+@pytest.mark.parametrize("built", [True, False], ids=["c", "no-extension"])
+def test_header_checks_in_one_call_leave_out_only_what_check_header_passes(
+    built: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HeaderChecks.unknown, one call into C for a batch, lists every chunk whose header is
+    not of a form this spec passed, names another key or fails its header check; the
+    chunks it leaves out all pass check_header, and honest chunks of a known form under
+    their own keys are left out. A node's ChunkChecks.headers then refuses the same
+    positions with the extension and without it (every header checked in Python)."""
+    from kvstore.core.hashing import Namespace
+    from kvstore.node.checks import ChunkChecks, LandedChunk
+
+    if not built:
+        monkeypatch.setattr(headers, "_known_headers", None)
+    elif headers._known_headers is None:
+        pytest.skip("the C extension is not built here")
+    spec = ChunkSpec(16, 2, 8, torch.float16, "int8")
+    key = ChunkKey(bytes(range(16)), 3, 1)
+    honest = encode_chunk(torch.randn(2, 16, 2, 8).half(), quant="int8", key=key)
+    size = honest.numel()
+    checks = HeaderChecks(spec)
+    if built:  # (no form passed yet: every header takes the full check)
+        assert checks.unknown([honest.data_ptr()], size, [key]) == [0]
+    checks.check(honest, key)
+    unchecked = honest.clone()
+    unchecked[61] ^= 0x10  # the header check itself, not redone
+    cases = [(_resealed(honest, at, bit), key) for at in [*range(8), *range(24, 60)]
+             for bit in (0x01, 0x80)]  # fmt: skip
+    cases += [(unchecked, key), (honest, key._replace(block_hash=bytes(16))),
+              (honest, key._replace(layer=2)), (honest, key._replace(shard=0))]  # fmt: skip
+    others = [ChunkKey(bytes([i]) * 16, i, i % 2) for i in range(4)]
+    good = [(encode_chunk(torch.randn(2, 16, 2, 8).half(), quant="int8", key=k), k) for k in others]
+    batch = [*cases, *good, (honest, key)]
+    listed = checks.unknown([b.data_ptr() for b, _ in batch], size, [k for _, k in batch])
+    refused = set()
+    for i, (buf, k) in enumerate(batch):
+        try:
+            codec.check_header(buf, k, spec)
+        except ChunkError:
+            refused.add(i)
+    if built:
+        assert listed is not None and refused <= set(listed)
+        assert set(listed).isdisjoint(range(len(cases), len(batch)))  # (the honest ones)
+        assert len(refused) >= len(cases) - 8, "nearly every changed field refuses the chunk"
+    else:
+        assert listed is None
+
+    ns = Namespace(model="m", revision="r", num_layers=4, num_kv_heads=2, head_dim=8,
+                   dtype="float16", block_tokens=16, tp_size=2)  # fmt: skip
+    arena = torch.empty(len(batch) * size, dtype=torch.uint8)  # (chunks side by side)
+    items = []
+    for i, (buf, k) in enumerate(batch):
+        arena[i * size : (i + 1) * size] = buf
+        items.append(LandedChunk(i, k.block_hash, k.layer * 2 + k.shard, arena[i * size :][:size]))
+    node = ChunkChecks(threads=1)
+    try:
+        node.header_checks(ns).check(honest, key)
+        assert set(node.headers("peer", ns, items)) == refused
+    finally:
+        node.close()
+
+
 def test_a_header_changed_while_it_is_checked_is_judged_on_what_was_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

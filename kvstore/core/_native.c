@@ -32,6 +32,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define TGT __attribute__((target("avx2,fma,f16c")))
 #define INL static inline __attribute__((always_inline)) TGT
@@ -963,6 +964,86 @@ static PyObject *py_supported(PyObject *self, PyObject *noargs) {
     return PyBool_FromLong(ok);
 }
 
+/* known_headers(addrs, keys, forms, xxh3): of the chunks whose 64-byte headers start at
+ * addrs[i] (host memory, each at least 64 bytes), the indices i whose header is not of one of
+ * the known forms, or names another key than keys[i] = (block_hash: 16 bytes, layer, shard),
+ * or fails its header check (the low 32 bits of xxh3(bytes 0..59), computed by the Python
+ * callable xxh3): those take the full check (kvstore/core/headers.py). A form is 36 bytes,
+ * bytes 0..7 and 32..59 of a header that passed it; forms is their concatenation. Each
+ * header is copied once before it is read, so the verdict is on one version of its bytes
+ * even while a peer may still WRITE into the chunk. */
+#define FORM_NBYTES 36
+static PyObject *py_known_headers(PyObject *self, PyObject *args) {
+    PyObject *addrs, *keys, *xxh3;
+    Py_buffer forms;
+    if (!PyArg_ParseTuple(args, "O!O!y*O", &PyList_Type, &addrs, &PyList_Type, &keys, &forms, &xxh3))
+        return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(addrs), nforms = forms.len / FORM_NBYTES;
+    if (PyList_GET_SIZE(keys) != n || forms.len % FORM_NBYTES) {
+        PyErr_SetString(PyExc_ValueError, "one key per address, and whole 36-byte forms");
+        goto done;
+    }
+    out = PyList_New(0);
+    if (!out) goto done;
+    const uint8_t *known = (const uint8_t *)forms.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long addr = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(addrs, i));
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        if (PyErr_Occurred()) goto fail;
+        if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 3 ||
+            !PyBytes_Check(PyTuple_GET_ITEM(key, 0)) ||
+            PyBytes_GET_SIZE(PyTuple_GET_ITEM(key, 0)) != 16) {
+            PyErr_SetString(PyExc_TypeError, "a key is (16-byte block hash, layer, shard)");
+            goto fail;
+        }
+        uint8_t head[64];
+        memcpy(head, (const void *)(uintptr_t)addr, sizeof head);
+        int ok = 0;
+        for (Py_ssize_t f = 0; f < nforms && !ok; f++) {
+            const uint8_t *form = known + f * FORM_NBYTES;
+            ok = !memcmp(head, form, 8) && !memcmp(head + 32, form + 8, 28);
+        }
+        if (ok) {
+            uint32_t layer, shard;
+            memcpy(&layer, head + 24, 4);
+            memcpy(&shard, head + 28, 4);
+            unsigned long long want_layer = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(key, 1));
+            unsigned long long want_shard = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(key, 2));
+            if (PyErr_Occurred()) goto fail;
+            ok = !memcmp(head + 8, PyBytes_AS_STRING(PyTuple_GET_ITEM(key, 0)), 16) &&
+                 layer == want_layer && shard == want_shard;
+        }
+        if (ok) {
+            PyObject *checked = PyBytes_FromStringAndSize((const char *)head, 60);
+            if (!checked) goto fail;
+            PyObject *digest = PyObject_CallOneArg(xxh3, checked);
+            Py_DECREF(checked);
+            if (!digest) goto fail;
+            unsigned long long sum = PyLong_AsUnsignedLongLongMask(digest);
+            Py_DECREF(digest);
+            if (PyErr_Occurred()) goto fail;
+            uint32_t check;
+            memcpy(&check, head + 60, 4);
+            ok = check == (uint32_t)sum;
+        }
+        if (!ok) {
+            PyObject *index = PyLong_FromSsize_t(i);
+            if (!index || PyList_Append(out, index) < 0) {
+                Py_XDECREF(index);
+                goto fail;
+            }
+            Py_DECREF(index);
+        }
+    }
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    PyBuffer_Release(&forms);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS,
      "encode(mode, dtype, N, T, H, D, x, xsN, xsT, xsH, q, qsN, qsT, qsH, s0, s0N, s0T, s0H, s0D, "
@@ -971,6 +1052,9 @@ static PyMethodDef methods[] = {
      "decode(mode, dtype, N, T, H, D, q, qsN, qsT, qsH, out, osN, osT, osH, s0, ..., s1, ...): "
      "dequantize one half of N blocks into out"},
     {"supported", py_supported, METH_NOARGS, "whether this CPU has AVX2, FMA and F16C"},
+    {"known_headers", py_known_headers, METH_VARARGS,
+     "known_headers(addrs, keys, forms, xxh3): indices of the chunk headers at addrs that are "
+     "not of a known form, name another key or fail their header check"},
     {"set_isa", py_set_isa, METH_VARARGS,
      "set_isa(n): encode and decode with AVX2 (0) or AVX-512 (1, where the CPU has it; -1: the "
      "best); "

@@ -89,11 +89,19 @@ class ChunkChecks:
         return self._each(peer, ns, part, _verify)
 
     def headers(self, peer: str, ns: Namespace, items: list[LandedChunk]) -> list[int]:
-        """Check the header, key and spec of each chunk (64 bytes each: what a ``ucx://``
-        put's ack waits for; the checksum is the scrub's); the positions that failed.
-        Headers of a form this namespace passed before are only compared
-        (:class:`~kvstore.core.headers.HeaderChecks`)."""
-        check = self.header_checks(ns).check
+        """Check the header, key and spec of each chunk, in host memory (64 bytes each:
+        what a ``ucx://`` put's ack waits for; the checksum is the scrub's); the positions
+        that failed. Headers of a form this namespace passed before are only compared, all
+        in one call (:meth:`~kvstore.core.headers.HeaderChecks.unknown`); the rest are
+        checked in full."""
+        checks = self.header_checks(ns)
+        if items and len(sizes := {it.view.numel() for it in items}) == 1:
+            keys = [ChunkKey(it.block, *divmod(it.chunk, ns.tp_size)) for it in items]
+            addrs = [it.view.data_ptr() for it in items]
+            todo = checks.unknown(addrs, sizes.pop(), keys)
+            if todo is not None:
+                items = [items[k] for k in todo]
+        check = checks.check
         return self._each(peer, ns, items, lambda view, key, _: check(view, key))
 
     def header_checks(self, ns: Namespace) -> HeaderChecks:
