@@ -1064,6 +1064,59 @@ def test_header_checks_in_one_call_leave_out_only_what_check_header_passes(
         node.close()
 
 
+@pytest.mark.parametrize("built", [True, False], ids=["c", "no-extension"])
+def test_whole_chunks_in_one_call_leave_out_only_what_verify_passes(
+    built: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HeaderChecks.unverified, for whole chunks, also compares each chunk's xxh3_64
+    checksum: a flipped payload bit, a flipped stored checksum, another key or a chunk of
+    a form not passed with xxh3 is listed, honest chunks are left out, and every chunk
+    left out passes verify_chunk. A node's ChunkChecks.check (the scrub's) refuses the
+    same chunks with the extension and without it."""
+    from kvstore.core.hashing import Namespace
+    from kvstore.node.checks import ChunkChecks, LandedChunk
+
+    if not built:
+        monkeypatch.setattr(headers, "_known_headers", None)
+    elif headers._known_headers is None:
+        pytest.skip("the C extension is not built here")
+    spec = ChunkSpec(16, 2, 8, torch.float16, "int8")
+    keys = [ChunkKey(bytes([i]) * 16, i % 4, i % 2) for i in range(8)]
+    kv = torch.randn(2, 16, 2, 8).half()
+    chunks = [encode_chunk(kv * (i + 1), quant="int8", key=k) for i, k in enumerate(keys)]
+    size = chunks[0].numel()
+    checks = HeaderChecks(spec)
+    checks.verify_host(chunks[0].numpy(), keys[0])  # (the form passes with xxh3)
+    chunks[1][-100] ^= 0x04  # payload
+    chunks[2][-1] ^= 0x01  # the stored checksum
+    chunks[3] = encode_chunk(kv, quant="int8", key=keys[3], checksum="mulsum64")
+    batch = [(c, k) for c, k in zip(chunks, keys, strict=True)]
+    batch[4] = (chunks[4], keys[5])  # another key
+    refused = set()
+    for i, (buf, k) in enumerate(batch):
+        try:
+            verify_chunk(buf, k, spec)
+        except ChunkError:
+            refused.add(i)
+    assert refused == {1, 2, 4}
+    listed = checks.unverified([c.data_ptr() for c, _ in batch], size, [k for _, k in batch])
+    if built:
+        assert listed is not None and set(listed) == {1, 2, 3, 4}  # (3: a mulsum64 form)
+    else:
+        assert listed is None
+
+    ns = Namespace(model="m", revision="r", num_layers=4, num_kv_heads=2, head_dim=8,
+                   dtype="float16", block_tokens=16, tp_size=2)  # fmt: skip
+    node = ChunkChecks(threads=1)
+    try:
+        items = [LandedChunk(i, k.block_hash, k.layer * 2 + k.shard, buf)
+                 for i, (buf, k) in enumerate(batch)]  # fmt: skip
+        for _ in range(2):  # (forms unknown, then known)
+            assert set(node.check("peer", ns, items)) == refused
+    finally:
+        node.close()
+
+
 def test_a_header_changed_while_it_is_checked_is_judged_on_what_was_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1,8 +1,8 @@
 """The node's master link on its own (``kvstore.node.master_link``), against a real master
 over loopback gRPC: registration re-reports every landed slot; heartbeats carry the
-master's draining mark back to the node (set and cleared); a heartbeat whose master is
-down moves on to the next address; a commit answered "stale epoch" asks for a new
-registration; evictions whose commit failed go with the next one."""
+master's draining mark back to the node (set and cleared), the first as heartbeats start;
+a heartbeat whose master is down moves on to the next address; a commit answered "stale
+epoch" asks for a new registration; evictions whose commit failed go with the next one."""
 
 from __future__ import annotations
 
@@ -71,6 +71,25 @@ async def test_heartbeats_carry_the_draining_mark(master: MasterServer) -> None:
     finally:
         await admin.close()
         await link.close()
+
+
+async def test_the_first_heartbeat_goes_as_heartbeats_start() -> None:
+    """A node registers, then starts heartbeats: the first goes at once, not a period
+    later, so a node kept busy by its start (a slow first channel on top of a period) is
+    not suspect for it. Here a period is 10 s (a 30 s lease) and the answer comes within
+    3."""
+    srv = MasterServer(MasterConfig(grpc_port=0, node_lease_s=30.0))
+    await srv.start()
+    link = _link(srv.address)
+    marks: list[bool] = []
+    link.on_draining = marks.append
+    try:
+        await link.register(ME)
+        link.start_heartbeats(ME.node_id, asyncio.get_running_loop())
+        await _until(lambda: marks, "the first heartbeat's answer", timeout=3.0)
+    finally:
+        await link.close()
+        await srv.stop(grace=0.5)
 
 
 async def test_a_heartbeat_moves_on_from_a_dead_master(master: MasterServer) -> None:

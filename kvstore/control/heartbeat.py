@@ -72,7 +72,10 @@ class Heartbeats:
         ]
         current = 0
         try:
-            while not self._stop.wait(self._period_s()):
+            # The first beat goes at once: it opens the channel while the registration is
+            # fresh, so a node whose start keeps it busy is not suspect for a late first
+            # beat (its channel's set-up came on top of a period: docs/decisions.md).
+            while not self._stop.is_set():
                 for _ in channels:  # bounded: each master once per beat
                     request = self._beat()
                     request.session = self._master.session
@@ -89,6 +92,7 @@ class Heartbeats:
                         continue
                     self._answered(reply)
                     break
+                self._stop.wait(self._period_s())
         finally:
             for channel in channels:
                 channel.close()

@@ -964,19 +964,36 @@ static PyObject *py_supported(PyObject *self, PyObject *noargs) {
     return PyBool_FromLong(ok);
 }
 
-/* known_headers(addrs, keys, forms, xxh3): of the chunks whose 64-byte headers start at
- * addrs[i] (host memory, each at least 64 bytes), the indices i whose header is not of one of
- * the known forms, or names another key than keys[i] = (block_hash: 16 bytes, layer, shard),
- * or fails its header check (the low 32 bits of xxh3(bytes 0..59), computed by the Python
- * callable xxh3): those take the full check (kvstore/core/headers.py). A form is 36 bytes,
- * bytes 0..7 and 32..59 of a header that passed it; forms is their concatenation. Each
- * header is copied once before it is read, so the verdict is on one version of its bytes
- * even while a peer may still WRITE into the chunk. */
+/* known_headers(addrs, keys, forms, xxh3, covered=0): of the chunks whose 64-byte headers
+ * start at addrs[i] (host memory, each at least 64 bytes), the indices i whose header is not
+ * of one of the known forms, or names another key than keys[i] = (block_hash: 16 bytes,
+ * layer, shard), or fails its header check (the low 32 bits of xxh3(bytes 0..59), computed
+ * by the Python callable xxh3): those take the full check (kvstore/core/headers.py). A form
+ * is 36 bytes, bytes 0..7 and 32..59 of a header that passed it; forms is their
+ * concatenation. Each header is copied once before it is read, so the verdict is on one
+ * version of its bytes even while a peer may still WRITE into the chunk. covered > 0: the
+ * forms are of chunks checksummed with xxh3_64 over their first covered bytes, stored as a
+ * little-endian u64 right after them, and a chunk whose checksum does not match is listed
+ * too (the whole chunk is read: for a chunk no peer can write any more). */
 #define FORM_NBYTES 36
+
+/* *out = xxh3(arg) for the Python callable xxh3; takes arg's reference (NULL: the error that
+ * made it). 0, or -1 with a Python error set. */
+static int digest_of(PyObject *xxh3, PyObject *arg, unsigned long long *out) {
+    if (!arg) return -1;
+    PyObject *digest = PyObject_CallOneArg(xxh3, arg);
+    Py_DECREF(arg);
+    if (!digest) return -1;
+    *out = PyLong_AsUnsignedLongLongMask(digest);
+    Py_DECREF(digest);
+    return PyErr_Occurred() ? -1 : 0;
+}
 static PyObject *py_known_headers(PyObject *self, PyObject *args) {
     PyObject *addrs, *keys, *xxh3;
     Py_buffer forms;
-    if (!PyArg_ParseTuple(args, "O!O!y*O", &PyList_Type, &addrs, &PyList_Type, &keys, &forms, &xxh3))
+    Py_ssize_t covered = 0;
+    if (!PyArg_ParseTuple(args, "O!O!y*O|n", &PyList_Type, &addrs, &PyList_Type, &keys, &forms,
+                          &xxh3, &covered))
         return NULL;
     PyObject *out = NULL;
     Py_ssize_t n = PyList_GET_SIZE(addrs), nforms = forms.len / FORM_NBYTES;
@@ -1015,17 +1032,21 @@ static PyObject *py_known_headers(PyObject *self, PyObject *args) {
                  layer == want_layer && shard == want_shard;
         }
         if (ok) {
-            PyObject *checked = PyBytes_FromStringAndSize((const char *)head, 60);
-            if (!checked) goto fail;
-            PyObject *digest = PyObject_CallOneArg(xxh3, checked);
-            Py_DECREF(checked);
-            if (!digest) goto fail;
-            unsigned long long sum = PyLong_AsUnsignedLongLongMask(digest);
-            Py_DECREF(digest);
-            if (PyErr_Occurred()) goto fail;
+            unsigned long long sum;
+            if (digest_of(xxh3, PyBytes_FromStringAndSize((const char *)head, 60), &sum) < 0)
+                goto fail;
             uint32_t check;
             memcpy(&check, head + 60, 4);
             ok = check == (uint32_t)sum;
+        }
+        if (ok && covered > 0) {
+            char *base = (char *)(uintptr_t)addr;
+            unsigned long long sum;
+            if (digest_of(xxh3, PyMemoryView_FromMemory(base, covered, PyBUF_READ), &sum) < 0)
+                goto fail;
+            uint64_t stored;
+            memcpy(&stored, base + covered, 8);
+            ok = stored == sum;
         }
         if (!ok) {
             PyObject *index = PyLong_FromSsize_t(i);
@@ -1053,8 +1074,9 @@ static PyMethodDef methods[] = {
      "dequantize one half of N blocks into out"},
     {"supported", py_supported, METH_NOARGS, "whether this CPU has AVX2, FMA and F16C"},
     {"known_headers", py_known_headers, METH_VARARGS,
-     "known_headers(addrs, keys, forms, xxh3): indices of the chunk headers at addrs that are "
-     "not of a known form, name another key or fail their header check"},
+     "known_headers(addrs, keys, forms, xxh3, covered=0): indices of the chunk headers at addrs "
+     "that are not of a known form, name another key or fail their header check (covered > 0: "
+     "or their xxh3_64 checksum of that many bytes)"},
     {"set_isa", py_set_isa, METH_VARARGS,
      "set_isa(n): encode and decode with AVX2 (0) or AVX-512 (1, where the CPU has it; -1: the "
      "best); "

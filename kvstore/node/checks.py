@@ -85,8 +85,20 @@ class ChunkChecks:
     def check(self, peer: str, ns: Namespace, part: list[LandedChunk]) -> list[int]:
         """Verify header, key, spec and checksum of landed chunks; the positions that
         failed. Runs on the loop or a verifier thread (reads every byte once); a host
-        chunk is checked as numpy bytes (no tensors built)."""
-        return self._each(peer, ns, part, _verify)
+        chunk is checked as numpy bytes (no tensors built). Host chunks of one size are
+        checked in one call (:meth:`~kvstore.core.headers.HeaderChecks.unverified`),
+        those it cannot pass in full."""
+        views = [it.view for it in part]
+        if not views or not all(v.is_cpu and v.is_contiguous() for v in views):
+            return self._each(peer, ns, part, _verify)
+        checks = self.header_checks(ns)
+        if len(sizes := {v.numel() for v in views}) == 1:
+            keys = [ChunkKey(it.block, *divmod(it.chunk, ns.tp_size)) for it in part]
+            listed = checks.unverified([v.data_ptr() for v in views], sizes.pop(), keys)
+            if listed is not None:
+                part = [part[k] for k in listed]
+        verify = checks.verify_host
+        return self._each(peer, ns, part, lambda view, key, _: verify(_bytes(view), key))
 
     def headers(self, peer: str, ns: Namespace, items: list[LandedChunk]) -> list[int]:
         """Check the header, key and spec of each chunk, in host memory (64 bytes each:
@@ -221,23 +233,28 @@ class ChunkChecks:
         """:meth:`receive` for chunks of at most :data:`SMALL_CHUNK_BYTES` in host memory:
         the whole payload lands in one host buffer with one receive (discarded chunks
         too: a receive per chunk cost more), each chunk is checked there as numpy bytes
-        (:meth:`HeaderChecks.verify_host`, no tensors built per chunk) and copied into its
-        slot if it passes (one more copy of a small chunk, cheaper than the per-chunk
+        (:meth:`HeaderChecks.verify_host`, no tensors built per chunk; those of a form it
+        passed in one call, :meth:`HeaderChecks.unverified`) and copied into its slot if it
+        passes (one more copy of a small chunk, cheaper than the per-chunk
         tensor work it saves)."""
         scratch = np.empty(len(targets) * chunk_bytes, dtype=np.uint8)
         await conn.recv_payload_whole(scratch, timeout)
         checks = self.header_checks(ns)
+        live = [(k, t) for k, t in enumerate(targets) if t is not None]
+        keys = [ChunkKey(t.block, *divmod(t.chunk, ns.tp_size)) for _, t in live]
+        base = scratch.ctypes.data  # (chunks of a known form are checked in one call)
+        listed = checks.unverified([base + k * chunk_bytes for k, _ in live], chunk_bytes, keys)
+        full = range(len(live)) if listed is None else set(listed)
         failed: list[int] = []
-        for k, t in enumerate(targets):
-            if t is None:
-                continue
+        for j, (k, t) in enumerate(live):
             buf = scratch[k * chunk_bytes : (k + 1) * chunk_bytes]
-            try:
-                checks.verify_host(buf, ChunkKey(t.block, *divmod(t.chunk, ns.tp_size)))
-            except ChunkError as exc:
-                logger.warning("rejected chunk from %s: %s", conn.peer, exc)
-                failed.append(t.position)
-                continue
+            if j in full:
+                try:
+                    checks.verify_host(buf, keys[j])
+                except ChunkError as exc:
+                    logger.warning("rejected chunk from %s: %s", conn.peer, exc)
+                    failed.append(t.position)
+                    continue
             t.view.numpy()[:] = buf
         return failed
 
@@ -263,6 +280,11 @@ def _verify(view: torch.Tensor, key: ChunkKey, spec: ChunkSpec) -> object:
     if view.device.type == "cpu" and view.is_contiguous():
         return verify_host_bytes(view.numpy(), key, spec)
     return verify_chunk(view, key, spec)
+
+
+def _bytes(view: torch.Tensor) -> np.ndarray:
+    """A contiguous host chunk as 1-D ``uint8`` numpy bytes (no copy)."""
+    return view.view(torch.uint8).reshape(-1).numpy()
 
 
 def _host_buffer(view: torch.Tensor) -> torch.Tensor:

@@ -162,7 +162,10 @@ class Scrub:
             self.cpu_s += time.thread_time() - start
 
     def _check_slice(self) -> None:
+        """Check the next :data:`SLICE_BYTES` of queued chunks, those of one namespace in
+        one call (:meth:`~kvstore.node.checks.ChunkChecks.check`)."""
         done = 0
+        by_ns: dict[bytes, list[_Pending]] = {}
         while self._queue and done < SLICE_BYTES:
             item = self._queue.popleft()
             self._slots[item.slot] -= 1
@@ -178,7 +181,11 @@ class Scrub:
                 continue
             if not slot.landed_mask >> index & 1:
                 continue
-            self.scrubbed += 1
-            if self._checks.check("scrub", item.ns, [item.chunk]):
+            by_ns.setdefault(item.ns.id, []).append(item)
+        for items in by_ns.values():
+            self.scrubbed += len(items)
+            # (positions renumbered: chunks of several puts may share one)
+            chunks = [p.chunk._replace(position=k) for k, p in enumerate(items)]
+            for k in self._checks.check("scrub", items[0].ns, chunks):
                 self.dropped += 1
-                self._on_bad(slot, index)
+                self._on_bad(items[k].slot, items[k].chunk.chunk)
