@@ -1002,6 +1002,20 @@ def test_header_checks_refuse_exactly_what_check_header_refuses() -> None:
     assert checks.check(honest, key) is None
 
 
+def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the calls into C's ``known_headers`` from here on (each still made)."""
+    calls: list[int] = []
+    real = headers._known_headers
+    assert real is not None
+
+    def counted(*args: Any) -> Any:
+        calls.append(len(args[0]))
+        return real(*args)
+
+    monkeypatch.setattr(headers, "_known_headers", counted)
+    return calls
+
+
 @pytest.mark.parametrize("built", [True, False], ids=["c", "no-extension"])
 def test_header_checks_in_one_call_leave_out_only_what_check_header_passes(
     built: bool, monkeypatch: pytest.MonkeyPatch
@@ -1056,10 +1070,12 @@ def test_header_checks_in_one_call_leave_out_only_what_check_header_passes(
     for i, (buf, k) in enumerate(batch):
         arena[i * size : (i + 1) * size] = buf
         items.append(LandedChunk(i, k.block_hash, k.layer * 2 + k.shard, arena[i * size :][:size]))
+    calls = _count_calls(monkeypatch) if built else []
     node = ChunkChecks(threads=1)
     try:
         node.header_checks(ns).check(honest, key)
         assert set(node.headers("peer", ns, items)) == refused
+        assert len(calls) == (1 if built else 0)  # (the batch in one call into C)
     finally:
         node.close()
 
@@ -1107,12 +1123,14 @@ def test_whole_chunks_in_one_call_leave_out_only_what_verify_passes(
 
     ns = Namespace(model="m", revision="r", num_layers=4, num_kv_heads=2, head_dim=8,
                    dtype="float16", block_tokens=16, tp_size=2)  # fmt: skip
+    calls = _count_calls(monkeypatch) if built else []
     node = ChunkChecks(threads=1)
     try:
         items = [LandedChunk(i, k.block_hash, k.layer * 2 + k.shard, buf)
                  for i, (buf, k) in enumerate(batch)]  # fmt: skip
         for _ in range(2):  # (forms unknown, then known)
             assert set(node.check("peer", ns, items)) == refused
+        assert len(calls) == (2 if built else 0)  # (one call into C a batch)
     finally:
         node.close()
 

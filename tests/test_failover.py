@@ -204,12 +204,12 @@ async def test_a_node_list_past_half_its_life_is_refreshed_behind_the_calls(
 
 
 @pytest.mark.parametrize("transport", ["tcp"])  # (the node list is the same for either)
-async def test_a_node_list_past_its_life_serves_one_call_while_trusted(
+async def test_a_node_list_past_its_life_serves_calls_while_trusted(
     cluster: tuple[Server, list[Server]],
 ) -> None:
     """The first put after a quiet spell (an engine's requests seconds apart) finds the
-    snapshot past its life. While it is trusted and younger than ``_NODES_STALE_S``, the
-    call goes on with it and the refresh runs behind (the master is frozen meanwhile: the
+    snapshot past its life. While it is trusted and younger than ``_NODES_STALE_S``, calls
+    go on with it while a refresh runs behind them (the master is frozen meanwhile: the
     call still answers at once). Once a node fails one of this client's puts, a snapshot
     past its life is not used again: the next call waits for the master's new list."""
     from kvclient.client import _NODES_STALE_S, _NODES_TTL_S

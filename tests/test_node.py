@@ -416,6 +416,44 @@ async def test_the_scrub_gives_way_to_exchanges_but_not_past_its_age_bound(
         checks_.close()
 
 
+async def test_the_scrub_checks_chunks_of_several_puts_together_and_drops_the_bad_ones() -> None:
+    """The scrub checks what several puts queued in one call per namespace; each put's
+    chunks count their positions from 0, so a bad chunk must be dropped by its own slot and
+    index: here the second chunk of one put and the first of the other."""
+    tiers = Tiers(8 * 2**20)
+    keys = blocks(4)
+    slots = [tiers.host.table.allocate((NS.id, k), 2 * CHUNK_BYTES, CHUNK_BYTES, 2, None).slot
+             for k in keys]  # fmt: skip
+    checks_ = checks.ChunkChecks(threads=1)
+    dropped: list[tuple[bytes, int]] = []
+    s = scrub.Scrub(checks_, tiers, lambda slot, i: dropped.append((slot.key[1], i)))
+    batches = []
+    for put, layer in ((keys[:2], 0), (keys[2:], 1)):
+        batch, items = scrub.ScrubBatch(), []
+        for position, (k, row) in enumerate(zip(put, chunks(put, layer), strict=True)):
+            slot = slots[keys.index(k)]
+            view = tiers.host.table.chunk_view(slot, layer)
+            view.copy_(row)
+            tiers.host.table.mark_landed(slot, layer)
+            items.append((slot, checks.LandedChunk(position, k, layer, view)))
+        assert s.reserve(batch, [c for _, c in items])
+        batch.chunks = items
+        batches.append(batch)
+    tiers.host.table.chunk_view(slots[1], 0)[-100] ^= 0x04  # (payloads: only the checksum
+    tiers.host.table.chunk_view(slots[2], 1)[-100] ^= 0x04  # can tell)
+    runner = asyncio.ensure_future(s.run())
+    try:
+        for batch in batches:  # (both queued before the scrub's task runs)
+            s.add(NS, batch)
+        await asyncio.wait_for(s.idle(), 5)
+        assert (s.scrubbed, s.dropped) == (4, 2)
+        assert sorted(dropped) == sorted([(keys[1], 0), (keys[2], 1)])
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        checks_.close()
+
+
 _HOST_MAPPING = [("tcp", True, "mapped"), ("tcp", False, "off"),
                  pytest.param("ucx", True, "mapped", marks=TRANSPORTS[1].marks),
                  pytest.param("ucx", False, "off", marks=TRANSPORTS[1].marks)]  # fmt: skip

@@ -85,13 +85,14 @@ steady traffic never waits for the master's ``Nodes`` RPC; past all of it, a cal
 a new one, unless :data:`_NODES_STALE_S` lets it go on."""
 
 _NODES_STALE_S = 5.0
-"""How old a snapshot may be and still be used by the call that finds it past
-:data:`_NODES_TTL_S`, while a new one is fetched behind it: the first put after a quiet
-spell (an engine whose requests come seconds apart) does not wait for the master. Only
-while the snapshot is trusted: a refresh that failed, or a node that failed this client's
-put or read since the last refresh, makes the next call past the TTL wait for a new one.
-Half the default node lease (10 s), which is how long the master itself takes to suspect
-a silent node (docs/decisions.md)."""
+"""How old a snapshot may be and still be used past :data:`_NODES_TTL_S`: the call that
+finds it so starts a refresh, and calls go on with it until the refresh lands (one
+``Nodes`` RPC, a few ms), so the first put after a quiet spell (an engine whose requests
+come seconds apart) does not wait for the master. Only while the snapshot is trusted: a
+refresh that failed, or a node that failed (or did not answer) this client's put or read
+since the snapshot was fetched, makes the next call past the TTL wait for a new one. Half
+the default node lease (10 s), which is how long the master itself takes to suspect a
+silent node (docs/decisions.md)."""
 
 _HOLD_TRUST = 0.8
 """Share of a hold's ``hold_s`` a client counts on (the node's clock starts later)."""
@@ -174,6 +175,8 @@ class ClientCore:
         self._nodes_at = -1e9
         self._nodes_trusted = False
         """Whether the snapshot may be used past its TTL (:data:`_NODES_STALE_S`)."""
+        self._distrusts = 0
+        """Failures seen so far (:meth:`_distrust_nodes`)."""
         self._placing: tuple[list[NodeEntry], dict[str, NodeEntry], list[Candidate]] | None = None
         self._nodes_lock = asyncio.Lock()
         self._nodes_ahead: asyncio.Task[None] | None = None
@@ -191,7 +194,8 @@ class ClientCore:
             node=self._node,
             discard=self._pool.discard,
             run_codec=self._run_codec,
-            report_node=self._report_node,
+            report_node=self._master.report_node,
+            node_failed=self._distrust_nodes,
         )
         self._writes = ChunkWriter(
             ns_raw=self._ns_raw,
@@ -403,6 +407,7 @@ class ClientCore:
         async with self._nodes_lock:
             now = time.monotonic()
             if refresh or now - self._nodes_at > _NODES_TTL_S:
+                distrusts = self._distrusts
                 infos = await self._master.nodes()
                 known = {
                     n.node_id: NodeEntry(
@@ -422,28 +427,22 @@ class ClientCore:
                 self._nodes = [known[n.node_id] for n in infos if n.placeable]
                 self._no_place = "" if self._nodes else unplaceable_reason(infos)
                 self._nodes_at = now
-                self._nodes_trusted = True
+                # (a failure while the master answered: that answer may predate it)
+                self._nodes_trusted = distrusts == self._distrusts
             return self._nodes
 
     def _distrust_nodes(self) -> None:
         """A node failed this client (or a refresh failed): the snapshot is not used past
-        its TTL (:data:`_NODES_STALE_S`)."""
+        its TTL (:data:`_NODES_STALE_S`), nor is one fetched before now."""
         self._nodes_trusted = False
-
-    async def _report_node(
-        self, node_id: str, epoch: int, reason: str = "", *, timeout: float | None = None
-    ) -> bool:
-        """The master client's ``report_node`` (a read of that node failed), the snapshot
-        distrusted first."""
-        self._distrust_nodes()
-        return await self._master.report_node(node_id, epoch, reason, timeout=timeout)
+        self._distrusts += 1
 
     async def _refresh_nodes_ahead(self) -> None:
         """:meth:`_live_nodes` refreshed off the calls' path; a failure is left to the call
         that then finds the snapshot expired (it asks the master itself)."""
         try:
             await self._live_nodes(refresh=True)
-        except KVStoreError as exc:
+        except Exception as exc:  # (a background task: every failure is the next call's)
             self._distrust_nodes()
             logger.debug("node list refresh ahead of expiry failed: %s", exc)
         finally:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from kvstore.dataplane.messages import MAX_KEY_LEN
-from kvstore.errors import CapacityError, InvalidArgument, TransportError
+from kvstore.errors import CapacityError, InvalidArgument, KVTimeout, TransportError
 
 from . import args
 
@@ -58,7 +58,11 @@ class ObjectOps(_Base):
             for node in self._place(hkey, nodes):
                 await self._node(node.data_uri).put_object(key, view)
 
-        await self._deadline(run(), timeout, "put_object")
+        try:
+            await self._deadline(run(), timeout, "put_object")
+        except (TransportError, KVTimeout):  # (the node, or the link to it, failed)
+            self._distrust_nodes()
+            raise
 
     async def get_object(self, key: str, *, timeout: float | None = None) -> bytes | None:
         """The value stored under ``key``, or ``None`` when it is not in the pool."""

@@ -131,7 +131,8 @@ class ChunkReader:
     decoding (:meth:`~kvclient.KVClient._run_codec`); ``node_timeout_s`` bounds each read of
     one node; ``report_node(node_id, epoch, why, timeout=)`` (the master client's) is told
     of a node whose read failed, once per :data:`FAILED_FOR_S`, in the background: the
-    master marks it suspect at once, so other clients read its blocks elsewhere first.
+    master marks it suspect at once, so other clients read its blocks elsewhere first;
+    ``node_failed()`` is called at each failed read.
     """
 
     def __init__(
@@ -147,6 +148,7 @@ class ChunkReader:
         discard: Callable[[str], Awaitable[None]],
         run_codec: Callable[..., Awaitable[Any]],
         report_node: Callable[..., Awaitable[bool]] | None = None,
+        node_failed: Callable[[], None] = lambda: None,
     ) -> None:
         self.stats = ReadStats()
         self._ns_id = ns_id
@@ -161,6 +163,7 @@ class ChunkReader:
         self._discard = discard
         self._run_codec = run_codec
         self._report_node = report_node
+        self._node_failed = node_failed
         self._reports: set[asyncio.Task[None]] = set()
 
     async def read(
@@ -184,6 +187,7 @@ class ChunkReader:
         except (TransportError, TimeoutError) as exc:
             logger.warning("get from %s failed: %s", uri, str(exc) or type(exc).__name__)
             self.stats.failed_reads += 1
+            self._node_failed()
             if len(self._failed) >= _MAX_FAILED:
                 self._failed.clear()
             if node is not None and self._failed.get(uri, 0.0) <= time.monotonic():

@@ -31,7 +31,7 @@ import torch
 
 from kvstore.dataplane import NodeClient, PutChunk
 from kvstore.dataplane.messages import Ready
-from kvstore.errors import KVStoreError, KVTimeout, PeerDisconnected, Unreachable
+from kvstore.errors import KVStoreError, KVTimeout, TransportError
 
 from .encoding import copy_rows
 from .reads import NodeEntry, batches
@@ -42,8 +42,8 @@ __all__ = ["PUT_DEADLINE", "WAIT_SHARE", "ChunkWriter"]
 PUT_DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("kvclient_put_deadline")
 """The running put's deadline (loop time), set for its task by the client's tracked put."""
 
-_NODE_FAILED = (Unreachable, PeerDisconnected, KVTimeout)
-"""What a node's put raises when the node, not the request, failed."""
+_NODE_FAILED = (TransportError, KVTimeout)
+"""What a node's put raises when the node or the link to it, not the request, failed."""
 
 WAIT_SHARE = 0.5
 """Share of a put's remaining time it may spend waiting on a node for another writer's
@@ -55,8 +55,8 @@ class ChunkWriter:
 
     ``node(uri)`` gives the node's data-plane client; ``run_codec(nbytes, fn, *args)`` runs
     copies (:meth:`~kvclient.KVClient._run_codec`); ``ucx`` is the client's ``ucx://``
-    path (agent and staging); ``node_failed()`` is called after a put that a node did not
-    answer or hung up on.
+    path (agent and staging); ``node_failed()`` is called when a node or the link to it
+    failed a put, or did not answer it in time.
     """
 
     def __init__(
@@ -150,6 +150,8 @@ class ChunkWriter:
                 if grace_until is None and all(c >= n for c, n in zip(copies, need, strict=True)):
                     grace_until = time.monotonic() + self._node_timeout_s
         finally:
+            if pending:  # (a node that did not answer within the grace, or the deadline)
+                self._node_failed()
             for task in pending:
                 task.cancel()
                 task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -159,7 +161,7 @@ class ChunkWriter:
 
     def _stored(self, copies: list[int], need: list[int], errors: list[KVStoreError]) -> set[int]:
         """The indices with ``need`` copies; the first error when there is none. A node
-        that did not answer, or hung up, is said (``node_failed``)."""
+        or link that failed is said (``node_failed``)."""
         if any(isinstance(e, _NODE_FAILED) for e in errors):
             self._node_failed()
         stored = {i for i, c in enumerate(copies) if c >= need[i]}

@@ -974,7 +974,9 @@ static PyObject *py_supported(PyObject *self, PyObject *noargs) {
  * version of its bytes even while a peer may still WRITE into the chunk. covered > 0: the
  * forms are of chunks checksummed with xxh3_64 over their first covered bytes, stored as a
  * little-endian u64 right after them, and a chunk whose checksum does not match is listed
- * too (the whole chunk is read: for a chunk no peer can write any more). */
+ * too. That reads the whole chunk, after its header was copied: a peer that still writes
+ * into it can make the two disagree, as it can for Python's check, which also reads the
+ * header first. The caller vouches for every address (kvstore/core/headers.py). */
 #define FORM_NBYTES 36
 
 /* *out = xxh3(arg) for the Python callable xxh3; takes arg's reference (NULL: the error that
@@ -995,7 +997,7 @@ static PyObject *py_known_headers(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!O!y*O|n", &PyList_Type, &addrs, &PyList_Type, &keys, &forms,
                           &xxh3, &covered))
         return NULL;
-    PyObject *out = NULL;
+    PyObject *out = NULL, *key = NULL;
     Py_ssize_t n = PyList_GET_SIZE(addrs), nforms = forms.len / FORM_NBYTES;
     if (PyList_GET_SIZE(keys) != n || forms.len % FORM_NBYTES) {
         PyErr_SetString(PyExc_ValueError, "one key per address, and whole 36-byte forms");
@@ -1004,10 +1006,16 @@ static PyObject *py_known_headers(PyObject *self, PyObject *args) {
     out = PyList_New(0);
     if (!out) goto done;
     const uint8_t *known = (const uint8_t *)forms.buf;
+    /* (the lists are read again at each step: the xxh3 callable is Python, which may run
+     * anything; the key is held while it is read) */
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i >= PyList_GET_SIZE(addrs) || i >= PyList_GET_SIZE(keys)) {
+            PyErr_SetString(PyExc_RuntimeError, "the lists changed during the check");
+            goto fail;
+        }
         unsigned long long addr = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(addrs, i));
-        PyObject *key = PyList_GET_ITEM(keys, i);
         if (PyErr_Occurred()) goto fail;
+        key = Py_NewRef(PyList_GET_ITEM(keys, i));
         if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 3 ||
             !PyBytes_Check(PyTuple_GET_ITEM(key, 0)) ||
             PyBytes_GET_SIZE(PyTuple_GET_ITEM(key, 0)) != 16) {
@@ -1056,10 +1064,12 @@ static PyObject *py_known_headers(PyObject *self, PyObject *args) {
             }
             Py_DECREF(index);
         }
+        Py_CLEAR(key);
     }
     goto done;
 fail:
     Py_CLEAR(out);
+    Py_CLEAR(key);
 done:
     PyBuffer_Release(&forms);
     return out;

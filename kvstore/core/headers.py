@@ -12,6 +12,7 @@ included: what a node runs on every ``tcp://`` chunk it receives.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,7 @@ class HeaderChecks:
         takes them: bytes 0..7 and 32..59 of each header, concatenated."""
         self._raw_xxh3: dict[int, bytes] = {}
         """Likewise, the forms of :attr:`_xxh3`."""
+        self._learning = threading.Lock()
 
     def check(self, buf: Any, key: ChunkKey) -> ChunkHeader | None:
         """Check ``buf``'s header, key and spec (``buf`` as for ``check_header``): None for a
@@ -75,7 +77,8 @@ class HeaderChecks:
         header = check_header_bytes(head, size, key, self.spec)
         if form is not None and len(self._forms) < MAX_FORMS:
             self._forms.add(form)
-            self._raw[size] = self._raw.get(size, b"") + head[:8] + head[32:_FORM_END]
+            with self._learning:  # (verifier threads learn forms too)
+                self._raw[size] = self._raw.get(size, b"") + head[:8] + head[32:_FORM_END]
         return header
 
     def unknown(self, addrs: list[int], size: int, keys: list[ChunkKey]) -> list[int] | None:
@@ -125,7 +128,9 @@ class HeaderChecks:
         header = verify_host_bytes(host, key, self.spec)
         if form is not None and header.checksum == "xxh3_64" and len(self._xxh3) < MAX_FORMS:
             self._xxh3.add(form)
-            self._raw_xxh3[size] = self._raw_xxh3.get(size, b"") + head[:8] + head[32:_FORM_END]
+            with self._learning:
+                raw = self._raw_xxh3.get(size, b"") + head[:8] + head[32:_FORM_END]
+                self._raw_xxh3[size] = raw
 
 
 def _head(buf: Any) -> bytes | None:

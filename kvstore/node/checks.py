@@ -101,16 +101,17 @@ class ChunkChecks:
         return self._each(peer, ns, part, lambda view, key, _: verify(_bytes(view), key))
 
     def headers(self, peer: str, ns: Namespace, items: list[LandedChunk]) -> list[int]:
-        """Check the header, key and spec of each chunk, in host memory (64 bytes each:
+        """Check the header, key and spec of each chunk (64 bytes each:
         what a ``ucx://`` put's ack waits for; the checksum is the scrub's); the positions
         that failed. Headers of a form this namespace passed before are only compared, all
         in one call (:meth:`~kvstore.core.headers.HeaderChecks.unknown`); the rest are
         checked in full."""
         checks = self.header_checks(ns)
-        if items and len(sizes := {it.view.numel() for it in items}) == 1:
+        views = [it.view for it in items]
+        host = views and all(v.is_cpu and v.is_contiguous() for v in views)
+        if host and len(sizes := {v.numel() for v in views}) == 1:
             keys = [ChunkKey(it.block, *divmod(it.chunk, ns.tp_size)) for it in items]
-            addrs = [it.view.data_ptr() for it in items]
-            todo = checks.unknown(addrs, sizes.pop(), keys)
+            todo = checks.unknown([v.data_ptr() for v in views], sizes.pop(), keys)
             if todo is not None:
                 items = [items[k] for k in todo]
         check = checks.check
