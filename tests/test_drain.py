@@ -151,6 +151,9 @@ async def test_draining_the_only_node_waits_and_says_why(master: Server) -> None
             # Nothing was lost meanwhile: the node still serves what it holds.
             for layer in range(LAYERS):
                 assert torch.equal(await kv.get_layer(tokens, layer), ref[layer])
+            # (a quiet client goes on with its node list for up to 5 s while it refreshes
+            # it: the put that finds the draining mark is one on a list fetched since)
+            await kv._live_nodes(refresh=True)
             with pytest.raises(kvclient.errors.Unreachable, match="draining"):
                 await kv.put_layer(prompt(512, seed=105), 0, layer_kv(512, 0, 105))
             undrain = run_kvctl(master, "drain", node.addresses["node"], "--undrain")
