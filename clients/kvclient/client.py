@@ -173,10 +173,11 @@ class ClientCore:
         self._allow_ucx = ucx
         self._ucx = UcxPath(staging_bytes)
         self._nodes_at = -1e9
-        self._nodes_trusted = False
-        """Whether the snapshot may be used past its TTL (:data:`_NODES_STALE_S`)."""
         self._distrusts = 0
         """Failures seen so far (:meth:`_distrust_nodes`)."""
+        self._nodes_clean = -1
+        """:attr:`_distrusts` over the whole fetch of the snapshot (-1: none fetched, or a
+        failure came while the master answered)."""
         self._placing: tuple[list[NodeEntry], dict[str, NodeEntry], list[Candidate]] | None = None
         self._nodes_lock = asyncio.Lock()
         self._nodes_ahead: asyncio.Task[None] | None = None
@@ -428,13 +429,18 @@ class ClientCore:
                 self._no_place = "" if self._nodes else unplaceable_reason(infos)
                 self._nodes_at = now
                 # (a failure while the master answered: that answer may predate it)
-                self._nodes_trusted = distrusts == self._distrusts
+                self._nodes_clean = distrusts if distrusts == self._distrusts else -1
             return self._nodes
+
+    @property
+    def _nodes_trusted(self) -> bool:
+        """Whether the snapshot may be used past its TTL (:data:`_NODES_STALE_S`): no
+        failure since it was fetched, nor while it was."""
+        return self._nodes_clean == self._distrusts
 
     def _distrust_nodes(self) -> None:
         """A node failed this client (or a refresh failed): the snapshot is not used past
         its TTL (:data:`_NODES_STALE_S`), nor is one fetched before now."""
-        self._nodes_trusted = False
         self._distrusts += 1
 
     async def _refresh_nodes_ahead(self) -> None:

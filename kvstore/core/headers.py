@@ -77,9 +77,14 @@ class HeaderChecks:
         header = check_header_bytes(head, size, key, self.spec)
         if form is not None and len(self._forms) < MAX_FORMS:
             self._forms.add(form)
-            with self._learning:  # (verifier threads learn forms too)
-                self._raw[size] = self._raw.get(size, b"") + head[:8] + head[32:_FORM_END]
+            self._learn(self._raw, size, head)
         return header
+
+    def _learn(self, forms: dict[int, bytes], size: int, head: bytes) -> None:
+        """Add the form of ``head`` (a header that passed, of a chunk of ``size`` bytes) to
+        ``forms`` as C takes them; under a lock, since verifier threads learn forms too."""
+        with self._learning:
+            forms[size] = forms.get(size, b"") + head[:8] + head[32:_FORM_END]
 
     def unknown(self, addrs: list[int], size: int, keys: list[ChunkKey]) -> list[int] | None:
         """Of chunks of ``size`` bytes in host memory at ``addrs`` (the key of each in
@@ -128,9 +133,7 @@ class HeaderChecks:
         header = verify_host_bytes(host, key, self.spec)
         if form is not None and header.checksum == "xxh3_64" and len(self._xxh3) < MAX_FORMS:
             self._xxh3.add(form)
-            with self._learning:
-                raw = self._raw_xxh3.get(size, b"") + head[:8] + head[32:_FORM_END]
-                self._raw_xxh3[size] = raw
+            self._learn(self._raw_xxh3, size, head)
 
 
 def _head(buf: Any) -> bytes | None:

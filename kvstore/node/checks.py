@@ -88,15 +88,10 @@ class ChunkChecks:
         chunk is checked as numpy bytes (no tensors built). Host chunks of one size are
         checked in one call (:meth:`~kvstore.core.headers.HeaderChecks.unverified`),
         those it cannot pass in full."""
-        views = [it.view for it in part]
-        if not views or not all(v.is_cpu and v.is_contiguous() for v in views):
+        if not _in_host(part):
             return self._each(peer, ns, part, _verify)
         checks = self.header_checks(ns)
-        if len(sizes := {v.numel() for v in views}) == 1:
-            keys = [ChunkKey(it.block, *divmod(it.chunk, ns.tp_size)) for it in part]
-            listed = checks.unverified([v.data_ptr() for v in views], sizes.pop(), keys)
-            if listed is not None:
-                part = [part[k] for k in listed]
+        part = _left(ns, part, checks.unverified)
         verify = checks.verify_host
         return self._each(peer, ns, part, lambda view, key, _: verify(_bytes(view), key))
 
@@ -107,13 +102,8 @@ class ChunkChecks:
         in one call (:meth:`~kvstore.core.headers.HeaderChecks.unknown`); the rest are
         checked in full."""
         checks = self.header_checks(ns)
-        views = [it.view for it in items]
-        host = views and all(v.is_cpu and v.is_contiguous() for v in views)
-        if host and len(sizes := {v.numel() for v in views}) == 1:
-            keys = [ChunkKey(it.block, *divmod(it.chunk, ns.tp_size)) for it in items]
-            todo = checks.unknown([v.data_ptr() for v in views], sizes.pop(), keys)
-            if todo is not None:
-                items = [items[k] for k in todo]
+        if _in_host(items):
+            items = _left(ns, items, checks.unknown)
         check = checks.check
         return self._each(peer, ns, items, lambda view, key, _: check(view, key))
 
@@ -134,9 +124,8 @@ class ChunkChecks:
         bad = []
         spec = self.spec(ns)
         for item in items:
-            layer, shard = divmod(item.chunk, ns.tp_size)
             try:
-                test(item.view, ChunkKey(item.block, layer, shard), spec)
+                test(item.view, _key(ns, item), spec)
             except ChunkError as exc:
                 logger.warning("rejected chunk from %s: %s", peer, exc)
                 bad.append(item.position)
@@ -242,7 +231,7 @@ class ChunkChecks:
         await conn.recv_payload_whole(scratch, timeout)
         checks = self.header_checks(ns)
         live = [(k, t) for k, t in enumerate(targets) if t is not None]
-        keys = [ChunkKey(t.block, *divmod(t.chunk, ns.tp_size)) for _, t in live]
+        keys = [_key(ns, t) for _, t in live]
         base = scratch.ctypes.data  # (chunks of a known form are checked in one call)
         listed = checks.unverified([base + k * chunk_bytes for k, _ in live], chunk_bytes, keys)
         full = range(len(live)) if listed is None else set(listed)
@@ -281,6 +270,31 @@ def _verify(view: torch.Tensor, key: ChunkKey, spec: ChunkSpec) -> object:
     if view.device.type == "cpu" and view.is_contiguous():
         return verify_host_bytes(view.numpy(), key, spec)
     return verify_chunk(view, key, spec)
+
+
+def _key(ns: Namespace, chunk: LandedChunk) -> ChunkKey:
+    """What ``chunk`` of ``ns`` is: its block, layer and shard."""
+    return ChunkKey(chunk.block, *divmod(chunk.chunk, ns.tp_size))
+
+
+def _in_host(items: list[LandedChunk]) -> bool:
+    """Whether every one of ``items`` (at least one) is contiguous in host memory."""
+    return bool(items) and all(it.view.is_cpu and it.view.is_contiguous() for it in items)
+
+
+def _left(
+    ns: Namespace,
+    items: list[LandedChunk],
+    known: Callable[[list[int], int, list[ChunkKey]], list[int] | None],
+) -> list[LandedChunk]:
+    """Of ``items`` (contiguous, in host memory), those ``known`` (a
+    :class:`~kvstore.core.headers.HeaderChecks` method's one call into C) did not pass:
+    all of them for chunks of several sizes or where the C extension is not built."""
+    if len(sizes := {it.view.numel() for it in items}) != 1:
+        return items
+    addrs = [it.view.data_ptr() for it in items]
+    listed = known(addrs, sizes.pop(), [_key(ns, it) for it in items])
+    return items if listed is None else [items[k] for k in listed]
 
 
 def _bytes(view: torch.Tensor) -> np.ndarray:
