@@ -221,11 +221,13 @@ class MasterLink:
         """Heartbeat every lease/3 (:class:`~kvstore.control.heartbeat.Heartbeats`) until
         :meth:`close`; their answers are handled on ``loop``."""
         call_soon = loop.call_soon_threadsafe
+        sent = [0]  # (the epoch of the beat last sent: beats and answers share one thread)
 
         def beat() -> pb.HeartbeatRequest:  # (heartbeat thread: reads what the loop set)
+            sent[0] = self.epoch
             return pb.HeartbeatRequest(
                 node_id=node_id,
-                epoch=self.epoch,
+                epoch=sent[0],
                 tiers=wire.tiers_to_pb(self.usage),
                 counters=self.counters,
                 tenant_bytes=self.tenant_bytes,
@@ -234,7 +236,7 @@ class MasterLink:
 
         def answered(reply: pb.HeartbeatResponse) -> None:
             if reply.reregister:
-                call_soon(self.reregister.set)
+                call_soon(self._reregister_for, sent[0])
                 return
             if self.on_draining is not None:
                 call_soon(self.on_draining, reply.draining)
@@ -246,6 +248,13 @@ class MasterLink:
             name=f"kvstore-heartbeat-{node_id}",
         )  # fmt: skip
         self._heartbeats.start()
+
+    def _reregister_for(self, epoch: int) -> None:
+        """A heartbeat of ``epoch`` was answered "register again": so it is, unless the
+        node registered anew while that beat was in flight (it would re-report all it
+        holds a second time for nothing)."""
+        if epoch == self.epoch:
+            self.reregister.set()
 
     async def deregister(self, timeout: float = 2.0) -> None:
         """Tell the master this node leaves (its entries go at once, not a lease later);
