@@ -332,9 +332,7 @@ async def _run(
             master = MasterServer(
                 mcfg, store, auth=auth, tls=None if private else server_tls, commit_tls=commit_tls
             )
-            master.service.add_rpc_observer(
-                lambda method, seconds: metrics.rpc_seconds.labels(method=method).observe(seconds)
-            )
+            master.service.add_rpc_observer(metrics.observe_rpc)
             _wire_master_counters(master, metrics)
             await master.start()
             exits.push_async_callback(master.stop, 5.0)

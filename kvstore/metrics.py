@@ -157,6 +157,28 @@ class Metrics:
             buckets=_RPC_BUCKETS,
             registry=r,
         )
+        # Labelled children, found once: ``labels()`` costs ~1 µs a call, on every exchange
+        # and every RPC (a few op and transport pairs and RPC names: bounded).
+        self._transfers: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+        self._rpcs: dict[str, Histogram] = {}
+
+    def count_transfer(self, op: str, transport: str, nbytes: int, seconds: float) -> None:
+        """Count one data-plane exchange of ``nbytes`` that took ``seconds``."""
+        pair = self._transfers.get((op, transport))
+        if pair is None:
+            pair = self._transfers[op, transport] = (
+                self.transfer_bytes.labels(op=op, transport=transport),
+                self.transfer_seconds.labels(op=op, transport=transport),
+            )
+        pair[0].inc(nbytes)
+        pair[1].observe(seconds)
+
+    def observe_rpc(self, method: str, seconds: float) -> None:
+        """Time one master RPC (``kvstore_rpc_seconds{method}``)."""
+        child = self._rpcs.get(method)
+        if child is None:
+            child = self._rpcs[method] = self.rpc_seconds.labels(method=method)
+        child.observe(seconds)
 
 
 class _HttpError(Exception):

@@ -510,6 +510,12 @@ async def test_a_registration_key_binds_the_node_id(
         assert await owner.lookup(NS, [bh(9)], CPB) == [[]]
         assert (await owner.heartbeat("a", epoch)).ok
         assert await owner.commit(commit("a", epoch, 1, (9, (0,)))) == 1
+        intruder.session = b"\x22" * 32  # (the owner's key passed last: still only its own)
+        with pytest.raises(PermissionDenied):
+            await intruder.commit(commit("a", epoch, 2, (8, (0,))))
+        with pytest.raises(PermissionDenied):
+            await intruder.heartbeat("a", epoch)
+        assert await owner.commit(commit("a", epoch, 2, (8, (0,)))) == 2
         again = await register(owner, "a")  # the owner re-registers at will
         assert again > epoch
         assert await owner.deregister("a", again)

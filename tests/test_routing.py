@@ -15,6 +15,7 @@ from kvclient import Instance, PoolIndex
 from kvstore.control.records import BlockAdd, BlockRef
 from kvstore.core.routing import choose
 from kvstore.dataplane import NodeClient
+from kvstore.dataplane.location import SlotLocation, tier_mark, with_disk
 from kvstore.errors import InvalidArgument
 from kvstore.master.events import ClusterEventKind, EventLog
 from tests.cluster import Server, serving
@@ -80,6 +81,22 @@ def test_event_log_numbers_resumes_and_clears() -> None:
     assert events[0].kind is ClusterEventKind.NODE_DEAD
     assert log.since(7, b"", 10) == ([], 7, False)
     assert [e.seq for e in log.since(3, b"", 2)[0]] == [4, 5]  # at most max_events
+
+
+def test_event_log_says_where_each_stored_block_is() -> None:
+    # A STORED event's medium is the tier the committed location names, whatever its form
+    # (the log reads it off the location once a reader passes the event).
+    host = SlotLocation(4096, 1024, 2).pack()
+    gpu = SlotLocation(4096, 1024, 2, mem=1).pack()
+    forms = [(host, "host"), (with_disk(host, True), "host+disk"), (gpu, "gpu"),
+             (tier_mark("disk"), "disk"), (tier_mark("host+disk"), "host+disk"),
+             (b"", "")]  # fmt: skip
+    log = EventLog()
+    log.commit("n1", 1, [BlockAdd(NS, _h(i), (0,), loc) for i, (loc, _) in enumerate(forms)], [])
+    log.commit("n1", 1, [], [BlockRef(NS, _h(0))])
+    events = log.since(0, b"", 10)[0]
+    assert [e.medium for e in events] == [medium for _, medium in forms] + [""]
+    assert log.since(0, b"", 10)[0] == events  # (read twice: the same events)
 
 
 # ----------------------------------------------------------------------------- served

@@ -30,7 +30,7 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 from kvstore.control.records import (
     BlockAdd,
@@ -94,6 +94,10 @@ class IndexStore(abc.ABC):
     the event loop for long. Ids are raw bytes (16-byte ``ns_id`` and block hashes), node
     ids are strings. After :meth:`close` every method raises :class:`Closed`.
     """
+
+    commit_waits: ClassVar[bool] = True
+    """Whether what a commit calls (:meth:`apply`, :meth:`nodes`) may suspend: False for a
+    store whose commit never waits, which a deadline could then never interrupt."""
 
     @abc.abstractmethod
     async def register_node(self, record: NodeRecord) -> NodeRecord:
@@ -288,6 +292,7 @@ class MemoryIndexStore(IndexStore):
     """
 
     MAX_DEAD_RECORDS = 1024
+    commit_waits = False  # (apply and nodes never await)
 
     def __init__(self, *, epoch_base: int | None = None, purge_step: int = 4096) -> None:
         self._epoch = int(time.time() * 1000) if epoch_base is None else epoch_base

@@ -60,8 +60,7 @@ class _Grant:
 
 def count_transfer(metrics: Metrics, op: str, transport: str, nbytes: int, t0: float) -> None:
     """Count one data-plane exchange of ``nbytes`` that started at ``t0`` (perf_counter)."""
-    metrics.transfer_bytes.labels(op=op, transport=transport).inc(nbytes)
-    metrics.transfer_seconds.labels(op=op, transport=transport).observe(time.perf_counter() - t0)
+    metrics.count_transfer(op, transport, nbytes, time.perf_counter() - t0)
 
 
 class Puts:
