@@ -162,7 +162,8 @@ def kv_table(res: Results, warmup: int, region: int) -> Table:
         )
         + f", pool filled first ({res.fill_s:.1f} s) so puts "
         "evict and land in touched pages. Node CPU: /proc/<pid>/stat before and after each "
-        "timed stretch of exchanges (10 ms ticks; see section 3 for totals).",
+        "timed stretch of exchanges (each thread's schedstat, to the microsecond; see section 3 "
+        "for totals).",
     ]
     return table
 
@@ -309,8 +310,9 @@ def exchange_table(res: Results) -> Table:
         "speed, as if each side's work sat on the exchange's critical path and nothing "
         "overlapped: an RDMA NIC moves the bytes without either CPU. Over ucx:// here the "
         "client's CPU includes the kernel's copy (CMA), which a NIC would do, so the "
-        "projection is a floor. The node's CPU is read in clock ticks (10 ms): a row of n "
-        "exchanges resolves 10 ms ÷ n (79 µs at 127). On its loop's thread: the node's main "
+        "projection is a floor. The node's CPU is each thread's time on a CPU "
+        "(/proc/<pid>/task/*/schedstat, to the microsecond; a thread that ended meanwhile "
+        "by its clock ticks). On its loop's thread: the node's main "
         "thread alone, which runs its exchanges and its scrub; the rest is its other threads "
         "(NIXL's progress thread, gRPC's, the heartbeat's, the verifiers'). The scrub "
         "(ucx:// puts): the node's CPU for checking every landed byte's checksum after the "

@@ -22,8 +22,8 @@ process of its own, as a cluster does: every put's ack then waits for the node's
 cross gRPC, and the master's CPU per put is reported too.
 
 This process is the client of both nodes, from this tree's code: only the node differs.
-Per node and shape it reports the node's CPU per put (``/proc``, every thread, ticks of
-10 ms: a round of 300 puts resolves 33 µs) and the put's p50, each the median over rounds
+Per node and shape it reports the node's CPU per put (``/proc``, every thread's
+schedstat: to the microsecond) and the put's p50, each the median over rounds
 with the best round beside it, and this tree ÷ the base. Machines here are shared and
 noisy: the rounds alternate so that both nodes meet the same minutes. Markdown on stdout,
 progress on stderr.
@@ -243,8 +243,8 @@ def report(got: dict[str, dict[str, dict[str, list[float]]]], args: argparse.Nam
                       f"{p50 / base['p50']:.2f}", *extra)  # fmt: skip
     table.notes += [
         "Node CPU: /proc of each serve process (every thread, user and system) over a round "
-        "÷ its puts, so work a node does after its ack counts too; clock ticks of 10 ms: "
-        "a round of 300 puts resolves 33 µs a put.",
+        "÷ its puts, so work a node does after its ack counts too; each thread's schedstat, "
+        "to the microsecond.",
         "trace: KVClient.put_layer of 24 fresh 16-token blocks (H=2, D=16, bf16, int8: "
         "1,352 B chunks), codec included; 512 KiB x 8: NodeClient.put of pre-encoded chunks "
         "(quant none) over a kept tcp:// connection, into a full pool that evicts.",

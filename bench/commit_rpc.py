@@ -19,7 +19,7 @@ pool, as ``bench/commit_path.py`` builds them), in rounds that alternate between
   to the master's commit port (:mod:`kvstore.control.commit_port`; what a node sends).
 
 Per path: the commit's p50 and p99 round trip, this process's CPU per commit (the
-node's side) and the master process's (``/proc``, ticks of 10 ms), each the median of
+node's side) and the master process's (``/proc``, each thread's schedstat), each the median of
 the rounds, and each ÷ CommitStream's. With ``--load N``, then N nodes commit at once,
 back to back, on the stream and on the commit port in turn: the commits per second they
 get through and the master's CPU per commit under that load. Markdown on stdout,
@@ -232,7 +232,7 @@ def table(got: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> T
     result.notes += [
         "node CPU: this process (the node's side of the call: building the request, gRPC's "
         "client, the answer), process time over a round ÷ its commits; master CPU: the "
-        "kvstore master process over the same round (/proc, every thread, ticks of 10 ms).",
+        "kvstore master process over the same round (/proc, every thread's schedstat).",
         "On loopback both processes share this machine's cores: each side's CPU is the "
         "figure to compare across machines, the round trip this machine's.",
     ]

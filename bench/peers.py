@@ -773,7 +773,7 @@ def cpu_report(res: Results) -> Table:
     table.notes += [
         "Each figure: the round with the least CPU per GB (of the same rounds as the GB/s "
         "above); CPU of every thread, user and system, over the phase: the server's from "
-        "/proc (ticks of 10 ms), the client's from its process time.",
+        "/proc (each thread's schedstat), the client's from its process time.",
         "server: kvstore's `serve` (its node and its master in one process) or, with "
         "--master-apart, its node and master processes; the raw socket "
         "server, Mooncake's decode process and its `mooncake_master`. client: this process "

@@ -17,7 +17,8 @@ Markdown on stdout (progress goes to stderr):
 3. ``match_prefix`` latency on a 128-block prompt (a small 2-layer namespace: the cost
    depends on the block count, not the chunk size) beside a bare ``grpc.aio`` unary echo
    of the same request and response sizes and the generated stub's ``MatchPrefix``.
-4. CPU seconds of the server process (``/proc/<pid>/stat``) and of the client per GB moved.
+4. CPU seconds of the server process (``/proc``, each thread's schedstat) and of the client
+   per GB moved.
 
 Every prompt uses fresh tokens (first writer wins, so a re-put would move nothing); the
 first ``--warmup`` prompts open connections and warm caches and are not reported.
@@ -741,8 +742,8 @@ def cpu_table(res: Results) -> Table:
             f"{statistics.median(_col(p, span, 'client_faults')):,.0f}",
         )  # fmt: skip
     table.notes += [
-        f"{gb:.3f} GB per phase; medians over the prompts. Server CPU: utime + stime of "
-        "every thread of the process from /proc/<pid>/stat (10 ms ticks); kvstore serve is "
+        f"{gb:.3f} GB per phase; medians over the prompts. Server CPU: every thread's time "
+        "on a CPU, from /proc/<pid>/task/*/schedstat (to the microsecond); kvstore serve is "
         "master + node in one process, so its put CPU includes the commit RPC it serves.",
         "Client CPU: getrusage of the writer/reader process (codec thread included).",
         "Minor faults: first touches of fresh memory. "

@@ -191,7 +191,7 @@ def tables(results: list[Result], args: argparse.Namespace) -> list[Table]:
                       f"{s.node_cpu_per_gb / p.node_cpu_per_gb:.2f}", round(extra, 3))  # fmt: skip
     ratio.notes.append(
         "One connection, one exchange in flight, writer and node in separate processes on "
-        "loopback; CPU from /proc/<pid>/stat (10 ms ticks) and this process's process_time."
+        "loopback; CPU from /proc (each thread's schedstat) and this process's process_time."
     )
     return [t, ratio]
 
