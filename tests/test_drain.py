@@ -2,9 +2,11 @@
 subprocesses, prompts written with ``replicas=1`` and ``replicas=2``. ``kvctl drain NODE
 --wait`` returns once the node has copied every block it held to the nodes placement
 chooses next (node to node, checked on arrival); after the node is stopped every prompt is
-still readable, bit for bit, and a block written twice still has two copies. A node started
-with ``--drain-on-exit`` does the same by itself on SIGTERM. Draining the only node waits,
-and says why, instead of reporting success."""
+still readable, bit for bit, and a block written twice still has two copies (blocks whose
+layers sit on two nodes too). A node started with ``--drain-on-exit`` does the same by
+itself on SIGTERM. Draining the only node waits, and says why, instead of reporting
+success. A prompt's later layers go to the nodes its first went to, even when the client's
+node list weighs the nodes anew between them."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 import kvclient
+from kvclient.reads import NodeEntry
 from tests.cluster import Server, run_kvctl, start_server, start_servers
 from tests.kvproc import layer_kv, namespace, prompt
 
@@ -55,15 +58,13 @@ async def _write(
     kv: kvclient.KVClient, seed: int, split: bool = False
 ) -> tuple[list[int], list[torch.Tensor]]:
     """A prompt of ``LAYERS`` layers; ``split``: its blocks' layers on different nodes, as
-    when the client's node list is refreshed between two layers and ranks a block's nodes
-    anew (here: the node with most of layer 0 is seen as nearly full for layer 1)."""
+    when the client's node list is refreshed between two layers while a node that holds
+    layer 0 is briefly not placeable (here: the one with most of layer 0)."""
     tokens = prompt(2048, seed=seed)
     for layer in range(LAYERS):
         if split and layer == 1:
-            held = await _holders(kv, tokens)
-            full = max(kv._nodes, key=lambda n: sum(n.node_id in block for block in held))
-            kv._nodes = [replace(n, free_bytes=1) if n is full else n for n in kv._nodes]
-            kv._nodes_at = time.monotonic()
+            busiest = await _busiest(kv, tokens)
+            _new_snapshot(kv, [n for n in kv._nodes if n is not busiest])
         assert await kv.put_layer(tokens, layer, layer_kv(2048, layer, seed)) == 2048
     return tokens, [(await kv.get_layer(tokens, layer)).clone() for layer in range(LAYERS)]
 
@@ -72,6 +73,40 @@ async def _holders(kv: kvclient.KVClient, tokens: list[int]) -> list[dict[str, i
     """Per block: holder node id -> its chunk mask."""
     found = await kv._master.lookup(kv.ns.id, kv.block_hashes(tokens))
     return [{h.node_id: h.mask for h in block} for block in found]
+
+
+async def _busiest(kv: kvclient.KVClient, tokens: list[int]) -> NodeEntry:
+    """The node of the client's snapshot that holds most of ``tokens``' blocks."""
+    held = await _holders(kv, tokens)
+    return max(kv._nodes, key=lambda n: sum(n.node_id in block for block in held))
+
+
+def _new_snapshot(kv: kvclient.KVClient, nodes: list[NodeEntry]) -> None:
+    """Make ``nodes`` the client's node list, as a refresh would (fresh now)."""
+    kv._nodes, kv._nodes_at = nodes, time.monotonic()
+
+
+async def test_a_prompts_later_layers_go_where_its_first_went(master: Server) -> None:
+    """A node list refreshed between two layers of a prompt may weigh the nodes anew
+    (heartbeats moved a node's free bytes across a power of two): the prompt's later
+    layers still go to the nodes its first went to, so each block sits whole on one
+    holder (a node no longer placeable is left: the drain test's ``split``)."""
+    nodes = start_servers(*[_node_args(master, "tcp") for _ in range(3)])
+    try:
+        async with await _connect(master, 3, replicas=1) as kv:
+            tokens = prompt(2048, seed=104)
+            assert await kv.put_layer(tokens, 0, layer_kv(2048, 0, 104)) == 2048
+            busiest = await _busiest(kv, tokens)
+            # Its weight falls to the least (free bytes 1): HRW alone would move its blocks.
+            _new_snapshot(kv, [replace(n, free_bytes=1) if n is busiest else n
+                               for n in kv._nodes])  # fmt: skip
+            assert await kv.put_layer(tokens, 1, layer_kv(2048, 1, 104)) == 2048
+            held = await _holders(kv, tokens)
+            assert any(busiest.node_id in block for block in held)
+            assert all(list(block.values()) == [(1 << LAYERS) - 1] for block in held), held
+    finally:
+        for node in nodes:
+            node.stop()
 
 
 def _copies(block: dict[str, int], without: str = "") -> list[int]:

@@ -18,6 +18,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self, TypeVar
 
@@ -93,6 +94,10 @@ refresh that failed, or a node that failed (or did not answer) this client's put
 since the snapshot was fetched, makes the next call past the TTL wait for a new one. Half
 the default node lease (10 s), which is how long the master itself takes to suspect a
 silent node (docs/decisions.md)."""
+
+_MAX_PLACED = 16384
+"""Blocks whose nodes a client remembers from their last put (~3 MB at most): a prompt's
+later layers go where its earlier ones went (:meth:`KVClient._place`)."""
 
 _HOLD_TRUST = 0.8
 """Share of a hold's ``hold_s`` a client counts on (the node's clock starts later)."""
@@ -179,6 +184,8 @@ class ClientCore:
         """:attr:`_distrusts` over the whole fetch of the snapshot (-1: none fetched, or a
         failure came while the master answered)."""
         self._placing: tuple[list[NodeEntry], dict[str, NodeEntry], list[Candidate]] | None = None
+        self._placed: OrderedDict[bytes, tuple[str, ...]] = OrderedDict()
+        """Block hash → the node ids its last put went to, oldest first (bounded)."""
         self._nodes_lock = asyncio.Lock()
         self._nodes_ahead: asyncio.Task[None] | None = None
         self._codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvclient-codec")
@@ -455,7 +462,11 @@ class ClientCore:
             self._nodes_ahead = None
 
     def _place(self, key: bytes, nodes: list[NodeEntry]) -> list[NodeEntry]:
-        """The nodes ``key`` goes to (HRW over ``nodes``, weighted by free bytes). The
+        """The nodes ``key`` goes to: those its last put from this client went to while
+        every one of them is still placeable, else HRW over ``nodes``, weighted by free
+        bytes (then remembered). A snapshot refreshed between two layers of a prompt may
+        weigh the nodes anew; the prompt's later layers still go where its first went, so
+        a block's chunks stay on one holder and the grants its last ack gave are used. The
         candidates are built once per node snapshot, not once per block. Raises
         :class:`Unreachable` saying why when no node takes new blocks."""
         if not nodes:
@@ -465,9 +476,19 @@ class ClientCore:
             cands = [Candidate(n.node_id, weight_for_free(n.free_bytes)) for n in nodes]
             self._placing = (nodes, by_id, cands)
         _, by_id, cands = self._placing
+        before = self._placed.get(key)
+        if before is not None and all(i in by_id for i in before):
+            self._placed.move_to_end(key)
+            return [by_id[i] for i in before]
         if len(cands) == 1:  # one node: it is every block's place
-            return [by_id[cands[0].node_id]]
-        return [by_id[i] for i in rank_nodes(key, cands, self.replicas)]
+            chosen = [by_id[cands[0].node_id]]
+        else:
+            chosen = [by_id[i] for i in rank_nodes(key, cands, self.replicas)]
+        self._placed[key] = tuple(n.node_id for n in chosen)
+        self._placed.move_to_end(key)
+        if len(self._placed) > _MAX_PLACED:
+            self._placed.popitem(last=False)
+        return chosen
 
     # ------------------------------------------------------------------ put
 
