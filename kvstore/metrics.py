@@ -162,8 +162,9 @@ class Metrics:
         self._transfers: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
         self._rpcs: dict[str, Histogram] = {}
 
-    def count_transfer(self, op: str, transport: str, nbytes: int, seconds: float) -> None:
-        """Count one data-plane exchange of ``nbytes`` that took ``seconds``."""
+    def count_transfer(self, op: str, transport: str, nbytes: int, started: float) -> None:
+        """Count one data-plane exchange of ``nbytes`` that started at ``started``
+        (``time.perf_counter``)."""
         pair = self._transfers.get((op, transport))
         if pair is None:
             pair = self._transfers[op, transport] = (
@@ -171,7 +172,7 @@ class Metrics:
                 self.transfer_seconds.labels(op=op, transport=transport),
             )
         pair[0].inc(nbytes)
-        pair[1].observe(seconds)
+        pair[1].observe(time.perf_counter() - started)
 
     def observe_rpc(self, method: str, seconds: float) -> None:
         """Time one master RPC (``kvstore_rpc_seconds{method}``)."""

@@ -29,7 +29,7 @@ from kvstore.node.scrub import Scrub, ScrubBatch
 from kvstore.node.tiers import MemoryTier, Tiers
 from kvstore.transport.base import Connection
 
-__all__ = ["GRANT_S", "MAX_ASIDE_BYTES", "MAX_GRANTS", "Puts", "count_transfer"]
+__all__ = ["GRANT_S", "MAX_ASIDE_BYTES", "MAX_GRANTS", "Puts"]
 
 MAX_ASIDE_BYTES = 64 * 2**20
 """Host memory for ``tcp://`` chunks received while another writer transfers them."""
@@ -56,11 +56,6 @@ class _Grant:
     claim: asyncio.Future[None]
     expires: float
     """Loop time."""
-
-
-def count_transfer(metrics: Metrics, op: str, transport: str, nbytes: int, t0: float) -> None:
-    """Count one data-plane exchange of ``nbytes`` that started at ``t0`` (perf_counter)."""
-    metrics.count_transfer(op, transport, nbytes, time.perf_counter() - t0)
 
 
 class Puts:
@@ -168,8 +163,8 @@ class Puts:
             # Scrubbed once committed: a drop then reaches the master after the add.
             self.scrub.add(ns, scrub)
             self._settle(claims)  # landed and committed: writers waiting on these look again
-            count_transfer(
-                self.metrics, "put", "ucx" if put.ucx else "tcp", len(sent) * chunk_bytes, t0
+            self.metrics.count_transfer(
+                "put", "ucx" if put.ucx else "tcp", len(sent) * chunk_bytes, t0
             )
             busy = tuple(i for i, a in enumerate(accept) if a == BUSY)
             if failed:

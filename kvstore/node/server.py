@@ -111,7 +111,7 @@ from kvstore.node.disk_lz4 import MIN_PROBE_DISK, PROBE_BYTES, Lz4Policy, measur
 from kvstore.node.disk_tier import DiskTier
 from kvstore.node.master_link import MasterLink, NodeIdentity
 from kvstore.node.migrate import Migration
-from kvstore.node.puts import Puts, count_transfer
+from kvstore.node.puts import Puts
 from kvstore.node.scrub import Scrub
 from kvstore.node.tiers import Tiers, host_copy, tier_stats
 from kvstore.transport import FrameLimits, listen
@@ -777,7 +777,7 @@ class StorageNode:
             host = self.tiers.host
             bufs = [(v if host.holds(v) else host_copy(v)).numpy() for v in views]
             await self._send(conn, Found(found), bufs)
-            count_transfer(self.metrics, "get", "tcp", sum(v.numel() for v in views), t0)
+            self.metrics.count_transfer("get", "tcp", sum(v.numel() for v in views), t0)
         finally:
             for lease in leases:
                 lease.release()
@@ -799,7 +799,7 @@ class StorageNode:
             if frame.sizes:
                 raise ProtocolError("'release' carries no payload")
             expect(frame.header, Release)
-            count_transfer(self.metrics, "get", "ucx", sum(v.numel() for v in views), t0)
+            self.metrics.count_transfer("get", "ucx", sum(v.numel() for v in views), t0)
         finally:
             for lease in leases:
                 lease.release()
