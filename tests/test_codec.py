@@ -21,7 +21,6 @@ from kvstore.core.codec import (
     SCHEMES,
     ChunkKey,
     ChunkSpec,
-    ChunkVerifier,
     chunk_nbytes,
     copy_stats,
     decode_chunk,
@@ -791,39 +790,59 @@ def test_garbage_behind_a_valid_header_never_decodes(tail: bytes) -> None:
         decode_chunk(buf[:HEADER_NBYTES] + tail)
 
 
-def _streamed(buf: bytes, cuts: list[int], expect_key: ChunkKey | None = KEY) -> object:
-    """verify a chunk through ChunkVerifier as if its bytes arrived in pieces ending at
-    ``cuts`` into a zeroed slot; the header it returns or the error it raises."""
+def _streamed(
+    buf: bytes,
+    cuts: list[int],
+    expect_key: ChunkKey = KEY,
+    learnt: bytes | None = None,
+    spec: ChunkSpec = ChunkSpec(64, 4, 32, torch.float16, "none"),
+) -> object:
+    """verify a chunk as a node's tcp:// receive does (StreamedChunk), as if its bytes
+    arrived in pieces ending at ``cuts`` into a zeroed slot, by header checks that passed
+    ``learnt`` (an honest chunk of the same form) first or none: None if it passes, else
+    the error's type."""
+    from kvstore.node.checks import StreamedChunk
+
+    checks = HeaderChecks(spec)
+    if learnt is not None:
+        checks.verify_host(np.frombuffer(learnt, np.uint8), KEY)
     slot = np.zeros(len(buf), np.uint8)
-    check = ChunkVerifier(slot, expect_key)
+    stream = StreamedChunk(slot, expect_key)
     for upto in [*cuts, len(buf)]:
         slot[:upto] = np.frombuffer(buf[:upto], np.uint8)
-        check.advance(upto)
+        stream.advance(upto)
     try:
-        return check.finish()
+        stream.verify(checks)
     except ChunkError as exc:
         return type(exc)
+    return None
 
 
-def _whole(buf: bytes, expect_key: ChunkKey | None = KEY) -> object:
+def _whole(buf: bytes, expect_key: ChunkKey | None = KEY, spec: ChunkSpec | None = None) -> object:
     try:
-        return verify_chunk(buf, expect_key=expect_key)
+        verify_chunk(buf, expect_key=expect_key, expect_spec=spec)
     except ChunkError as exc:
         return type(exc)
+    return None
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.data())
-def test_chunk_verifier_in_pieces_agrees_with_verify_chunk(data: st.DataObject) -> None:
-    """Whatever the pieces and whatever the damage, streaming says what one pass says."""
+def test_a_chunk_checked_in_pieces_agrees_with_verify_chunk(data: st.DataObject) -> None:
+    """Whatever the pieces, the damage and what the node's checks learnt before, a node's
+    streamed check (tcp:// puts) says what one pass of verify_chunk says."""
     quant = data.draw(st.sampled_from(sorted(QUANT_SCHEMES)))
     kind = data.draw(st.sampled_from(["xxh3_64", "mulsum64"]))
-    buf = bytearray(encode_chunk(_kv(16, 2, 8, torch.bfloat16), quant, KEY, checksum=kind).numpy())
+    kv = _kv(16, 2, 8, torch.bfloat16)
+    honest = encode_chunk(kv, quant, KEY, checksum=kind).numpy().tobytes()
+    buf = bytearray(honest)
     for bit in data.draw(st.lists(st.integers(0, len(buf) * 8 - 1), max_size=2, unique=True)):
         buf[bit // 8] ^= 1 << (bit % 8)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(buf)), max_size=6)))
-    key = data.draw(st.sampled_from([KEY, KEY._replace(layer=3), None]))
-    assert _streamed(bytes(buf), cuts, key) == _whole(bytes(buf), key)
+    key = data.draw(st.sampled_from([KEY, KEY._replace(layer=3)]))  # (a node knows it)
+    learnt = data.draw(st.sampled_from([None, honest]))
+    spec = ChunkSpec(16, 2, 8, torch.bfloat16, quant)
+    assert _streamed(bytes(buf), cuts, key, learnt, spec) == _whole(bytes(buf), key, spec)
 
 
 @settings(max_examples=200, deadline=None)
@@ -849,31 +868,37 @@ def test_verify_host_bytes_agrees_with_verify_chunk(data: st.DataObject) -> None
     assert outcome(verify_host_bytes) == outcome(verify_chunk)
 
 
-def test_chunk_verifier_catches_damage_in_every_piece_and_reads_nothing_twice() -> None:
+def test_a_chunk_checked_in_pieces_catches_damage_in_every_piece_and_reads_it_once() -> None:
+    """A node's streamed check of a tcp:// chunk: damage in any piece is refused as one
+    pass refuses it; once its form is known the payload is judged by the bytes as they
+    arrived (hashed piece by piece, not read again); a chunk not advanced over to its end
+    is hashed again, never judged by half its bytes."""
+    from kvstore.node.checks import StreamedChunk
+
     buf = encode_chunk(_kv(64, 4, 32, torch.float16), "none", KEY).numpy().tobytes()
     step = len(buf) // 5
     cuts = list(range(step, len(buf), step))
-    assert _streamed(buf, cuts) == verify_chunk(buf, expect_key=KEY)
-    for at in [5, 70, *(c + 3 for c in cuts[:-1]), len(buf) - 9, len(buf) - 1]:
-        bad = bytearray(buf)
-        bad[at] ^= 0x10
-        caught = _streamed(bytes(bad), cuts)
-        assert caught == _whole(bytes(bad)) and issubclass(caught, ChunkError), at  # type: ignore[arg-type]
-    # The verdict is on the bytes as they arrived: the payload is not read a second time
-    # (a flip after arrival is left to the reader, who verifies every chunk it reads).
+    for learnt in (None, buf):
+        assert _streamed(buf, cuts, learnt=learnt) is None
+        for at in [5, 70, *(c + 3 for c in cuts[:-1]), len(buf) - 9, len(buf) - 1]:
+            bad = bytearray(buf)
+            bad[at] ^= 0x10
+            caught = _streamed(bytes(bad), cuts, learnt=learnt)
+            assert caught == _whole(bytes(bad)) and issubclass(caught, ChunkError), at  # type: ignore[arg-type]
+    checks = HeaderChecks(ChunkSpec(64, 4, 32, torch.float16, "none"))
+    checks.verify_host(np.frombuffer(buf, np.uint8), KEY)  # (the form is known)
     slot = np.frombuffer(bytearray(buf), np.uint8)
-    check = ChunkVerifier(slot, KEY)
-    check.advance(len(buf))
-    slot[HEADER_NBYTES + 100] ^= 1
-    assert check.finish() == read_header(buf)
+    stream = StreamedChunk(slot, KEY)
+    stream.advance(len(buf))
+    slot[HEADER_NBYTES + 100] ^= 1  # (after it arrived: left to the reader's own check)
+    stream.verify(checks)
     with pytest.raises(ChecksumError):
         verify_chunk(slot)
-    # Not every byte advanced over: a full pass instead, never a false accept or reject.
-    partial = ChunkVerifier(np.frombuffer(buf, np.uint8), KEY)
-    partial.advance(len(buf) // 2)
-    assert partial.finish() == verify_chunk(buf)
+    half = StreamedChunk(np.frombuffer(buf, np.uint8), KEY)
+    half.advance(len(buf) // 2)
+    half.verify(checks)  # (an honest chunk: hashed again, whole, and passed)
     with pytest.raises(ChunkFormatError):
-        ChunkVerifier(np.zeros(10, np.uint8)).finish()
+        StreamedChunk(np.zeros(10, np.uint8), KEY).verify(checks)
 
 
 def _same_bit_in_two_words(flips: list[int]) -> bool:
@@ -1057,11 +1082,11 @@ def test_header_checks_in_one_call_leave_out_only_what_check_header_passes(
         except ChunkError:
             refused.add(i)
     if built:
-        assert listed is not None and refused <= set(listed)
+        assert refused <= set(listed)
         assert set(listed).isdisjoint(range(len(cases), len(batch)))  # (the honest ones)
         assert len(refused) >= len(cases) - 8, "nearly every changed field refuses the chunk"
     else:
-        assert listed is None
+        assert list(listed) == list(range(len(batch)))  # (every header checked in Python)
 
     ns = Namespace(model="m", revision="r", num_layers=4, num_kv_heads=2, head_dim=8,
                    dtype="float16", block_tokens=16, tp_size=2)  # fmt: skip
@@ -1117,9 +1142,9 @@ def test_whole_chunks_in_one_call_leave_out_only_what_verify_passes(
     assert refused == {1, 2, 4}
     listed = checks.unverified([c.data_ptr() for c, _ in batch], size, [k for _, k in batch])
     if built:
-        assert listed is not None and set(listed) == {1, 2, 3, 4}  # (3: a mulsum64 form)
+        assert set(listed) == {1, 2, 3, 4}  # (3: a mulsum64 form)
     else:
-        assert listed is None
+        assert list(listed) == list(range(len(batch)))  # (every chunk verified in Python)
 
     ns = Namespace(model="m", revision="r", num_layers=4, num_kv_heads=2, head_dim=8,
                    dtype="float16", block_tokens=16, tp_size=2)  # fmt: skip

@@ -340,8 +340,7 @@ class ChunkReader:
         todo: Collection[int] = range(len(have))
         if have and bufs.device.type == "cpu":  # (known forms compared in one call)
             addrs = [bufs[k].data_ptr() for k in range(len(have))]
-            listed = self._headers.unknown(addrs, bufs.shape[1], keys)
-            todo = todo if listed is None else set(listed)
+            todo = set(self._headers.unknown(addrs, bufs.shape[1], keys))
         try:
             for k, i in enumerate(have):
                 key = keys[k]

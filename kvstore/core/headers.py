@@ -13,6 +13,7 @@ included: what a node runs on every ``tcp://`` chunk it receives.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -86,25 +87,25 @@ class HeaderChecks:
         with self._learning:
             forms[size] = forms.get(size, b"") + head[:8] + head[32:_FORM_END]
 
-    def unknown(self, addrs: list[int], size: int, keys: list[ChunkKey]) -> list[int] | None:
+    def unknown(self, addrs: list[int], size: int, keys: list[ChunkKey]) -> Sequence[int]:
         """Of chunks of ``size`` bytes in host memory at ``addrs`` (the key of each in
         ``keys``), the positions whose header is not of a form this spec passed, names
         another key or fails its header check, in one call into C: those take
-        :meth:`check`, the rest pass as it would pass them. None where the C extension
-        is not built (every chunk takes :meth:`check`). Measured on 8 chunks of a known
-        form: ~5 µs against ~23 for :meth:`check` of each (docs/decisions.md)."""
+        :meth:`check`, the rest pass as it would pass them. Every position where the C
+        extension is not built. Measured on 8 chunks of a known form: ~5 µs against ~23
+        for :meth:`check` of each (docs/decisions.md)."""
         if _known_headers is None or size < HEADER_NBYTES:
-            return None
+            return range(len(addrs))
         return _known_headers(addrs, keys, self._raw.get(size, b""), xxhash.xxh3_64_intdigest)  # type: ignore[no-any-return]
 
-    def unverified(self, addrs: list[int], size: int, keys: list[ChunkKey]) -> list[int] | None:
+    def unverified(self, addrs: list[int], size: int, keys: list[ChunkKey]) -> Sequence[int]:
         """:meth:`unknown` for whole chunks, the checksum included, as :meth:`verify_host`
         passes them: the positions whose header is not of a form that passed
         :meth:`verify_host` with an ``xxh3_64`` checksum, names another key, fails its
-        header check or whose checksum does not match take :meth:`verify_host`. None where
-        the C extension is not built."""
+        header check or whose checksum does not match take :meth:`verify_host`. Every
+        position where the C extension is not built."""
         if _known_headers is None or size < HEADER_NBYTES + 8:
-            return None
+            return range(len(addrs))
         forms = self._raw_xxh3.get(size, b"")
         return _known_headers(addrs, keys, forms, xxhash.xxh3_64_intdigest, size - 8)  # type: ignore[no-any-return]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -34,7 +34,13 @@ from kvstore.core.headers import HeaderChecks
 from kvstore.errors import ChunkError
 from kvstore.transport.base import Connection
 
-__all__ = ["INLINE_VERIFY_BYTES", "SMALL_CHUNK_BYTES", "ChunkChecks", "LandedChunk"]
+__all__ = [
+    "INLINE_VERIFY_BYTES",
+    "SMALL_CHUNK_BYTES",
+    "ChunkChecks",
+    "LandedChunk",
+    "StreamedChunk",
+]
 
 logger = logging.getLogger("kvstore.node")
 
@@ -177,7 +183,7 @@ class ChunkChecks:
                          for it in items):  # fmt: skip
             return await self._receive_small(conn, ns, targets, chunk_bytes, timeout)
         checks = self.header_checks(ns)
-        streams: list[_Streamed | None] = [None] * len(targets)
+        streams: list[StreamedChunk | None] = [None] * len(targets)
         bounced: list[tuple[LandedChunk, torch.Tensor]] = []
         for k, it in enumerate(targets):
             if it is None:
@@ -187,20 +193,16 @@ class ChunkChecks:
                 buf = _host_buffer(buf)
                 bounced.append((it, buf))
             key = ChunkKey(it.block, *divmod(it.chunk, ns.tp_size))
-            streams[k] = _Streamed(buf.numpy(), key, it.position)
+            streams[k] = StreamedChunk(buf.numpy(), key, it.position)
         failed: list[int] = []
 
         def arrived(k: int, upto: int) -> None:
             st = streams[k]
             assert st is not None
-            stop = min(upto, st.end)
-            if stop > st.done:
-                st.hash.update(st.host[st.done : stop].data)
-                st.done = stop
+            st.advance(upto)
             if upto == st.host.size:
                 try:
-                    whole = st.done == st.end  # (else the check hashes it again)
-                    checks.verify_host(st.host, st.key, st.hash.intdigest() if whole else None)
+                    st.verify(checks)
                 except ChunkError as exc:
                     logger.warning("rejected chunk from %s: %s", conn.peer, exc)
                     failed.append(st.position)
@@ -233,8 +235,7 @@ class ChunkChecks:
         live = [(k, t) for k, t in enumerate(targets) if t is not None]
         keys = [_key(ns, t) for _, t in live]
         base = scratch.ctypes.data  # (chunks of a known form are checked in one call)
-        listed = checks.unverified([base + k * chunk_bytes for k, _ in live], chunk_bytes, keys)
-        full = range(len(live)) if listed is None else set(listed)
+        full = set(checks.unverified([base + k * chunk_bytes for k, _ in live], chunk_bytes, keys))
         failed: list[int] = []
         for j, (k, t) in enumerate(live):
             buf = scratch[k * chunk_bytes : (k + 1) * chunk_bytes]
@@ -249,19 +250,37 @@ class ChunkChecks:
         return failed
 
 
-class _Streamed:
-    """One ``tcp://`` chunk being received: its bytes, key, and the xxh3_64 of its first
-    ``done`` bytes (of the ``end`` its checksum covers: all but the last 8)."""
+class StreamedChunk:
+    """One ``tcp://`` chunk being received into ``host`` (1-D ``uint8``), checked as it
+    arrives: the xxh3_64 of its first ``done`` bytes (of the ``end`` its checksum covers,
+    all but the last 8) is made piece by piece while they are in cache, and
+    :meth:`verify` then checks the whole chunk as
+    :meth:`~kvstore.core.headers.HeaderChecks.verify_host` does, the streamed hash
+    standing in for a second read of the payload."""
 
     __slots__ = ("done", "end", "hash", "host", "key", "position")
 
-    def __init__(self, host: np.ndarray, key: ChunkKey, position: int) -> None:
+    def __init__(self, host: np.ndarray, key: ChunkKey, position: int = 0) -> None:
         self.host = host
         self.key = key
         self.position = position
         self.end = max(0, host.size - 8)
         self.done = 0
         self.hash = xxhash.xxh3_64()
+
+    def advance(self, upto: int) -> None:
+        """Bytes ``[0, upto)`` have arrived: hash those not hashed yet."""
+        stop = min(upto, self.end)
+        if stop > self.done:
+            self.hash.update(self.host[self.done : stop].data)
+            self.done = stop
+
+    def verify(self, checks: HeaderChecks) -> None:
+        """Check header, key, spec and checksum (raises :class:`ChunkError` as
+        :func:`~kvstore.core.codec.verify_chunk` does). Unless every byte the checksum
+        covers was advanced over, the payload is hashed again: never less than one pass."""
+        whole = self.done == self.end
+        checks.verify_host(self.host, self.key, self.hash.intdigest() if whole else None)
 
 
 def _verify(view: torch.Tensor, key: ChunkKey, spec: ChunkSpec) -> object:
@@ -285,7 +304,7 @@ def _in_host(items: list[LandedChunk]) -> bool:
 def _left(
     ns: Namespace,
     items: list[LandedChunk],
-    known: Callable[[list[int], int, list[ChunkKey]], list[int] | None],
+    known: Callable[[list[int], int, list[ChunkKey]], Sequence[int]],
 ) -> list[LandedChunk]:
     """Of ``items`` (contiguous, in host memory), those ``known`` (a
     :class:`~kvstore.core.headers.HeaderChecks` method's one call into C) did not pass:
@@ -293,8 +312,7 @@ def _left(
     if len(sizes := {it.view.numel() for it in items}) != 1:
         return items
     addrs = [it.view.data_ptr() for it in items]
-    listed = known(addrs, sizes.pop(), [_key(ns, it) for it in items])
-    return items if listed is None else [items[k] for k in listed]
+    return [items[k] for k in known(addrs, sizes.pop(), [_key(ns, it) for it in items])]
 
 
 def _bytes(view: torch.Tensor) -> np.ndarray:
