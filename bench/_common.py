@@ -563,15 +563,17 @@ def time_calls(fn: Callable[[], object], n: int, warmup: int = 50) -> dict[str, 
 async def time_calls_async(
     call: Callable[[], Awaitable[object]], n: int, warmup: int = 50
 ) -> dict[str, float]:
-    """Like :func:`time_calls` for a coroutine function, awaited one call at a time."""
+    """Like :func:`time_calls` for a coroutine function, awaited one call at a time; also
+    ``cpu``: this process's CPU (every thread) per call, on average."""
     for _ in range(warmup):
         await call()
     lat = []
+    cpu0 = time.process_time()
     for _ in range(n):
         t0 = time.perf_counter()
         await call()
         lat.append(time.perf_counter() - t0)
-    return latency_stats(lat)
+    return {**latency_stats(lat), "cpu": (time.process_time() - cpu0) / n}
 
 
 T = TypeVar("T")

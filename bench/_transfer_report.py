@@ -27,6 +27,7 @@ __all__ = [
     "IDLE_TARGET",
     "PUT_PATHS",
     "RATIO_SIZES",
+    "RAW_PROBE",
     "STATS_PROBE",
     "TARGETS",
     "baseline_table",
@@ -53,6 +54,7 @@ TARGETS = {
 STATS_PROBE = "kvstore tcp://: stats frame and answer"
 """Section 1b's framed round trip that builds the node's counters on the way."""
 EMPTY_PROBE = "kvstore tcp://: a framed request the node does nothing for"
+RAW_PROBE = "raw socket: 9 B request, 64 B answer"
 """Section 1b's framed round trip with no work in the node's handler (``unhold`` of no
 hold): the floor under every control step, and section 4's floor's round trip."""
 IDLE_TARGET = 0.15
@@ -65,6 +67,8 @@ BASELINES = (("kv ucx put", "raw NIXL WRITE", "ucx put"),
              ("kv tcp put", "raw asyncio put", "tcp put"),
              ("kv tcp get", "raw asyncio get", "tcp get"))  # fmt: skip
 """Each kvstore path, the raw path it is measured against, and its :data:`TARGETS` key."""
+CONTROL_TRIPS = {"kv ucx put": 2, "kv ucx layers put": 1}
+"""Framed round trips a ``ucx://`` put's client makes around its WRITE (section 3c's floor)."""
 PUT_PATHS = ("kv tcp put", "kv ucx put", "kv ucx layers put", "raw asyncio put", "raw NIXL WRITE")
 GET_PATHS = (
     "kv tcp get", "kv ucx get", "kv ucx leased get", "raw asyncio get", "raw NIXL READ"
@@ -171,14 +175,16 @@ def kv_table(res: Results, warmup: int, region: int) -> Table:
 def probe_table(res: Results, probes: int) -> Table:
     """Section 1b: fixed costs of one small round trip of each kind, ``probes`` of each."""
     table = Table(f"1b. fixed costs: one small round trip, {probes} sequential (writer process)",
-                  ["round trip", "p50 µs", "p99 µs", "mean µs"])  # fmt: skip
+                  ["round trip", "p50 µs", "p99 µs", "mean µs", "client CPU µs"])  # fmt: skip
     for name, st in res.probes.items():
-        table.add(name, *(f"{st[k] * 1e6:.0f}" for k in ("p50", "p99", "mean")))
+        cpu = f"{st['cpu'] * 1e6:.0f}" if "cpu" in st else "-"
+        table.add(name, *(f"{st[k] * 1e6:.0f}" for k in ("p50", "p99", "mean")), cpu)
     table.notes.append(
         "kvstore rows: one framed JSON request and answer on the node's data port; the one the "
         "node does nothing for (an unhold of a hold that does not exist) is the floor under "
         "every control step in section 1, stats also builds the node's counters. NIXL rows: "
-        "against the raw NIXL target process."
+        "against the raw NIXL target process. Client CPU: the writer process's CPU (every "
+        "thread) per round trip, on average (section 3c's floor uses it)."
     )
     return table
 
@@ -251,8 +257,9 @@ def client_cpu_table(res: Results) -> Table:
         f"3c. Client CPU per GB beside the raw client's; target for ucx:// put ≤ "
         f"{CLIENT_CPU_TARGET}x the raw NIXL writer's",
         ["chunk", "chunks", "depth", "path", "client CPU s/GB", "baseline",
-         "baseline CPU s/GB", "÷ baseline"],
+         "baseline CPU s/GB", "÷ baseline", "floor ÷ baseline: framed / raw socket"],
     )  # fmt: skip
+    trip_cpu = [res.probes.get(name, {}).get("cpu") for name in (EMPTY_PROBE, RAW_PROBE)]
     for p, d in itertools.product(res.points, res.setup.depths):
         for path, base, key in BASELINES:
             target = CLIENT_CPU_TARGET if key == "ucx put" else None
@@ -262,16 +269,24 @@ def client_cpu_table(res: Results) -> Table:
             ours, theirs = a.client_cpu / a.moved_gb, b.client_cpu / b.moved_gb
             ratio = ours / theirs if theirs > 0 else math.inf
             mark = "" if target is None else (" ✓" if ratio <= target else " ✗")
+            floor, trips, gb = "-", CONTROL_TRIPS.get(path), a.nbytes / 1e9
+            if trips and None not in trip_cpu and theirs > 0:
+                floor = " / ".join(f"{(theirs + trips * c / gb) / theirs:.2f}" for c in trip_cpu)
             table.add(p.label, p.batch, d, path.removeprefix("kv "), f"{ours:.3f}",
-                      base, f"{theirs:.3f}", f"{ratio:.2f}{mark}")  # fmt: skip
-    table.notes.append(
+                      base, f"{theirs:.3f}", f"{ratio:.2f}{mark}", floor)  # fmt: skip
+    table.notes += [
         "Each side's process CPU (getrusage, every thread, user and system) over its timed "
         "stretches ÷ the GB it moved. The raw NIXL client posts each request and spins on "
         "its status on one thread, so its CPU is about its wall time; kvstore's client "
         "spins at most 100 µs on the loop, then waits in a worker's backoff polling. Over "
         "ucx:// on one host UCX copies with CMA in the poster's kernel, so both sides' "
-        "figures include the copy, which an RDMA NIC would do."
-    )
+        "figures include the copy, which an RDMA NIC would do.",
+        "Floor: the least a ucx:// put's client could spend with kvstore's framing, as a "
+        "multiple of the raw writer's: the raw NIXL writer's CPU plus the client CPU of its "
+        "control round trips (2 for a put: reserve, landed; 1 for a later layer: write), each "
+        "taken at the client CPU of section 1b's framed round trip the node does nothing for, "
+        "then of its raw socket round trip (what any client on asyncio spends at least).",
+    ]
     return table
 
 

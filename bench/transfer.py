@@ -68,6 +68,7 @@ from _common import (
 )
 from _transfer_report import (
     EMPTY_PROBE,
+    RAW_PROBE,
     STATS_PROBE,
     baseline_table,
     client_cpu_table,
@@ -768,7 +769,7 @@ async def _probes(setup: Setup) -> dict[str, dict[str, float]]:
 
     view = as_byte_view(tiny, writable=True)
     calls = {
-        "raw socket: 9 B request, 64 B answer": lambda: raw_socket_get(_STATE["raws"][0], [view]),
+        RAW_PROBE: lambda: raw_socket_get(_STATE["raws"][0], [view]),
         EMPTY_PROBE: lambda: node.unhold("no-such-hold"),
         STATS_PROBE: stats,
         "raw NIXL WRITE of 64 B (binding, spinning)": raw_nixl,
