@@ -282,13 +282,18 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
 
 
 def wait_for_data(prom: Prometheus, exprs: list[str]) -> dict[str, dict[str, Any]]:
-    """Each expression's last answer, polled until every one returned data or
-    DATA_TIMEOUT_S passed."""
+    """Each expression's first answer with data (else its last), each polled until it
+    returned data or DATA_TIMEOUT_S passed. An expression is not asked again once it
+    answered with data: a scrape that times out on a loaded machine marks its target's
+    series stale until the next one, so asking for every expression at one instant could
+    keep finding one of them empty."""
     answers: dict[str, dict[str, Any]] = {}
     deadline = time.monotonic() + DATA_TIMEOUT_S
     while True:
-        answers = {e: prom.query(e) for e in exprs}
-        if all(a.get("data", {}).get("result") for a in answers.values()):
+        for e in exprs:
+            if not answers.get(e, {}).get("data", {}).get("result"):
+                answers[e] = prom.query(e)
+        if all(answers[e].get("data", {}).get("result") for e in exprs):
             return answers
         if time.monotonic() > deadline:
             return answers
