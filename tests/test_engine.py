@@ -273,6 +273,12 @@ def test_kvctl_evict_a_prompt_then_the_namespace(server: Server) -> None:
         assert report["evicted"] == 4 and report["blocks"] == 4
         assert kv.match_prefix(first) == 0 and kv.get_layer(first, 0).shape[1] == 0
         assert kv.match_prefix(second) == 512  # other prompts untouched
+        # A tenant named on a pool without tenants is refused, not read as the namespace
+        # without one (it evicted that namespace's blocks).
+        out = io.StringIO()
+        assert kvctl(["--master", server.grpc, "evict", *flags, "--tenant", "bob"], stdout=out) == 0
+        assert "names tenant 'bob', but this pool has no tenants" in out.getvalue()
+        assert ": 0 slots evicted" in out.getvalue() and kv.match_prefix(second) == 512
         out = io.StringIO()
         assert kvctl(["--master", server.grpc, "evict", *flags], stdout=out) == 0
         assert "2 slots evicted" in out.getvalue()

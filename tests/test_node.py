@@ -252,6 +252,45 @@ async def test_concurrent_puts_share_commits(rig: Rig) -> None:
             await conn.close()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_put_of_more_blocks_than_memory_holds_stores_those_that_fit(
+    transport: str,
+) -> None:
+    """A put naming more new blocks than the node's memory holds stores its leading blocks
+    (the rest answered busy: not stored), commits them and leaves no empty slot behind.
+    It was refused whole, after evicting every other block for slots it left empty."""
+    async with running(transport, host_mem=4 * 2**20) as rig:
+        conn = await connect(rig.node.data_uri, timeout=TIMEOUT)
+        try:
+            old = blocks(2)
+            assert (await put(conn, rig.node, old, chunks(old))).stored == 2
+            keys = blocks(24)
+            rows = chunks(keys)
+            spec = tuple(PutChunk(k, None, 0, rows.shape[1]) for k in keys)
+            client = NodeClient(rig.node.data_uri, timeout_s=TIMEOUT)
+            if transport == "ucx":
+
+                async def write(ready: Ready) -> None:
+                    sent = ready.sending()
+                    spans = list(ready.spans or ())
+                    await write_by_ucx(rig.node, spans, rows[sent].contiguous())
+
+                ack = await client.reserve(NS.canonical_bytes(), spec, write)
+            else:
+                ack = await client.put(NS.canonical_bytes(), spec, [r.numpy() for r in rows])
+            fit = ack.stored
+            assert 4 <= fit < len(keys) and not ack.failed
+            assert ack.busy == tuple(range(fit, len(keys)))
+            assert await rig.holders(keys) == [1] * fit + [0] * (len(keys) - fit)
+            host = rig.node.tiers.host.table
+            assert len(host) == fit + sum(await rig.holders(old))  # (no slot left empty)
+            found, got = await get(conn, keys[:fit])
+            assert found == [1] * fit
+            assert all(torch.equal(g, r) for g, r in zip(got, rows[:fit], strict=True))
+        finally:
+            await conn.close()
+
+
 async def test_a_registration_re_reports_in_bounded_commits(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -114,6 +114,23 @@ def test_capacity_error_when_everything_is_pinned() -> None:
     table.validate()
 
 
+def test_a_slot_that_eviction_cannot_make_room_for_evicts_nothing() -> None:
+    """When even evicting every unpinned slot would not free a slot's size, the allocation
+    fails before it evicts: a request that cannot be met does not empty the cache."""
+    table, _ = small_table()
+    leases = [table.pin(table.allocate(key(i), 4096, 1024, 4).slot) for i in range(12)]
+    for i in range(12, 16):
+        table.allocate(key(i), 4096, 1024, 4)  # 16 KiB unpinned, nothing free
+    with pytest.raises(CapacityError, match="evicted nothing"):
+        table.allocate(key(99), 32 * KiB, 8 * KiB, 4)
+    assert table.take_evictions() == [] and len(table) == 16
+    for lease in leases[8:]:
+        lease.release()  # 32 KiB unpinned, side by side: room, by evicting all of it
+    result = table.allocate(key(99), 32 * KiB, 8 * KiB, 4)
+    assert sorted(result.evicted) == [*map(key, range(8, 16))]
+    table.validate()
+
+
 def test_release_is_idempotent_and_leases_nest() -> None:
     table, _ = small_table()
     slot = table.allocate(key(1), 4096, 1024, 4).slot

@@ -289,9 +289,17 @@ class SlotTable:
         self, slot_bytes: int, owner: str = "", stride: int = 0, evict: bool = True
     ) -> int:
         arena = self.arena
+        first = True
         while (offset := arena.alloc_slot(slot_bytes)) is None:
             if not evict:
                 raise CapacityError(f"no free room for a {slot_bytes}-byte slot")
+            if first and arena.free_bytes + self._unpinned_bytes() < stride:
+                # Evicting every unpinned slot could not make room: evict none of them.
+                raise CapacityError(
+                    f"no room for a {slot_bytes}-byte slot: {arena.free_bytes} bytes free and "
+                    f"{self._unpinned_bytes()} in unpinned slots; evicted nothing"
+                )
+            first = False
             victim = self._pop_lru(owner, stride)
             if victim is None:
                 raise CapacityError(
@@ -300,6 +308,11 @@ class SlotTable:
                 )
             self._evict_victim(victim)
         return offset
+
+    def _unpinned_bytes(self) -> int:
+        """Bytes of this table's slots that no lease pins: at most what evicting could free
+        (quarantined slots and parents of pinned children are in it too)."""
+        return sum(self._owner_bytes.values()) - self._pinned_bytes
 
     def _evict_victim(self, victim: Slot) -> None:
         moved = self._demote is not None and self._demote(victim)

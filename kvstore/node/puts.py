@@ -451,14 +451,18 @@ class Puts:
         """Allocate and pin the batch's slots, new ones in the tier
         :meth:`~kvstore.node.tiers.Tiers.start_tier` names while it has free room (the GPU
         tier never evicts for a put: its mover makes room between requests) and in host
-        memory otherwise, blocks already held in the tier that holds them (REJECT =
-        CapacityError before any payload). A block whose slot is quarantined gets None: its
-        chunks cannot be stored now (BUSY); so does a block whose every chunk named here is
-        held on the node's disk (``on_disk``: positions, STORED)."""
+        memory otherwise, blocks already held in the tier that holds them. When the first
+        block cannot get a slot the put is refused (CapacityError before any payload); when
+        a later one cannot (memory holds fewer new blocks than the put names), it and every
+        block after it that is not held already get None: not stored (BUSY), the blocks
+        before them are. A block whose slot is quarantined gets None: its chunks cannot be
+        stored now (BUSY); so does a block whose every chunk named here is held on the
+        node's disk (``on_disk``: positions, STORED)."""
         by_key: dict[SlotKey, Slot | None] = {}
         host, slot_bytes = self.tiers.host, chunk_bytes * num_chunks
         owners: dict[bytes, str] = {}
         skip: set[SlotKey] = set()
+        full = False
         if on_disk:
             rest = {k for i, (k, _, _) in enumerate(wanted) if i not in on_disk}
             skip = {k for k, _, _ in wanted} - rest
@@ -471,7 +475,7 @@ class Puts:
             # A quarantined slot counts as held, so a block is never started again in
             # another tier meanwhile.
             held = self.tiers.holder(key)
-            if held is not None and held.table.get(key) is None:
+            if (held is not None and held.table.get(key) is None) or (full and held is None):
                 by_key[key] = None
                 continue
             into = held or self.tiers.start_tier(key[0], parent)
@@ -479,13 +483,22 @@ class Puts:
                 owner = owners[key[0]] = self.owner_of(key[0])
             args = (key, slot_bytes, chunk_bytes, num_chunks, parent, owner)
             try:
-                res = into.table.allocate(*args, evict=into is host)
+                try:
+                    res = into.table.allocate(*args, evict=into is host)
+                except CapacityError:
+                    if held is not None or into is host:
+                        raise
+                    into = host  # no free room in the GPU tier: host memory, and the mover
+                    self.tiers.wake()  # makes room for the next put
+                    res = into.table.allocate(*args)
             except CapacityError:
-                if held is not None or into is host:
+                if not leases:  # (no block of this put has a slot: it is refused)
                     raise
-                into = host  # no free room in the GPU tier: host memory, and the mover
-                self.tiers.wake()  # makes room for the next put
-                res = into.table.allocate(*args)
+                # No room beside the put's blocks before it (pinned now): not stored, as
+                # are the blocks after it. A prompt larger than memory keeps its prefix.
+                by_key[key] = None
+                full = True
+                continue
             by_key[key] = res.slot
             leases.append(into.table.pin(res.slot))
             if res.evicted:

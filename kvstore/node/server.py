@@ -633,12 +633,18 @@ class StorageNode:
         """``request`` with the names it carries scoped by the connection's tenant (namespace
         ids to pool ids, object keys to the tenant's; :mod:`kvstore.core.tenancy`). A node or
         an admin may name the tenant (a drain's copies, ``kvctl evict --tenant``); a client
-        that names another than its own is refused (RoleForbidden)."""
+        that names another than its own is refused (RoleForbidden), and so is a request
+        that names a tenant where the pool has none (InvalidArgument)."""
         tenancy = self.tenancy
+        named = getattr(request, "tenant", "")
         if not tenancy.enabled:
+            if named:  # (else it would act on the untenanted namespace of that id)
+                raise InvalidArgument(
+                    f"{request.OP} names tenant {named!r}, but this pool has no tenants "
+                    "(its nodes run without an auth file)"
+                )
             return request
         tenant = peer.tenant
-        named = getattr(request, "tenant", "")
         if named and named != tenant:
             if peer.role == "client":
                 raise RoleForbidden(f"{request.OP}: a client names no tenant but its own")
