@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -195,6 +196,14 @@ async def test_status_nodes_stats_and_drain(
     ghost = await kvctl("drain", "ghost")
     assert (ghost.rc, ghost.out) == (1, "")
     assert ghost.err.count("\n") == 1 and "unknown node 'ghost'" in ghost.err
+
+    # A node that died is alive at the master until its lease ends: waiting on its drain
+    # names its data port, not the master (which answers).
+    with dead_port() as port:
+        await c.register("c", f"tcp://127.0.0.1:{port}", tiers=[Tier("host", 1000, 0)])
+        dead = await kvctl("drain", "c", "--wait", "--wait-s", "1")
+    assert dead.rc == 1 and dead.err.count("\n") == 1, dead
+    assert "drain of node c not done within 1 s" in dead.err and f":{port} does not" in dead.err
 
 
 def tier(name: str, capacity: int, used: int) -> dict[str, Any]:
@@ -584,6 +593,26 @@ async def test_top_exit_codes() -> None:
         assert (run.rc, run.err) == (2, "kvctl top: --json needs --once\n")
         run = await kvctl("top", "--interval", "0")
         assert run.rc == 2 and "must be > 0" in run.err
+
+
+def test_top_reads_a_port_that_does_not_speak_http_as_unreadable() -> None:
+    """An endpoint that answers something other than HTTP (an operator who named the gRPC
+    port) is a row that says so, not a traceback."""
+    from kvctl.top import read_metrics
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+
+        def answer() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"\x00\x00\x00\x04garbage\r\n\r\n")
+
+        thread = threading.Thread(target=answer, daemon=True)
+        thread.start()
+        sample = read_metrics(f"127.0.0.1:{server.getsockname()[1]}", 5.0)
+        thread.join(5.0)
+    assert sample.error, sample
 
 
 def test_top_imports_neither_torch_nor_numpy(pool: Server) -> None:

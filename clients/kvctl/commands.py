@@ -209,15 +209,17 @@ async def drain(
     """Set (or clear) ``node_id``'s draining mark; raises Miss for an unknown node. With
     ``wait_s`` > 0, then wait until the node has copied every block it holds to other
     nodes (its data port's ``stats``, every :data:`DRAIN_POLL_S`): raises
-    :class:`WaitTimeout` naming what is left after ``wait_s``, Miss when the node leaves
-    first, ChunkError when the drain finished with chunks it could not copy."""
+    :class:`WaitTimeout` naming what is left after ``wait_s`` (or that the node's data
+    port does not answer: a node that died is alive at the master until its lease ends),
+    Miss when the node leaves first, ChunkError when the drain finished with chunks it
+    could not copy."""
     import asyncio
     import time
 
     from kvstore.control.tls import data_context
     from kvstore.dataplane import NodeClient
     from kvstore.dataplane.client import Dial
-    from kvstore.errors import ChunkError, Miss
+    from kvstore.errors import ChunkError, KVTimeout, Miss, TransportError
 
     tickets = Dial(client.tickets(), data_context(client.tls))  # (one ticket for every dial)
     draining = await client.drain(node_id, undrain=undrain)
@@ -230,7 +232,16 @@ async def drain(
         info = infos.get(node_id)
         if info is None or not info.alive:
             raise Miss(f"node {node_id} left before its drain finished")
-        stats = await NodeClient(info.data_uri, tickets, timeout_s=timeout_s).stats()
+        try:
+            stats = await NodeClient(info.data_uri, tickets, timeout_s=timeout_s).stats()
+        except (TransportError, KVTimeout) as exc:  # dead or restarting: the master says
+            if time.monotonic() - t0 > wait_s:  # which once its lease ends
+                raise WaitTimeout(
+                    f"drain of node {node_id} not done within {wait_s:g} s: its data port "
+                    f"{info.data_uri} does not answer ({exc})"
+                ) from exc
+            await asyncio.sleep(DRAIN_POLL_S)
+            continue
         waited = time.monotonic() - t0
         passes = stats.get("drain_passes")
         if stats.get("draining") and first_pass is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import signal
 import time
 import urllib.request
@@ -116,7 +117,7 @@ def read_metrics(endpoint: str, timeout_s: float) -> MetricsSample:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
             body = resp.read(_MAX_METRICS_BYTES + 1)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # (a port not HTTP's)
         return MetricsSample(endpoint, error=_reason(exc))
     if len(body) > _MAX_METRICS_BYTES:
         return MetricsSample(endpoint, error=f"answer over {_MAX_METRICS_BYTES} bytes")
