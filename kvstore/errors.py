@@ -17,6 +17,7 @@ the boundary with ``raise ... from exc`` so callers catch one family::
     ├── CapacityError            pool full, oversized put, allocator exhausted
     ├── TransportError           data or control plane failure
     │   ├── Unreachable          cannot connect (refused, unknown host, no live node)
+    │   │   └── MasterUnreachable  a node could not reach the master to commit (not stored)
     │   ├── PeerDisconnected     peer went away mid-exchange
     │   ├── ProtocolError        garbage, oversized or truncated frame
     │   └── UnknownScheme        address scheme with no registered backend
@@ -46,6 +47,7 @@ __all__ = [
     "InvalidArgument",
     "KVStoreError",
     "KVTimeout",
+    "MasterUnreachable",
     "Miss",
     "NamespaceMismatch",
     "NodeIdTaken",
@@ -111,6 +113,13 @@ class TransportError(KVStoreError):
 
 class Unreachable(TransportError, ConnectionError):
     """The peer cannot be reached (refused, unresolvable, no live node)."""
+
+
+class MasterUnreachable(Unreachable):
+    """A node could not reach the pool's master to commit what a request changed (a put's
+    chunks, an object, an eviction): the node answers, but nothing of it is known stored.
+    Chunks that landed may still become readable once the node reaches the master again
+    (it re-reports what it holds when it registers)."""
 
 
 class PeerDisconnected(TransportError, ConnectionError):

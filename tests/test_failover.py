@@ -228,3 +228,23 @@ async def test_a_node_list_past_its_life_serves_calls_while_trusted(
         await kv._live_nodes()
         assert kv._nodes_at > before and kv._nodes_ahead is None  # (asked, on the call's path)
         assert kv._nodes_trusted
+
+
+async def test_a_put_whose_commit_the_master_cannot_take_is_answered_so(
+    cluster: tuple[Server, list[Server]],
+) -> None:
+    """The master killed: a node that received a put but cannot commit it answers a typed
+    error that names the master (the chunks are not known stored), on a connection that
+    stays usable, and the client does not hold that against the node. It dropped the
+    connection instead (the client saw the node disconnect)."""
+    master, nodes = cluster
+    async with await _connect(master) as kv:
+        assert await kv.put_layer(prompt(512, seed=95), 0, layer_kv(512, 0, 95)) == 512
+        blamed: list[None] = []
+        kv._writes._node_failed = lambda: blamed.append(None)  # (what a node failing calls)
+        master.kill()
+        for seed in (96, 97):  # (the second: on the connections the first used)
+            with pytest.raises(kvclient.errors.MasterUnreachable, match="not committed"):
+                await kv.put_layer(prompt(512, seed=seed), 0, layer_kv(512, 0, seed))
+        assert blamed == []  # (the node was not at fault)
+        assert all(n.proc.poll() is None for n in nodes)

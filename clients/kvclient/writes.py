@@ -31,7 +31,7 @@ import torch
 
 from kvstore.dataplane import NodeClient, PutChunk
 from kvstore.dataplane.messages import Ready
-from kvstore.errors import KVStoreError, KVTimeout, TransportError
+from kvstore.errors import KVStoreError, KVTimeout, MasterUnreachable, TransportError
 
 from .encoding import copy_rows
 from .reads import NodeEntry, batches
@@ -43,7 +43,8 @@ PUT_DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("kvclient_p
 """The running put's deadline (loop time), set for its task by the client's tracked put."""
 
 _NODE_FAILED = (TransportError, KVTimeout)
-"""What a node's put raises when the node or the link to it, not the request, failed."""
+"""What a node's put raises when the node or the link to it, not the request, failed
+(:class:`MasterUnreachable` aside: the node answered, its master did not)."""
 
 WAIT_SHARE = 0.5
 """Share of a put's remaining time it may spend waiting on a node for another writer's
@@ -162,7 +163,9 @@ class ChunkWriter:
     def _stored(self, copies: list[int], need: list[int], errors: list[KVStoreError]) -> set[int]:
         """The indices with ``need`` copies; the first error when there is none. A node
         or link that failed is said (``node_failed``)."""
-        if any(isinstance(e, _NODE_FAILED) for e in errors):
+        if any(
+            isinstance(e, _NODE_FAILED) and not isinstance(e, MasterUnreachable) for e in errors
+        ):
             self._node_failed()
         stored = {i for i, c in enumerate(copies) if c >= need[i]}
         if errors and not stored:

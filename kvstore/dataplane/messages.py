@@ -55,8 +55,9 @@ Error{op: error, code, message} answers any request; its code maps to the except
 ``invalid`` → InvalidArgument, ``shape`` → BadShape, ``namespace`` → NamespaceMismatch,
 ``capacity`` → CapacityError, ``protocol`` → ProtocolError, ``unauthorized`` → Unauthorized
 (the connection's handshake failed, :mod:`kvstore.dataplane.handshake`), ``forbidden`` →
-PermissionDenied (the connection's role may not make this request), ``internal`` →
-TransportError.
+PermissionDenied (the connection's role may not make this request), ``master`` →
+MasterUnreachable (the node could not commit the request's changes to the master),
+``internal`` → TransportError.
 Every parser checks types and bounds (:data:`MAX_CHUNKS_PER_REQUEST`, :data:`MAX_KEY_LEN`)
 and raises :class:`~kvstore.errors.ProtocolError` for anything malformed.
 """
@@ -87,6 +88,7 @@ from kvstore.errors import (
     CapacityError,
     InvalidArgument,
     KVStoreError,
+    MasterUnreachable,
     NamespaceMismatch,
     PermissionDenied,
     ProtocolError,
@@ -151,6 +153,7 @@ _CODES: dict[str, type[KVStoreError]] = {
     "protocol": ProtocolError,
     "forbidden": PermissionDenied,
     "unauthorized": Unauthorized,
+    "master": MasterUnreachable,
     "internal": TransportError,
 }
 

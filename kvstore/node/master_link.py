@@ -26,7 +26,7 @@ from kvstore.control.client import MasterClient
 from kvstore.control.heartbeat import Heartbeats
 from kvstore.control.records import BlockAdd, BlockRef, CommitBatch, ObjectAdd, Tier
 from kvstore.core.slots import ObjectStore, SlotKey
-from kvstore.errors import KVStoreError, StaleEpoch, TransportError
+from kvstore.errors import KVStoreError, KVTimeout, MasterUnreachable, StaleEpoch, TransportError
 from kvstore.metrics import Metrics
 from kvstore.node.tiers import Tiers
 from kvstore.v1 import kvstore_pb2 as pb
@@ -150,16 +150,23 @@ class MasterLink:
         object_removes: Iterable[str] = (),
     ) -> None:
         """Commit ``adds`` (and every eviction not yet reported); returns once the master
-        applied them, raises what the Commit RPC raised (:class:`TransportError` while the
-        node re-registers). A batch never names one object key twice (object changes keep
-        their order)."""
+        applied them. Raises :class:`MasterUnreachable` when the Commit RPC failed (the
+        master unreachable or too slow, or the node re-registering), else what it raised.
+        A batch never names one object key twice (object changes keep their order)."""
         done = asyncio.get_running_loop().create_future()
         # A caller cancelled meanwhile leaves its outcome unread: mark it read.
         done.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._queued.append(_Queued(adds, list(object_adds), list(object_removes), done))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush(), name="kvstore-commit")
-        await asyncio.shield(done)
+        try:
+            await asyncio.shield(done)
+        except (TransportError, KVTimeout) as exc:
+            if isinstance(exc, MasterUnreachable):
+                raise
+            raise MasterUnreachable(
+                f"not committed: the master did not take this node's commit ({exc})"
+            ) from exc
 
     async def _flush(self) -> None:
         """Send queued commits, one RPC at a time, until none is queued."""

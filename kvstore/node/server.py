@@ -97,6 +97,7 @@ from kvstore.errors import (
     InvalidArgument,
     KVStoreError,
     KVTimeout,
+    MasterUnreachable,
     NodeIdTaken,
     PermissionDenied,
     ProtocolError,
@@ -603,8 +604,10 @@ class StorageNode:
                 ProtocolError,
                 ChunkError,
                 RoleForbidden,
+                MasterUnreachable,
             ) as exc:
-                # The request was refused before any payload moved: the stream is intact.
+                # The request was refused before any payload moved, or its commit failed
+                # after all of it had: the stream is intact.
                 self._count_error(frame.header, Error.of(exc).code)
                 if conn.closed:
                     return
