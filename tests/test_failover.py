@@ -10,6 +10,7 @@ A put that reaches only ``min_replicas`` of its nodes counts as stored."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import Iterator
@@ -51,8 +52,8 @@ def cluster(transport: str) -> Iterator[tuple[Server, list[Server]]]:
 
 
 async def _connect(master: Server, wait: bool = True, **options: object) -> kvclient.KVClient:
-    kv = await kvclient.KVClient.connect(master.grpc, namespace(2), replicas=2,
-                                         timeout_s=TIMEOUT_S, **options)  # fmt: skip
+    options = {"replicas": 2, "timeout_s": TIMEOUT_S, **options}
+    kv = await kvclient.KVClient.connect(master.grpc, namespace(2), **options)
     deadline = time.monotonic() + 10
     while wait and len(await kv._live_nodes(refresh=True)) < 2:  # (both placeable)
         assert time.monotonic() < deadline, "the two nodes did not register"
@@ -248,3 +249,22 @@ async def test_a_put_whose_commit_the_master_cannot_take_is_answered_so(
                 await kv.put_layer(prompt(512, seed=seed), 0, layer_kv(512, 0, seed))
         assert blamed == []  # (the node was not at fault)
         assert all(n.proc.poll() is None for n in nodes)
+
+
+async def test_a_node_that_failed_a_put_takes_no_new_blocks_from_that_client(
+    cluster: tuple[Server, list[Server]],
+) -> None:
+    """A node killed (``kill -9``; the master lists it until its lease ends): the put that
+    finds it dead loses the blocks placed there, and the client's next puts place every
+    block on the nodes left. They kept going to it for half a lease."""
+    master, nodes = cluster
+    async with await _connect(master, replicas=1) as kv:
+        first, second = prompt(1024, seed=98), prompt(1024, seed=99)
+        placed = kv._place(kv.block_hashes(first)[0], await kv._live_nodes())[0]
+        victim = next(n for n in nodes if n.addresses["node"] == placed.node_id)
+        victim.kill()
+        with contextlib.suppress(kvclient.errors.KVStoreError):  # (raises if none stored)
+            assert await kv.put_layer(first, 0, layer_kv(1024, 0, 98)) == 0
+        for tokens, seed in ((second, 99), (first, 98)):
+            assert await kv.put_layer(tokens, 0, layer_kv(1024, 0, seed)) == 1024
+            assert (await kv.get_layer(tokens, 0)).shape[1] == 1024

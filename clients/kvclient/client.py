@@ -57,7 +57,7 @@ from .engine import EngineOps
 from .handles import all_of, prefix_len
 from .objects import ObjectOps
 from .pool import ConnectionPool
-from .reads import ChunkReader, LayerRead, NodeEntry, batches
+from .reads import FAILED_FOR_S, ChunkReader, LayerRead, NodeEntry, batches
 from .routing import RoutingOps
 from .stream import StreamOps
 from .ucx import DEFAULT_STAGING_BYTES, UcxPath, agent_host, prefer_ucx, staging_device
@@ -186,6 +186,10 @@ class ClientCore:
         self._placing: tuple[list[NodeEntry], dict[str, NodeEntry], list[Candidate]] | None = None
         self._placed: OrderedDict[bytes, tuple[str, ...]] = OrderedDict()
         """Block hash → the node ids its last put went to, oldest first (bounded)."""
+        self._shunned: dict[str, float] = {}
+        """Data URI of a node that failed this client → monotonic time until which it
+        takes no new blocks from it (:meth:`_node_failed`)."""
+        self._placeable_memo: tuple[list[NodeEntry], int, float, list[NodeEntry]] | None = None
         self._nodes_lock = asyncio.Lock()
         self._nodes_ahead: asyncio.Task[None] | None = None
         self._codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvclient-codec")
@@ -203,7 +207,7 @@ class ClientCore:
             discard=self._pool.discard,
             run_codec=self._run_codec,
             report_node=self._master.report_node,
-            node_failed=self._distrust_nodes,
+            node_failed=self._node_failed,
         )
         self._writes = ChunkWriter(
             ns_raw=self._ns_raw,
@@ -216,7 +220,7 @@ class ClientCore:
             ucx=self._ucx,
             node=self._node,
             run_codec=self._run_codec,
-            node_failed=self._distrust_nodes,
+            node_failed=self._node_failed,
         )
         self._loop = asyncio.get_running_loop()
         self._closed = False
@@ -445,6 +449,33 @@ class ClientCore:
         failure since it was fetched, nor while it was."""
         return self._nodes_clean == self._distrusts
 
+    def _node_failed(self, uri: str) -> None:
+        """The node at ``uri`` failed this client's put or read (or did not answer in
+        time): the snapshot is distrusted (:meth:`_distrust_nodes`), and the node takes no
+        new blocks from this client for :data:`~kvclient.reads.FAILED_FOR_S` (the master
+        lists a node that died until its lease ends)."""
+        self._distrust_nodes()
+        if len(self._shunned) >= _MAX_NODE_CLIENTS:
+            self._shunned.clear()
+        self._shunned[uri] = time.monotonic() + FAILED_FOR_S
+
+    def _placeable(self, nodes: list[NodeEntry]) -> list[NodeEntry]:
+        """``nodes`` less those that failed this client lately (:meth:`_node_failed`); all
+        of them when every one did. The same list while that holds (``_place`` caches by
+        it)."""
+        if not self._shunned:
+            return nodes
+        now, memo = time.monotonic(), self._placeable_memo
+        if memo is not None and memo[0] is nodes and memo[1] == self._distrusts and now < memo[2]:
+            return memo[3]
+        self._shunned = {u: t for u, t in self._shunned.items() if t > now}
+        kept = [n for n in nodes if n.data_uri not in self._shunned]
+        if not kept or len(kept) == len(nodes):
+            kept = nodes
+        until = min(self._shunned.values(), default=float("inf"))
+        self._placeable_memo = (nodes, self._distrusts, until, kept)
+        return kept
+
     def _distrust_nodes(self) -> None:
         """A node failed this client (or a refresh failed): the snapshot is not used past
         its TTL (:data:`_NODES_STALE_S`), nor is one fetched before now."""
@@ -468,9 +499,11 @@ class ClientCore:
         weigh the nodes anew; the prompt's later layers still go where its first went, so
         a block's chunks stay on one holder and the grants its last ack gave are used. The
         candidates are built once per node snapshot, not once per block. Raises
-        :class:`Unreachable` saying why when no node takes new blocks."""
+        :class:`Unreachable` saying why when no node takes new blocks. A node that failed
+        this client lately takes none of them while others are left (:meth:`_placeable`)."""
         if not nodes:
             raise Unreachable(self._no_place or "no live storage node to place a block on")
+        nodes = self._placeable(nodes)
         if self._placing is None or self._placing[0] is not nodes:
             by_id = {n.node_id: n for n in nodes}
             cands = [Candidate(n.node_id, weight_for_free(n.free_bytes)) for n in nodes]

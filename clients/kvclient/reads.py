@@ -132,7 +132,7 @@ class ChunkReader:
     one node; ``report_node(node_id, epoch, why, timeout=)`` (the master client's) is told
     of a node whose read failed, once per :data:`FAILED_FOR_S`, in the background: the
     master marks it suspect at once, so other clients read its blocks elsewhere first;
-    ``node_failed()`` is called at each failed read.
+    ``node_failed(uri)`` is called at each failed read of the node at ``uri``.
     """
 
     def __init__(
@@ -148,7 +148,7 @@ class ChunkReader:
         discard: Callable[[str], Awaitable[None]],
         run_codec: Callable[..., Awaitable[Any]],
         report_node: Callable[..., Awaitable[bool]] | None = None,
-        node_failed: Callable[[], None] = lambda: None,
+        node_failed: Callable[[str], None] = lambda uri: None,
     ) -> None:
         self.stats = ReadStats()
         self._ns_id = ns_id
@@ -187,7 +187,7 @@ class ChunkReader:
         except (TransportError, TimeoutError) as exc:
             logger.warning("get from %s failed: %s", uri, str(exc) or type(exc).__name__)
             self.stats.failed_reads += 1
-            self._node_failed()
+            self._node_failed(uri)
             if len(self._failed) >= _MAX_FAILED:
                 self._failed.clear()
             if node is not None and self._failed.get(uri, 0.0) <= time.monotonic():

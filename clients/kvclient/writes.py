@@ -56,8 +56,9 @@ class ChunkWriter:
 
     ``node(uri)`` gives the node's data-plane client; ``run_codec(nbytes, fn, *args)`` runs
     copies (:meth:`~kvclient.KVClient._run_codec`); ``ucx`` is the client's ``ucx://``
-    path (agent and staging); ``node_failed()`` is called when a node or the link to it
-    failed a put, or did not answer it in time.
+    path (agent and staging); ``node_failed(uri)`` is called when the node at ``uri`` or
+    the link to it failed a put, or did not answer it in time (not when it answered that
+    its master did not take the commit).
     """
 
     def __init__(
@@ -73,7 +74,7 @@ class ChunkWriter:
         ucx: UcxPath,
         node: Callable[[str], NodeClient],
         run_codec: Callable[..., Awaitable[Any]],
-        node_failed: Callable[[], None] = lambda: None,
+        node_failed: Callable[[str], None] = lambda uri: None,
     ) -> None:
         self.writer = uuid.uuid4().hex
         """Who this client is to nodes' grants."""
@@ -123,10 +124,13 @@ class ChunkWriter:
             except KVStoreError as failed:
                 errors.append(failed)
             return self._stored(copies, need, errors)
-        pending = {
-            asyncio.ensure_future(self._put_to_node(by_id[nid], part, hashes, index, chunks, host))
+        uris = {
+            asyncio.ensure_future(
+                self._put_to_node(by_id[nid], part, hashes, index, chunks, host)
+            ): by_id[nid].data_uri
             for nid, part in parts
         }
+        pending = set(uris)
         grace_until: float | None = None
         try:
             while pending:
@@ -151,9 +155,8 @@ class ChunkWriter:
                 if grace_until is None and all(c >= n for c, n in zip(copies, need, strict=True)):
                     grace_until = time.monotonic() + self._node_timeout_s
         finally:
-            if pending:  # (a node that did not answer within the grace, or the deadline)
-                self._node_failed()
-            for task in pending:
+            for task in pending:  # (a node that did not answer within the grace or deadline)
+                self._node_failed(uris[task])
                 task.cancel()
                 task.add_done_callback(lambda t: t.cancelled() or t.exception())
             if pending:
@@ -161,12 +164,7 @@ class ChunkWriter:
         return self._stored(copies, need, errors)
 
     def _stored(self, copies: list[int], need: list[int], errors: list[KVStoreError]) -> set[int]:
-        """The indices with ``need`` copies; the first error when there is none. A node
-        or link that failed is said (``node_failed``)."""
-        if any(
-            isinstance(e, _NODE_FAILED) and not isinstance(e, MasterUnreachable) for e in errors
-        ):
-            self._node_failed()
+        """The indices with ``need`` copies; the first error when there is none."""
         stored = {i for i, c in enumerate(copies) if c >= need[i]}
         if errors and not stored:
             raise errors[0]
@@ -183,7 +181,25 @@ class ChunkWriter:
     ) -> set[int]:
         """One put exchange: ``put`` → READY → data → ack over ``tcp://`` (sending
         ``host``, the chunks in host memory), or ``reserve`` → spans → one-sided WRITE →
-        ``landed`` → ack over ``ucx://`` (from ``chunks``, wherever they are)."""
+        ``landed`` → ack over ``ucx://`` (from ``chunks``, wherever they are). A node or
+        link that failed it is said (``node_failed``)."""
+        try:
+            return await self._exchange(node, idx, hashes, index, chunks, host)
+        except _NODE_FAILED as exc:
+            if not isinstance(exc, MasterUnreachable):  # (the node answered: its master not)
+                self._node_failed(node.data_uri)
+            raise
+
+    async def _exchange(
+        self,
+        node: NodeEntry,
+        idx: list[int],
+        hashes: list[bytes],
+        index: int,
+        chunks: Sequence[torch.Tensor],
+        host: Sequence[torch.Tensor],
+    ) -> set[int]:
+        """:meth:`_put_to_node`'s exchange."""
         spec = [PutChunk(hashes[i], hashes[i - 1] if i else None, index, self._chunk_bytes)
                 for i in idx]  # fmt: skip
         now = asyncio.get_running_loop().time()
