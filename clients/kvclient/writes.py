@@ -183,49 +183,37 @@ class ChunkWriter:
         ``host``, the chunks in host memory), or ``reserve`` → spans → one-sided WRITE →
         ``landed`` → ack over ``ucx://`` (from ``chunks``, wherever they are). A node or
         link that failed it is said (``node_failed``)."""
-        try:
-            return await self._exchange(node, idx, hashes, index, chunks, host)
-        except _NODE_FAILED as exc:
-            if not isinstance(exc, MasterUnreachable):  # (the node answered: its master not)
-                self._node_failed(node.data_uri)
-            raise
-
-    async def _exchange(
-        self,
-        node: NodeEntry,
-        idx: list[int],
-        hashes: list[bytes],
-        index: int,
-        chunks: Sequence[torch.Tensor],
-        host: Sequence[torch.Tensor],
-    ) -> set[int]:
-        """:meth:`_put_to_node`'s exchange."""
         spec = [PutChunk(hashes[i], hashes[i - 1] if i else None, index, self._chunk_bytes)
                 for i in idx]  # fmt: skip
         now = asyncio.get_running_loop().time()
         wait_s = max(0.0, PUT_DEADLINE.get(now + self._timeout_s) - now) * WAIT_SHARE
         peer = self._node(node.data_uri)
-        if node.ucx:
-            nxt = index + self._tp_size  # this shard's next layer: granted with the ack
-            grant = (nxt,) if nxt // self._tp_size in self._write_layers else ()
-            blocks = [hashes[i] for i in idx]
-            granter = f"{node.node_id}@{node.epoch}"  # a restarted node grants afresh
-            spans = self.grants.take(granter, blocks, index, self._chunk_bytes)
-            if spans is not None:  # one round trip: WRITE, then say so
-                await self._write_ucx(node, spans, [chunks[i] for i in idx])
-                ack = await peer.write(self._ns_raw, spec, self.writer, grant, wait_s)
+        try:
+            if node.ucx:
+                nxt = index + self._tp_size  # this shard's next layer: granted with the ack
+                grant = (nxt,) if nxt // self._tp_size in self._write_layers else ()
+                blocks = [hashes[i] for i in idx]
+                granter = f"{node.node_id}@{node.epoch}"  # a restarted node grants afresh
+                spans = self.grants.take(granter, blocks, index, self._chunk_bytes)
+                if spans is not None:  # one round trip: WRITE, then say so
+                    await self._write_ucx(node, spans, [chunks[i] for i in idx])
+                    ack = await peer.write(self._ns_raw, spec, self.writer, grant, wait_s)
+                else:
+
+                    async def write(ready: Ready) -> None:
+                        picked = [chunks[idx[k]] for k in ready.sending()]
+                        await self._write_ucx(node, list(ready.spans or ()), picked)
+
+                    ack = await peer.reserve(
+                        self._ns_raw, spec, write, wait_s, writer=self.writer, grant=grant
+                    )
+                self.grants.keep(granter, blocks, ack.grants, ack.grant_s)
             else:
-
-                async def write(ready: Ready) -> None:
-                    picked = [chunks[idx[k]] for k in ready.sending()]
-                    await self._write_ucx(node, list(ready.spans or ()), picked)
-
-                ack = await peer.reserve(
-                    self._ns_raw, spec, write, wait_s, writer=self.writer, grant=grant
-                )
-            self.grants.keep(granter, blocks, ack.grants, ack.grant_s)
-        else:
-            ack = await peer.put(self._ns_raw, spec, [host[i].numpy() for i in idx], wait_s)
+                ack = await peer.put(self._ns_raw, spec, [host[i].numpy() for i in idx], wait_s)
+        except _NODE_FAILED as exc:
+            if not isinstance(exc, MasterUnreachable):  # (the node answered: its master not)
+                self._node_failed(node.data_uri)
+            raise
         # Failed a check, or busy (another writer's transfer did not end in time): not stored.
         return set(idx) - {idx[k] for k in ack.not_stored()}
 
