@@ -308,6 +308,8 @@ async def _run(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     metrics = Metrics()
+    if command == "master":
+        metrics.master_only()
     exits = contextlib.AsyncExitStack()
     async with exits:
         parts: list[str] = []

@@ -162,6 +162,18 @@ class Metrics:
         self._transfers: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
         self._rpcs: dict[str, Histogram] = {}
 
+    def master_only(self) -> None:
+        """Export only what the master owns, for a process that runs no node: the node's
+        metrics are unregistered (each unlabelled one would otherwise be exported at 0, a
+        master posing as a node with an empty disk tier)."""
+        for collector in (
+            self.pool_bytes, self.transfer_bytes, self.transfer_seconds, self.evictions,
+            self.tier_moves, self.disk_bytes, self.disk_seconds, self.disk_errors,
+            self.disk_blocks, self.tenant_bytes, self.tenant_quota_bytes,
+            self.tenant_evictions, self.stale_misses, self.transfer_errors,
+        ):  # fmt: skip
+            self.registry.unregister(collector)
+
     def count_transfer(self, op: str, transport: str, nbytes: int, started: float) -> None:
         """Count one data-plane exchange of ``nbytes`` that started at ``started``
         (``time.perf_counter``)."""

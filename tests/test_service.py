@@ -199,6 +199,23 @@ def test_metrics_endpoint(server: Server, transport: str) -> None:
         assert f'kvstore_transfer_bytes_total{{op="{op}",transport="{transport}"}}' in text
 
 
+def test_a_master_alone_exports_only_the_metrics_it_owns() -> None:
+    """``kvstore master`` runs no node: no node metric on its /metrics, not even at 0 (it
+    exported the node's unlabelled ones, an empty disk tier among them)."""
+    master = start_server("master", "--grpc-port", "0", "--metrics-port", "0")
+    try:
+        url = f"http://{master.addresses['metrics']}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    finally:
+        master.stop()
+    names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE kvstore")}
+    assert {"kvstore_nodes", "kvstore_rpc_seconds", "kvstore_blocks"} <= names
+    assert {"kvstore_prefix_lookups_total", "kvstore_prefix_hit_tokens_total"} <= names
+    node_owned = {"kvstore_disk_blocks", "kvstore_stale_misses_total", "kvstore_pool_bytes",
+                  "kvstore_transfer_bytes_total", "kvstore_transfer_errors_total"}  # fmt: skip
+    assert not names & node_owned, names & node_owned
+
+
 async def test_killed_server_gives_typed_error_within_timeout(transport: str) -> None:
     srv = serve(transport, "64MiB")
     ns = namespace(1)
