@@ -276,7 +276,7 @@ def test_kvctl_evict_a_prompt_then_the_namespace(server: Server) -> None:
         # A tenant named on a pool without tenants is refused, not read as the namespace
         # without one (it evicted that namespace's blocks).
         out = io.StringIO()
-        assert kvctl(["--master", server.grpc, "evict", *flags, "--tenant", "bob"], stdout=out) == 0
+        assert kvctl(["--master", server.grpc, "evict", *flags, "--tenant", "bob"], stdout=out) == 1
         assert "names tenant 'bob', but this pool has no tenants" in out.getvalue()
         assert ": 0 slots evicted" in out.getvalue() and kv.match_prefix(second) == 512
         out = io.StringIO()

@@ -75,6 +75,8 @@ class _Job(Generic[T]):
     fetch: Callable[[MasterClient], Awaitable[T]]
     to_json: Callable[[T], dict[str, Any]]
     to_table: Callable[[T, TextIO], None]
+    failed: Callable[[T], bool] = lambda result: False
+    """Whether the answer, printed in full, says that nothing was done (exit 1)."""
 
 
 def main(
@@ -119,7 +121,7 @@ def main(
         out.write("\n")
     else:
         job.to_table(result, out)
-    return EXIT_OK
+    return EXIT_MASTER if job.failed(result) else EXIT_OK
 
 
 def _top(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -308,7 +310,10 @@ def _evict_job(args: argparse.Namespace, stdin: TextIO) -> _Job[Any]:
     def fetch(client: MasterClient) -> Awaitable[commands.EvictResult]:
         return commands.evict(client, ns.id, blocks, timeout_s, args.tenant)
 
-    return _Job(fetch, commands.evict_json, tables.print_evict)
+    def refused(result: commands.EvictResult) -> bool:  # (every node answered an error)
+        return bool(result.nodes) and all(n.error for n in result.nodes)
+
+    return _Job(fetch, commands.evict_json, tables.print_evict, refused)
 
 
 # -- the parser -----------------------------------------------------------------------------
