@@ -282,3 +282,32 @@ def test_what_a_review_found_is_typed_or_accepted(
         kvclient.SyncKVClient.connect(server.grpc, NS, token="\u00e9" * 20)
     sync_client.put_object("np-value", np.arange(4, dtype=np.uint8))
     assert sync_client.get_object("np-value") == bytes(range(4))
+
+
+async def test_a_closed_client_and_puts_it_cut_off_raise_closed(server: Server) -> None:
+    """Found by trying the client: a put after ``close()`` raised AttributeError (from
+    closing a future as if it were a coroutine), and a put in flight when ``close()`` came
+    ended its caller with a bare CancelledError. Both are :class:`Closed` now, as the other
+    calls on a closed client are."""
+    tokens = list(range(4 * BLOCK))
+    kv = await kvclient.KVClient.connect(server.grpc, NS, timeout_s=TIMEOUT_S)
+    gate = asyncio.Event()
+    sends = kv._send_chunks
+
+    async def held(*args: Any) -> Any:  # (the put waits here until close() has begun)
+        gate.set()
+        await asyncio.sleep(TIMEOUT_S)
+        return await sends(*args)
+
+    kv._send_chunks = held  # type: ignore[method-assign]
+    put = asyncio.ensure_future(kv.put_layer(tokens, 0, _kv(len(tokens))))
+    await asyncio.wait_for(gate.wait(), TIMEOUT_S)
+    await kv.close()
+    with pytest.raises(kvclient.errors.Closed):
+        await asyncio.wait_for(put, TIMEOUT_S)
+    with pytest.raises(kvclient.errors.Closed):
+        await kv.put_layer(tokens, 0, _kv(len(tokens)))
+    with pytest.raises(kvclient.errors.Closed):
+        await kv.start_put_layer(tokens, 0, _kv(len(tokens)))
+    with pytest.raises(kvclient.errors.Closed):
+        await kv.match_prefix(tokens)

@@ -378,7 +378,10 @@ class ClientCore:
                 raise Closed("client is closed")
             limit = self._limit(timeout)
         except KVStoreError:
-            coro.close()
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            else:  # (a future: a shielded task, a gather)
+                coro.cancel()
             raise
         try:
             async with asyncio.timeout(limit):
@@ -638,7 +641,10 @@ class ClientCore:
     ) -> set[int]:
         """Run a put as a task registered in flight, under the call's deadline. If it
         fails, times out or is cancelled — by the caller or by :meth:`close` — the task
-        publishes an ABORT for its blocks to their watchers before it ends."""
+        publishes an ABORT for its blocks to their watchers before it ends. Raises
+        :class:`Closed` on a closed client, and when :meth:`close` cut the put off."""
+        if self._closed:
+            raise Closed("client is closed")
 
         async def put_or_abort() -> set[int]:
             try:
@@ -657,9 +663,16 @@ class ClientCore:
         task.add_done_callback(lambda t: self._inflight.pop(t, None))
         try:
             return set(await self._deadline(asyncio.shield(task), timeout, what))
-        except BaseException:
+        except BaseException as exc:
             task.cancel()
             await asyncio.wait([task], timeout=min(2.0, self.timeout_s))
+            me = asyncio.current_task()
+            if (
+                isinstance(exc, asyncio.CancelledError)
+                and self._closed
+                and (me is None or not me.cancelling())
+            ):  # (close() cancelled the put, not this caller's own cancellation)
+                raise Closed(f"{what}: the client was closed while it was in flight") from None
             raise
 
     async def _send_chunks(
