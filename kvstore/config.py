@@ -448,6 +448,10 @@ def _parsed(s: Setting, raw: object, where: str) -> Value:
         raise InvalidArgument(f"{where}: {exc}") from None
 
 
+MIN_DISK_BYTES = 8 * 1024
+"""The least ``--disk-size`` (two of the disk tier's 4 KiB-aligned records,
+``kvstore.node.disk``)."""
+
 PORT_SETTINGS: dict[str, str] = {"grpc_port": "gRPC", "commit_port": "commit",
                                  "data_port": "data", "metrics_port": "metrics"}  # fmt: skip
 """The settings that name a port a server of the command binds (dest → that server)."""
@@ -459,6 +463,17 @@ def _check_together(values: Mapping[str, Value], sources: Mapping[str, str]) -> 
         raise InvalidArgument(
             f"--disk-path (from {sources['disk_path']}) needs --disk-size: the bytes the "
             "disk tier may take"
+        )
+    disk_size = values.get("disk_size")
+    if isinstance(disk_size, int) and disk_size and not values.get("disk_path"):
+        raise InvalidArgument(
+            f"--disk-size (from {sources['disk_size']}) needs --disk-path: the directory "
+            "of the disk tier"
+        )
+    if isinstance(disk_size, int) and 0 < disk_size < MIN_DISK_BYTES:
+        raise InvalidArgument(
+            f"--disk-size {format_size(disk_size)} (from {sources['disk_size']}): the disk "
+            f"tier needs {format_size(MIN_DISK_BYTES)} at least"
         )
     gpu_mem = values.get("gpu_mem")
     if isinstance(gpu_mem, int) and gpu_mem > 0 and values.get("transport") != "ucx":

@@ -107,6 +107,8 @@ BAD = [
     (("serve", "--io-timeout-s", "0"), {}, "io-timeout-s"),
     (("serve", "--max-connections", "0"), {}, "max-connections"),
     (("serve", "--gpu-mem", "1GiB"), {}, "--transport ucx"),
+    (("serve", "--disk-size", "64MiB"), {}, "--disk-size) needs --disk-path"),
+    (("serve", "--disk-path", "/tmp/d", "--disk-size", "1"), {}, "needs 8KiB at least"),
     (("master", "--grpc-port", "50070", "--commit-port", "50070"), {}, "--grpc-port (from flag"),
     (("serve", "--data-port", "50071"), {"KVSTORE_METRICS_PORT": "50071"}, "KVSTORE_METRICS_PORT"),
     (("serve",), {"KVSTORE_GPU_MEM": "1GiB"}, "KVSTORE_GPU_MEM"),

@@ -104,6 +104,23 @@ def test_records_read_back_verified_and_are_adopted_by_the_next_store(tmp_path: 
     again.close()
 
 
+def test_a_disk_larger_than_its_new_size_is_refused_not_emptied(tmp_path: Path) -> None:
+    """Reopened with a smaller size than it holds (a mistyped --disk-size), the disk is
+    refused with the size it needs, and kept whole: it dropped its oldest segments, here
+    every one of them, without a word."""
+    store = DiskStore.open(tmp_path, 4 * 2**20, node_id="n1", segment_bytes=64 * 2**10)
+    items = _images(40)
+    _write(store, items)
+    held = store.used_bytes
+    store.close()
+    with pytest.raises(InvalidArgument, match=r"more than --disk-size 256KiB: start the node "
+                       r"with --disk-size 1MiB or more"):  # fmt: skip
+        DiskStore.open(tmp_path, 256 * 2**10, node_id="n1", segment_bytes=64 * 2**10)
+    again = DiskStore.open(tmp_path, 4 * 2**20, node_id="n1", segment_bytes=64 * 2**10)
+    assert len(again) == 40 and again.used_bytes == held
+    again.close()
+
+
 def test_a_torn_tail_is_dropped_and_what_came_before_it_is_kept(tmp_path: Path) -> None:
     store = DiskStore.open(tmp_path, 4 * 2**20, node_id="n1")
     items = _images(6)

@@ -56,6 +56,7 @@ from pathlib import Path
 
 import xxhash
 
+from kvstore.core.sizes import format_size
 from kvstore.core.slots import SlotKey
 from kvstore.errors import ChecksumError, InvalidArgument
 from kvstore.node.disk_lz4 import pack_chunks, packed_size_ok, unpack_chunks
@@ -369,7 +370,11 @@ class DiskStore:
         store.path.mkdir(parents=True, exist_ok=True)
         store._claim(node_id, pool_tag(secret))
         store._probe_direct()
-        store._scan()
+        try:
+            store._scan()
+        except BaseException:
+            store.close()
+            raise
         store._load_namespaces()
         return store
 
@@ -541,7 +546,14 @@ class DiskStore:
                     "disk tier %s: dropped %d bytes of torn tail from %s",
                     self.path, end - seg.size, path.name,
                 )  # fmt: skip
-        self._trim(0)
+        if self._used_bytes > self.capacity:  # (a smaller --disk-size: a typo would empty it)
+            need = format_size(-(-self._used_bytes // 2**20) * 2**20)
+            raise InvalidArgument(
+                f"disk {self.path} holds {format_size(self._used_bytes)} in "
+                f"{len(self._segments)} segments ({len(self.index)} blocks), more than "
+                f"--disk-size {format_size(self.capacity)}: start the node with --disk-size "
+                f"{need} or more, or give it an empty directory to drop them"
+            )
 
     def _scan_segment(self, seg: _Segment, end: int, verify: bool) -> int:
         """Index ``seg``'s records; the bytes up to its last intact one."""
