@@ -311,3 +311,19 @@ async def test_a_closed_client_and_puts_it_cut_off_raise_closed(server: Server) 
         await kv.start_put_layer(tokens, 0, _kv(len(tokens)))
     with pytest.raises(kvclient.errors.Closed):
         await kv.match_prefix(tokens)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"replicas": "2"}, {"replicas": 2.0}, {"replicas": True}, {"replicas": 0},
+     {"replicas": 2, "min_replicas": 3}, {"min_replicas": 1.5}, {"timeout_s": "5"},
+     {"node_timeout_s": -1}, {"connections_per_node": 0}, {"ucx": "yes"},
+     {"staging_bytes": -1}, {"write_layers": [0, 1]}, {"max_object_bytes": 0}],
+)  # fmt: skip
+async def test_connect_options_of_the_wrong_kind_are_invalid_arguments(
+    server: Server, options: dict[str, Any]
+) -> None:
+    """Found by trying the client: ``replicas="2"`` raised TypeError at connect and
+    ``replicas=2.0`` at the first put; every option is checked where the client is made."""
+    with pytest.raises(kvclient.errors.InvalidArgument):
+        await kvclient.KVClient.connect(server.grpc, NS, **options)

@@ -88,6 +88,13 @@ def nonneg_int(value: Any, name: str, upper: int = 2**63) -> int:
     return int(value)
 
 
+def positive_int(value: Any, name: str, upper: int = 2**63) -> int:
+    """``value`` as an int in ``[1, upper)``."""
+    if not _is_int(value) or not 1 <= int(value) < upper:
+        raise InvalidArgument(f"{name} must be an int in [1, {upper}), got {value!r}")
+    return int(value)
+
+
 def flag(value: Any, name: str) -> bool:
     """``value`` as a bool (a bool, nothing else)."""
     if not isinstance(value, bool):

@@ -144,20 +144,27 @@ class ClientCore:
         node_timeout_s: float | None = None,
         min_replicas: int | None = None,
     ) -> None:
-        if replicas < 1:
-            raise InvalidArgument(f"replicas must be >= 1, got {replicas}")
-        if timeout_s <= 0:
-            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
+        replicas = args.positive_int(replicas, "replicas", 1 << 16)
         self.ns = ns
         self.replicas = replicas
-        self.timeout_s = float(timeout_s)
-        self.node_timeout_s = self.timeout_s / 4 if node_timeout_s is None else node_timeout_s
-        if self.node_timeout_s <= 0:
-            raise InvalidArgument(f"node_timeout_s must be > 0, got {node_timeout_s}")
-        self.min_replicas = replicas if min_replicas is None else min_replicas
-        if not 1 <= self.min_replicas <= replicas:
+        self.timeout_s = args.seconds(timeout_s, "timeout_s")
+        self.node_timeout_s = (
+            self.timeout_s / 4
+            if node_timeout_s is None
+            else args.seconds(node_timeout_s, "node_timeout_s")
+        )
+        self.min_replicas = (
+            replicas if min_replicas is None else args.positive_int(min_replicas, "min_replicas")
+        )
+        if self.min_replicas > replicas:
             raise InvalidArgument(f"min_replicas must be in [1, replicas={replicas}]")
-        self.max_object_bytes = max_object_bytes
+        connections_per_node = args.positive_int(connections_per_node, "connections_per_node")
+        ucx = args.flag(ucx, "ucx")
+        staging_bytes = args.nonneg_int(staging_bytes, "staging_bytes")
+        if write_layers is not None and not isinstance(write_layers, range):
+            kind = type(write_layers).__name__
+            raise InvalidArgument(f"write_layers must be a range or None, got {kind}")
+        self.max_object_bytes = args.positive_int(max_object_bytes, "max_object_bytes")
         self._master = master
         self._pool = ConnectionPool(
             connections_per_node, tickets=master.tickets(), ssl_context=data_context(master.tls)
@@ -263,13 +270,14 @@ class ClientCore:
             key=None if key_file is None else args.text(key_file, "key_file", 4096),
             ca=None if ca_file is None else args.text(ca_file, "ca_file", 4096),
         )
+        timeout_s = args.seconds(timeout_s, "timeout_s")
         mc = MasterClient(target, timeout_s=timeout_s, token=args.text(token, "token"), tls=tls)
         try:
             await mc.stats()
+            return cls(mc, ns, replicas=replicas, timeout_s=timeout_s, **options)
         except BaseException:
             await mc.close()
             raise
-        return cls(mc, ns, replicas=replicas, timeout_s=timeout_s, **options)
 
     async def close(self) -> None:
         """Abort puts still in flight (watchers see ABORT), close connections. Idempotent."""
