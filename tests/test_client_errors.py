@@ -261,6 +261,8 @@ def test_the_three_reported_escapes_are_typed(sync_client: kvclient.SyncKVClient
         sync_client.put_object("key", "a str")  # type: ignore[arg-type]
     with pytest.raises(kvclient.errors.BadShape):
         sync_client.get_layer(list(range(2 * BLOCK)), 0, out=[1, 2])
+    with pytest.raises(kvclient.errors.InvalidArgument, match="not one contiguous buffer"):
+        sync_client.put_object("key", memoryview(bytes(8))[::2])  # (it said "bytes-like")
 
 
 def test_what_a_review_found_is_typed_or_accepted(

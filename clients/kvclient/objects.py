@@ -1,6 +1,6 @@
 """``put_object`` / ``get_object`` / ``exists`` / ``remove`` of :class:`~kvclient.KVClient`:
 small named values beside the KV (engine metadata, say), placed like
-blocks (HRW on the key's hash), never evicted automatically, the first writer wins."""
+blocks (HRW on the key's hash), never evicted automatically, the last writer wins."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class ObjectOps(_Base):
     async def put_object(
         self, key: str, value: bytes | bytearray | memoryview, *, timeout: float | None = None
     ) -> None:
-        """Store ``value`` under ``key`` (replacing nothing: the first writer wins).
+        """Store ``value`` under ``key``, replacing what it held (the last writer wins).
 
         Raises :class:`CapacityError` over ``max_object_bytes`` or when the node is full,
         :class:`KVTimeout`, transport errors.
@@ -43,10 +43,14 @@ class ObjectOps(_Base):
         if isinstance(value, str):
             raise InvalidArgument("value must be bytes-like, got str (encode it)")
         try:
-            view = memoryview(value).cast("B")
+            view = memoryview(value)
         except TypeError:
             raise InvalidArgument(f"value must be bytes-like, got {type(value).__name__}") from None
-        except ValueError as exc:  # (a view with holes or of odd format)
+        if not view.c_contiguous:
+            raise InvalidArgument("value is not one contiguous buffer (copy it into one)")
+        try:
+            view = view.cast("B")
+        except (TypeError, ValueError) as exc:  # (a view of an odd format)
             raise InvalidArgument(f"value is not one contiguous buffer: {exc}") from None
         if view.nbytes > self.max_object_bytes:
             raise CapacityError(

@@ -431,10 +431,12 @@ class DiskStore:
                     f"{node_id!r}: start that node on it, or give this one an empty directory"
                 )
             if meta.get("pool") != tag:
+                theirs = "a cluster secret" if meta.get("pool") else "no cluster secret"
+                mine = "none" if not tag else "a different one" if meta.get("pool") else "one"
                 raise InvalidArgument(
-                    f"disk {self.path} was written under another cluster secret "
-                    f"({'none' if not meta.get('pool') else 'a different one'}); its blocks "
-                    "are not this pool's: give this node an empty directory"
+                    f"disk {self.path} was written under another cluster secret ({theirs}; "
+                    f"this node has {mine}): its blocks are not this pool's: give this node "
+                    "an empty directory"
                 )
             if meta["format"] != FORMAT:  # (older: what it holds reads the same)
                 self._write_identity(node_id, tag)
