@@ -27,7 +27,7 @@ import argparse
 import os
 import socket
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvstore import __version__
@@ -44,6 +44,8 @@ from kvstore.config import (
 from kvstore.errors import InvalidArgument, KVStoreError
 
 if TYPE_CHECKING:
+    import asyncio
+
     from kvstore.control.auth import AuthConfig
     from kvstore.control.tls import TlsFiles
     from kvstore.master.server import MasterServer
@@ -378,8 +380,11 @@ async def _run(
                     else None
                 ),
             )
-            await node.start()
-            exits.push_async_callback(node.stop, 5.0)
+            exits.push_async_callback(node.stop, 5.0)  # (also what a start cut short opened)
+            if not await _unless_stopped(node.start(), stop):
+                logging.getLogger("kvstore").info("stopped before it was ready")
+                print("kvstore stopped pinned_slots=0", flush=True)
+                return 0
         if command == "serve":
             port = await master.listen(cfg["host"], cfg["grpc_port"], server_tls)
             parts.append(f"grpc={grpc_address(cfg['host'], port)}")
@@ -406,6 +411,26 @@ async def _run(
     pins = node.pinned_slots if node is not None else 0
     print(f"kvstore stopped pinned_slots={pins}", flush=True)
     return 0
+
+
+async def _unless_stopped(starting: Awaitable[None], stop: asyncio.Event) -> bool:
+    """Await ``starting`` unless ``stop`` is set first (SIGTERM or SIGINT while a node still
+    waits for its master, which it retries for a minute): then cancel it; whether it ran to
+    its end. Raises what ``starting`` raised."""
+    import asyncio
+
+    task = asyncio.ensure_future(starting)
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.wait([task], timeout=10.0)
+        return False
+    task.result()
+    return True
 
 
 def _freeze_startup_objects() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -169,6 +170,36 @@ async def test_a_node_started_before_its_master_waits_for_it() -> None:
             master.stop()
     assert node.returncode == 0, err
     assert "kvstore ready" in out and "waiting up to" in err, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_node_waiting_for_its_master_stops_at_once_on_a_signal(sig: signal.Signals) -> None:
+    """A node whose master never answers (it waits up to a minute for one) stops within
+    seconds of SIGTERM or SIGINT and exits 0. It went on waiting, ~56 s, then exited 1."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    node = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.cli", "node", "--master", f"127.0.0.1:{port}",
+         "--data-port", "0", "--metrics-port", "0", "--host-mem", "32MiB"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        assert node.stderr is not None
+        for line in node.stderr:  # (its first wait for the master has begun)
+            if "waiting up to" in line or time.monotonic() > deadline:
+                break
+        node.send_signal(sig)
+        t0 = time.monotonic()
+        out, _ = node.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.communicate(timeout=10)
+    assert node.returncode == 0 and took < 15, (node.returncode, took)
+    assert "kvstore ready" not in out and "kvstore stopped" in out
 
 
 async def test_a_node_restarted_under_its_id_waits_for_its_old_lease() -> None:
