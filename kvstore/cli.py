@@ -244,6 +244,11 @@ def _load_tls(cfg: Resolved) -> tuple[Any, TlsFiles | None, Any, Any]:
         return str(cfg.values.get(name) or "")
 
     mine = TlsFiles(path("tls_cert"), path("tls_key"))
+    if cfg.command in ("serve", "master") and path("tls_client_ca") and not mine.on:
+        raise InvalidArgument(
+            "--tls-client-ca needs --tls-cert and --tls-key: client certificates are asked "
+            "for in a TLS handshake, and without a certificate the port is plaintext"
+        )
     server_tls = commit_tls = None
     if cfg.command in ("serve", "master") and mine.on:
         server_tls = server_credentials(replace(mine, ca=path("tls_client_ca")))

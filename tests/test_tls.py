@@ -117,12 +117,15 @@ def test_a_readable_key_or_a_file_that_is_not_pem_stops_the_server(
     open_key.chmod(0o644)
     not_pem = tmp_path / "cert.txt"
     not_pem.write_text("hello\n")
-    for cert, key, expected in (
+    cases: list[tuple[Path | None, Path | None, str]] = [
         (certs["server_cert"], open_key, "chmod 600"),
         (not_pem, certs["server_key"], "not a PEM file"),
         (certs["server_cert"], None, "needs its key"),
-    ):
-        argv = ["--tls-cert", str(cert)] + (["--tls-key", str(key)] if key else [])
+        (None, None, "--tls-client-ca needs --tls-cert"),  # (it started in plaintext)
+    ]
+    for cert, key, expected in cases:
+        argv = ["--tls-cert", str(cert)] if cert else ["--tls-client-ca", str(certs["ca"])]
+        argv += ["--tls-key", str(key)] if key else []
         run = subprocess.run(
             [sys.executable, "-m", "kvstore.cli", "master", "--grpc-port", "0",
              "--metrics-port", "0", *argv],
