@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -435,3 +437,45 @@ def test_clients_and_nodes_load_none_of_the_masters_modules() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+def test_a_master_whose_redis_is_down_logs_one_traceback_not_one_a_second() -> None:
+    """Redis stopped under a master: its lease sweep fails every second; the traceback is
+    logged once (it was logged at every sweep, ~74 lines a second)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    master = None
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.1)
+        master = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.cli", "master", "--grpc-port", "0",
+             "--metrics-port", "0", "--redis", f"redis://127.0.0.1:{port}/0",
+             "--node-lease-s", "2"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        assert master.stdout is not None
+        assert "kvstore ready" in master.stdout.readline()
+        store.kill()
+        store.wait(10)
+        time.sleep(5.0)  # (sweeps every lease/3 s or so: several of them failed)
+        master.terminate()
+        _, err = master.communicate(timeout=30)
+    finally:
+        for proc in (store, master):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+    assert err.count("lease sweep failed") == 1, err[-3000:]
+    assert err.count("ERROR") == 1, err[-3000:]  # (no other line of the sweep's since)

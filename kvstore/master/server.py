@@ -240,12 +240,29 @@ class MasterServer:
         await self.stop()
 
     async def _sweep_forever(self) -> None:
+        """Sweep leases every interval. A failure is logged with its traceback once, then
+        in one line a minute while it lasts (the store down: one sweep a second), and its
+        end is said."""
         interval = self.membership.sweep_interval_s
+        failing_since: float | None = None
+        said = 0.0
         while True:
             await asyncio.sleep(interval)
             try:
                 await self.service.sweep()
             except Closed:
                 return
-            except Exception:  # a store hiccup or a bug: log it, keep leases expiring
-                log.exception("lease sweep failed")
+            except Exception as exc:  # a store hiccup or a bug: log it, keep leases expiring
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = said = now
+                    log.exception("lease sweep failed")
+                elif now - said >= 60.0:
+                    said = now
+                    log.error("lease sweep still failing after %.0f s: %s",
+                              now - failing_since, exc)  # fmt: skip
+            else:
+                if failing_since is not None:
+                    log.warning("lease sweep works again after %.0f s",
+                                time.monotonic() - failing_since)  # fmt: skip
+                    failing_since = None
