@@ -297,8 +297,9 @@ def test_compose_command_lines_parse(capsys: pytest.CaptureFixture[str]) -> None
     for name, cfg in nodes.items():
         # A node advertises the address it binds: its own name on the network.
         assert cfg["host"] == services[name]["hostname"] == name
-        master, port = cfg["master"].rsplit(":", 1)
-        assert master in masters and int(port) == masters[master]["grpc_port"]
+        named = [a.rsplit(":", 1) for a in cfg["master"].split(",")]
+        assert {m for m, _ in named} == set(masters), "a node names every master: failover"
+        assert all(int(port) == masters[m]["grpc_port"] for m, port in named)
     for name, svc in services.items():
         assert "healthcheck" in svc or "tools" in svc.get("profiles", []), name
 
@@ -420,6 +421,10 @@ def test_dockerfile_installs_torch_before_the_project() -> None:
         for src in sources:
             assert (ROOT / src).exists() and src.rstrip("/") in allowed, src
     assert any(op == "USER" for op, _ in steps), "the image runs as a non-root user"
+    # setup.py goes in, and the install checks that the codec's C kernels built (the image
+    # was built without them: no setup.py, and no compiler in the slim base).
+    assert any("setup.py" in rest.split() for op, rest in steps if op == "COPY")
+    assert "kvstore.core._native" in steps[project[0]][1] and "gcc" in steps[project[0]][1]
 
 
 def test_kubernetes_scrape_config_finds_the_headless_services() -> None:
