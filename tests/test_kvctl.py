@@ -584,6 +584,17 @@ def test_top_refreshes_until_interrupted(pool: Server) -> None:
     assert "give --metrics HOST:PORT" in out
 
 
+async def test_a_master_down_among_several_is_passed_over_without_a_word(
+    cluster: Cluster,
+) -> None:
+    """``--master dead,live``: the answer from the live one, nothing on stderr (the
+    library's failover warning was printed before the output)."""
+    with dead_port() as port:
+        proc = kvctl_process("--master", f"127.0.0.1:{port},{cluster.server.address}", "status")
+        out, err = await asyncio.to_thread(proc.communicate, timeout=60)
+    assert (proc.returncode, err) == (0, "") and "nodes" in out
+
+
 async def test_top_exit_codes() -> None:
     with dead_port() as port:
         run = await kvctl("--master", f"127.0.0.1:{port}", "--timeout", "2", "top", "--once")

@@ -40,6 +40,7 @@ and NIXL never.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -94,6 +95,9 @@ def main(
     """
     out = sys.stdout if stdout is None else stdout
     err = sys.stderr if stderr is None else stderr
+    # The library's own warnings (a master down, the next one tried) are not this tool's
+    # output: an error ends in its one line on ``err``.
+    logging.getLogger("kvstore").setLevel(logging.ERROR)
     parser = build_parser(out, err, os.environ.get("KVSTORE_MASTER") or DEFAULT_MASTER)
     try:
         args = parser.parse_args(argv)
