@@ -22,6 +22,7 @@ import kvclient
 from kvstore.control.client import MasterClient
 from kvstore.control.records import ClusterEvent, ClusterEventKind
 from kvstore.core.kvgen import realistic_kv
+from kvstore.errors import Unreachable
 from tests.cluster import TRANSPORTS, rpc_count, start_server
 
 pytestmark = pytest.mark.slow
@@ -442,7 +443,8 @@ def test_clients_and_nodes_load_none_of_the_masters_modules() -> None:
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 def test_a_master_whose_redis_is_down_logs_one_traceback_not_one_a_second() -> None:
     """Redis stopped under a master: its lease sweep fails every second; the traceback is
-    logged once (it was logged at every sweep, ~74 lines a second)."""
+    logged once (it was logged at every sweep, ~74 lines a second), and a caller gets
+    Unreachable (it got TransportError, gRPC's INTERNAL)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -466,10 +468,19 @@ def test_a_master_whose_redis_is_down_logs_one_traceback_not_one_a_second() -> N
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
         )  # fmt: skip
         assert master.stdout is not None
-        assert "kvstore ready" in master.stdout.readline()
+        ready = master.stdout.readline()
+        assert "kvstore ready" in ready
+        grpc_at = dict(re.findall(r"(\w+)=(\S+)", ready))["grpc"]
         store.kill()
         store.wait(10)
         time.sleep(5.0)  # (sweeps every lease/3 s or so: several of them failed)
+
+        async def ask() -> None:  # a caller is told the index is out of reach (not INTERNAL)
+            async with MasterClient(grpc_at, timeout_s=10) as mc:
+                await mc.nodes()
+
+        with pytest.raises(Unreachable, match="redis"):
+            asyncio.run(ask())
         master.terminate()
         _, err = master.communicate(timeout=30)
     finally:

@@ -6,7 +6,8 @@ carries requests to them and keeps the counters.
 Errors: every ``KVStoreError`` a handler raises is answered with a typed status
 (:func:`status_for`): InvalidArgument -> INVALID_ARGUMENT, StaleEpoch ->
 FAILED_PRECONDITION, Miss -> NOT_FOUND, CapacityError -> RESOURCE_EXHAUSTED, KVTimeout ->
-DEADLINE_EXCEEDED, Closed -> UNAVAILABLE; anything else is INTERNAL.
+DEADLINE_EXCEEDED, Closed and Unreachable (its index store out of reach) -> UNAVAILABLE;
+anything else is INTERNAL.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from kvstore.errors import (
     PermissionDenied,
     StaleEpoch,
     Unauthorized,
+    Unreachable,
 )
 from kvstore.master.events import DEFAULT_CAPACITY, EventLog
 from kvstore.master.index import IndexStore, Subscription
@@ -71,6 +73,7 @@ _STATUS: tuple[tuple[type[KVStoreError], grpc.StatusCode], ...] = (
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (KVTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (Closed, grpc.StatusCode.UNAVAILABLE),
+    (Unreachable, grpc.StatusCode.UNAVAILABLE),  # (its index store: Redis down)
     (NodeIdTaken, grpc.StatusCode.ALREADY_EXISTS),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (Unauthorized, grpc.StatusCode.UNAUTHENTICATED),
