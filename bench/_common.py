@@ -23,6 +23,7 @@ their progress on stderr.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import itertools
@@ -68,6 +69,7 @@ __all__ = [
     "Table",
     "WindowCpu",
     "expect",
+    "explain",
     "in_flight",
     "latency_stats",
     "machine_info",
@@ -843,3 +845,19 @@ def open_direct(path: str | Path, flags: int) -> tuple[int, bool]:
         return os.open(path, flags | os.O_DIRECT, 0o600), True
     except OSError:
         return os.open(path, flags, 0o600), False
+
+
+def explain(parser: argparse.ArgumentParser, doc: str | None) -> argparse.ArgumentParser:
+    """``parser``'s ``--help`` made to explain the script: its whole docstring ``doc``
+    after the options (which it describes in prose), and each option's default where the
+    option has no help of its own. Returns ``parser``."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    head, _, rest = (doc or "").strip().partition("\n\n")
+    parser.description = parser.description or head
+    if rest and rest not in parser.description:  # (a description that is the whole doc)
+        parser.epilog = rest
+    for action in parser._actions:
+        if action.help is None and action.default is not argparse.SUPPRESS:
+            unset = action.default in (None, "")
+            action.help = "default: unset" if unset else "default: %(default)s"
+    return parser

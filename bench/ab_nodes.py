@@ -58,6 +58,7 @@ from _common import (
     Serve,
     Table,
     expect,
+    explain,
     print_report,
     proc_stat,
     progress,
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="also write a bar chart here")
     p.add_argument("--master-apart", action="store_true",
                    help="run each node with a kvstore master in a process of its own")  # fmt: skip
-    args = p.parse_args(argv)
+    args = explain(p, __doc__).parse_args(argv)
     # One thread: torch's second (OpenMP) thread spins for a while after each untimed
     # encode, and would take the second core from the nodes during the puts.
     torch.set_num_threads(1)

@@ -69,7 +69,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients"))
 import torch
 
 import kvclient
-from bench._common import Serve, Table, percentile, print_report, progress, seeded_kv, seeded_tokens
+from bench._common import (
+    Serve,
+    Table,
+    explain,
+    percentile,
+    print_report,
+    progress,
+    seeded_kv,
+    seeded_tokens,
+)
 from kvstore.errors import KVStoreError
 
 TOKENS, BLOCK, HEADS, HEAD_DIM, LAYERS = 512, 64, 4, 64, 2
@@ -645,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--plot", default="")
     parser.add_argument("--json", default="")
-    args = parser.parse_args(argv)
+    args = explain(parser, __doc__).parse_args(argv)
     if args.nodes < 3 or args.every <= 0 or args.duration <= 0 or args.rounds < 0:
         parser.error("--nodes >= 3, --every and --duration > 0, --rounds >= 0")
     skipped = "off (--netns off)" if args.netns == "off" else netns_permitted()

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import Serve, Table, machine_markdown, percentile, progress, seeded_tokens
+from _common import Serve, Table, explain, machine_markdown, percentile, progress, seeded_tokens
 
 import kvclient
 from kvclient.ucx import nixl_available
@@ -178,7 +178,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--reps", type=int, default=21)
     parser.add_argument("--first-rounds", type=int, default=5)
-    args = parser.parse_args()
+    args = explain(parser, __doc__).parse_args()
     srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
                        "--host-mem", "256MiB")  # fmt: skip
     try:

@@ -103,6 +103,7 @@ from bench._common import (
     BarPanel,
     Serve,
     Table,
+    explain,
     percentile,
     print_report,
     progress,
@@ -776,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default="", help="where the temp directory goes")
     parser.add_argument("--plot", default="")
     parser.add_argument("--json", default="")
-    args = parser.parse_args(argv)
+    args = explain(parser, __doc__).parse_args(argv)
     if min(args.loops, args.writers, args.prompts_per_writer, args.settled_prompts) < 1:
         parser.error("--loops, --writers, --prompts-per-writer, --settled-prompts >= 1")
     per_loop = (args.settled_prompts + args.writers * args.prompts_per_writer) * BLOCKS

@@ -62,6 +62,7 @@ from bench._common import (
     Serve,
     Table,
     expect,
+    explain,
     print_report,
     progress,
     save_bar_plot,
@@ -407,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fill", type=float, default=1.25, help="filler, x host memory")
     p.add_argument("--dir", default=".", help="where the disk tier's temp dir goes (no tmpfs)")
     p.add_argument("--plot", default="")
-    args = p.parse_args(argv)
+    args = explain(p, __doc__).parse_args(argv)
     tables, _ = measure(args)
     print_report("bench/disk_ttft.py", "bench/disk_ttft.py", argv, tables)
     return 0

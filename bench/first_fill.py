@@ -41,6 +41,7 @@ from _common import (
     Serve,
     Table,
     expect,
+    explain,
     latency_stats,
     print_report,
     proc_stat,
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", default="512 KiB")
     p.add_argument("--transport", choices=("tcp", "ucx"), default="tcp")
     p.add_argument("--plot", default=None)
-    args = p.parse_args(argv)
+    args = explain(p, __doc__).parse_args(argv)
     flags = {"mapped at start": (), "mapped as first written": ("--prefault-memory", "false")}
     ucx = ("--transport", "ucx") if args.transport == "ucx" else ()
     nodes = {

@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients"))
 import torch
 from google.protobuf.message import DecodeError
 
-from bench._common import Serve, Table, print_report, progress
+from bench._common import Serve, Table, explain, print_report, progress
 from kvstore.errors import KVStoreError
 
 _INTERESTING = [
@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--server-s", type=float, default=20.0)
     parser.add_argument("--json", default="")
-    args = parser.parse_args(argv)
+    args = explain(parser, __doc__).parse_args(argv)
     logging.getLogger("kvstore").setLevel(logging.ERROR)  # (fuzzed reports log warnings)
     rng = random.Random(args.seed)
     targets = [frame_target(), header_target(), handshake_target(), chunk_target()]

@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "clients"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Serve, Table, machine_markdown, progress  # noqa: E402
+from _common import Serve, Table, explain, machine_markdown, progress  # noqa: E402
 
 import kvclient  # noqa: E402
 from kvclient.ucx import nixl_available, staging_device  # noqa: E402
@@ -297,7 +297,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and layers")
     parser.add_argument("--json", default="", help="also write every table here")
-    args = parser.parse_args()
+    args = explain(parser, __doc__).parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); "
               "nothing to check. Run it where a GPU is lent.", file=sys.stderr)  # fmt: skip

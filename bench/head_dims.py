@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import BarPanel, Table, best_of, print_report, progress, save_bar_plot
+from _common import BarPanel, Table, best_of, explain, print_report, progress, save_bar_plot
 
 from kvstore.core import native
 from kvstore.core.codec import ChunkKey, decode_chunk, encode_blocks
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=9216)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--plot", default=None)
-    args = p.parse_args(argv)
+    args = explain(p, __doc__).parse_args(argv)
     torch.set_num_threads(1)
     dims = [int(x) for x in args.dims.split(",")]
     table = Table(

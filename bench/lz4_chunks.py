@@ -62,6 +62,7 @@ from _common import (
     Table,
     best_of,
     expect,
+    explain,
     open_direct,
     print_report,
     progress,
@@ -409,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-mib", type=int, default=256)
     p.add_argument("--records", type=int, default=64, help="records per side through the store")
     p.add_argument("--plot", default=None)
-    args = p.parse_args(argv)
+    args = explain(p, __doc__).parse_args(argv)
     if args.records < 1:
         p.error("--records must be at least 1")
     torch.set_num_threads(1)

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import BarPanel, Table, best_of, print_report, progress, save_bar_plot
+from _common import BarPanel, Table, best_of, explain, print_report, progress, save_bar_plot
 
 from kvclient.layouts import halves
 from kvclient.paged import PagedCache, chunk_views, decode_into, encode_paged
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--plot", default=None, help="write a PNG of the ratios here")
-    args = p.parse_args(argv)
+    args = explain(p, __doc__).parse_args(argv)
     T, H, D = args.tokens - args.tokens % B, args.heads, args.head_dim
     n = T // B
     dtype = torch.bfloat16

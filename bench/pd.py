@@ -52,6 +52,7 @@ from bench._common import (
     Serve,
     Table,
     expect,
+    explain,
     latency_stats,
     print_report,
     progress,
@@ -369,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-blocks", type=int, default=400, help="per instance, 512-token")
     p.add_argument("--pool-blocks", type=int, default=20000)
     p.add_argument("--load", type=float, default=0.8)
-    args = p.parse_args(argv)
+    args = explain(p, __doc__).parse_args(argv)
     print_report("bench/pd.py", "bench/pd.py", argv, measure(args))
     return 0
 

@@ -48,6 +48,7 @@ from _common import (
     SpawnedServer,
     Table,
     expect,
+    explain,
     meter,
     print_report,
     progress,
@@ -807,7 +808,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also run every prompt with the eager codec (KVSTORE_CODEC=eager), alternating",
     )
     parser.add_argument("--plot", metavar="PNG", help="also write a bar chart here")
-    args = parser.parse_args(argv)
+    args = explain(parser, __doc__).parse_args(argv)
     if args.reps < 1 or args.warmup < 0 or args.tokens < BLOCK or args.layers < 1:
         parser.error("need --reps >= 1, --warmup >= 0, --tokens >= 256, --layers >= 1")
     if args.match_blocks < 1 or args.match_calls < 1:

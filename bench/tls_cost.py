@@ -39,6 +39,7 @@ from _common import (
     Serve,
     Table,
     expect,
+    explain,
     percentile,
     print_report,
     proc_stat,
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--plot", default="")
     parser.add_argument("--json", default="")
-    args = parser.parse_args(argv)
+    args = explain(parser, __doc__).parse_args(argv)
     args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     if args.batch < 1 or args.seconds <= 0 or not args.sizes:
         parser.error("--batch >= 1, --seconds > 0, at least one size")

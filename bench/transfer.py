@@ -52,6 +52,7 @@ from _common import (
     SpawnedServer,
     WindowCpu,
     expect,
+    explain,
     in_flight,
     meter,
     node_memory,
@@ -977,7 +978,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--master-apart", action="store_true",
                         help="a kvstore master and a kvstore node, each a process of its own "
                              "(a cluster's shape), instead of one kvstore serve")  # fmt: skip
-    args = parser.parse_args(argv)
+    args = explain(parser, __doc__).parse_args(argv)
     quick = args.quick
     sizes = args.sizes or ("512 KiB,4 MiB" if quick else ",".join(SIZES))
     args.sizes = [s.strip() for s in sizes.split(",")]
