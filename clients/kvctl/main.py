@@ -93,11 +93,25 @@ def main(
     default to ``sys.stdin``/``sys.stdout``/``sys.stderr``. Never raises for a master,
     usage or input error: those are the exit codes 1 and 2 with one line on ``stderr``.
     """
+    # The library's own warnings (a master down, the next one tried) are not this tool's
+    # output, while it runs: an error ends in its one line on ``stderr``.
+    library = logging.getLogger("kvstore")
+    level = library.level
+    library.setLevel(logging.ERROR)
+    try:
+        return _main(argv, stdin, stdout, stderr)
+    finally:
+        library.setLevel(level)
+
+
+def _main(
+    argv: Sequence[str] | None,
+    stdin: TextIO | None,
+    stdout: TextIO | None,
+    stderr: TextIO | None,
+) -> int:
     out = sys.stdout if stdout is None else stdout
     err = sys.stderr if stderr is None else stderr
-    # The library's own warnings (a master down, the next one tried) are not this tool's
-    # output: an error ends in its one line on ``err``.
-    logging.getLogger("kvstore").setLevel(logging.ERROR)
     parser = build_parser(out, err, os.environ.get("KVSTORE_MASTER") or DEFAULT_MASTER)
     try:
         args = parser.parse_args(argv)
