@@ -245,7 +245,7 @@ async def test_a_put_whose_commit_the_master_cannot_take_is_answered_so(
         kv._writes._node_failed = lambda: blamed.append(None)  # (what a node failing calls)
         master.kill()
         for seed in (96, 97):  # (the second: on the connections the first used)
-            with pytest.raises(kvclient.errors.MasterUnreachable, match="not committed"):
+            with pytest.raises(kvclient.errors.MasterUnreachable, match="not known stored"):
                 await kv.put_layer(prompt(512, seed=seed), 0, layer_kv(512, 0, seed))
         assert blamed == []  # (the node was not at fault)
         assert all(n.proc.poll() is None for n in nodes)

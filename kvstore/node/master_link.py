@@ -165,7 +165,7 @@ class MasterLink:
             if isinstance(exc, MasterUnreachable):
                 raise
             raise MasterUnreachable(
-                f"not committed: the master did not take this node's commit ({exc})"
+                f"not known stored: the master did not confirm this node's commit ({exc})"
             ) from exc
 
     async def _flush(self) -> None:
