@@ -54,9 +54,10 @@ TARGETS = {
 STATS_PROBE = "kvstore tcp://: stats frame and answer"
 """Section 1b's framed round trip that builds the node's counters on the way."""
 EMPTY_PROBE = "kvstore tcp://: a framed request the node does nothing for"
-RAW_PROBE = "raw socket: 9 B request, 64 B answer"
 """Section 1b's framed round trip with no work in the node's handler (``unhold`` of no
 hold): the floor under every control step, and section 4's floor's round trip."""
+RAW_PROBE = "raw socket: 9 B request, 64 B answer"
+"""Section 1b's round trip on a raw asyncio socket (section 3c's lower floor)."""
 IDLE_TARGET = 0.15
 """Most idle CPU of the node, in cores."""
 CLIENT_CPU_TARGET = 1.5
