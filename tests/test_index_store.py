@@ -30,7 +30,14 @@ from kvstore.control.records import (
     Tier,
     mask_of,
 )
-from kvstore.errors import CapacityError, Closed, KVTimeout, NodeIdTaken, StaleEpoch
+from kvstore.errors import (
+    CapacityError,
+    Closed,
+    InvalidArgument,
+    KVTimeout,
+    NodeIdTaken,
+    StaleEpoch,
+)
 from kvstore.master.index import IndexStore, MemoryIndexStore, Subscription
 from kvstore.master.redis_store import RedisIndexStore
 
@@ -669,3 +676,65 @@ async def test_memory_store_purges_a_large_dead_epoch_in_steps() -> None:
     assert (await store.counts()).blocks == 0
     store.validate()
     await store.close()
+
+
+async def _all_blocks(store: IndexStore, ns_id: bytes, batch: int) -> list[tuple]:
+    parts = [part async for part in store.blocks(ns_id, batch)]
+    assert all(0 < len(part) <= batch for part in parts)
+    return sorted((ns, h, sorted(held.items())) for part in parts for ns, h, held in part)
+
+
+async def test_blocks_lists_every_live_holder_of_every_block(store: IndexStore) -> None:
+    """``blocks`` (what a snapshot of the event stream is built from): each block with its
+    live holders' epochs and masks, one namespace or all, in bounded parts; a dead epoch's
+    entries and evicted blocks are not in it."""
+    a, b = await reg(store, "a"), await reg(store, "b")
+    loc = b"\x01" * 21
+    await store.apply(CommitBatch("a", a, 1, tuple(BlockAdd(NS, bh(i), (0, 2), loc)
+                                                   for i in range(5))))  # fmt: skip
+    await store.apply(CommitBatch("b", b, 1, (BlockAdd(NS, bh(0), (1,)),
+                                              BlockAdd(OTHER_NS, bh(9), (0,)))))  # fmt: skip
+    await store.apply(CommitBatch("a", a, 2, (), (BlockRef(NS, bh(4)),)))
+    got = await _all_blocks(store, NS, 2)
+    assert got == sorted(
+        [(NS, bh(0), [("a", Holding(a, 0b101, loc)), ("b", Holding(b, 0b10))])]
+        + [(NS, bh(i), [("a", Holding(a, 0b101, loc))]) for i in (1, 2, 3)]
+    )
+    every = await _all_blocks(store, b"", 1000)
+    assert [(ns, h) for ns, h, _ in every] == sorted(
+        [(NS, bh(i)) for i in range(4)] + [(OTHER_NS, bh(9))]
+    )
+    assert await store.drop_node("b", b, "lease expired")
+    got = await _all_blocks(store, b"", 3)
+    assert [(h, [n for n, _ in held]) for _, h, held in got] == [(bh(i), ["a"]) for i in range(4)]
+    assert await _all_blocks(store, bytes(16), 8) == []
+
+
+@_NO_REDIS
+async def test_subscribe_all_gets_every_masters_changes_in_order() -> None:
+    """Two stores on one Redis prefix (two masters): ``subscribe_all`` on one gets the
+    other's commits, evictions and node deaths, in the order they were applied."""
+    one = await _redis()
+    other = RedisIndexStore(REDIS_URL, namespace_prefix=_redis_used[-1], stream_maxlen=1000)
+    try:
+        async with one.subscribe_all(100) as sub:
+            epoch = await reg(other, "n")
+            await other.apply(CommitBatch("n", epoch, 1, (BlockAdd(NS, bh(1), (0,)),)))
+            await other.apply(CommitBatch("n", epoch, 2, (BlockAdd(NS, bh(2), (1,)),),
+                                          (BlockRef(NS, bh(1)),)))  # fmt: skip
+            assert await other.drop_node("n", epoch, "lease expired")
+            got: list = []
+            async with asyncio.timeout(10):
+                while len(got) < 4:
+                    got += await sub.read(10, timeout=5)
+            assert [(e.kind, e.block_hash, e.chunks) for e in got] == [
+                (EventKind.COMMIT, bh(1), (0,)),
+                (EventKind.EVICT, bh(1), (0,)),
+                (EventKind.COMMIT, bh(2), (1,)),
+                (EventKind.NODE_DEAD, b"", ()),
+            ]
+    finally:
+        await one.close()
+        await other.close()
+    with pytest.raises(InvalidArgument):
+        MemoryIndexStore().subscribe_all(10)

@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import os
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 import kvclient
 from kvclient import Instance, PoolIndex
-from kvstore.control.records import BlockAdd, BlockRef
+from kvstore.control.records import BlockAdd, BlockRef, EventKind, IndexEvent
 from kvstore.core.routing import choose
 from kvstore.dataplane import NodeClient
 from kvstore.dataplane.location import SlotLocation, tier_mark, with_disk
 from kvstore.errors import InvalidArgument
 from kvstore.master.events import ClusterEventKind, EventLog
-from tests.cluster import Server, serving
+from tests.cluster import Server, serving, start_server
 from tests.kvproc import layer_kv, namespace, prompt
 
 NS = bytes(16)
@@ -81,6 +84,35 @@ def test_event_log_numbers_resumes_and_clears() -> None:
     assert events[0].kind is ClusterEventKind.NODE_DEAD
     assert log.since(7, b"", 10) == ([], 7, False)
     assert [e.seq for e in log.since(3, b"", 2)[0]] == [4, 5]  # at most max_events
+
+
+def test_event_log_records_a_shared_stores_changes_and_clears_across_a_gap() -> None:
+    """A log that follows a shared store's stream records its changes as events (an ABORT
+    is none); after a gap every position before it, and every reader there, must clear."""
+    log = EventLog(capacity=8)
+    loc = SlotLocation(4096, 1024, 2).pack()
+    log.record([
+        IndexEvent(EventKind.COMMIT, NS, _h(1), "n1", 3, (0, 2), "", loc),
+        IndexEvent(EventKind.ABORT, NS, _h(2), "", 0, (), "writer aborted"),
+        IndexEvent(EventKind.EVICT, NS, _h(1), "n1", 3, (0, 2)),
+        IndexEvent(EventKind.NODE_DEAD, b"", b"", "n1", 3, (), "lease expired"),
+    ])  # fmt: skip
+    events, cursor, lost = log.since(0, b"", 10)
+    assert [(e.seq, e.kind, e.chunks, e.medium) for e in events] == [
+        (1, ClusterEventKind.STORED, (0, 2), "host"),
+        (2, ClusterEventKind.REMOVED, (), ""),
+        (3, ClusterEventKind.NODE_DEAD, (), ""),
+    ]
+    assert cursor == 3 and not lost and events[2].reason == "lease expired"
+    log.gap()  # (the store's stream was not followed for a while)
+    log.record([IndexEvent(EventKind.COMMIT, NS, _h(5), "n2", 4, (1,))])
+    assert log.last_seq == 5
+    assert log.start(3, log.log_id) == (5, True)  # caught up before the gap: clears anyway
+    assert log.start(0, "") == (5, False)
+    events, cursor, lost = log.since(3, b"", 10)  # a reader open across the gap
+    assert lost and [e.seq for e in events] == [5] and cursor == 5
+    assert log.since(4, b"", 10) == ([events[0]], 5, False)  # (4: the gap's own number)
+    assert log.snapshot_done(4).kind is ClusterEventKind.SNAPSHOT_DONE
 
 
 def test_event_log_says_where_each_stored_block_is() -> None:
@@ -183,3 +215,106 @@ async def test_a_routers_index_follows_the_pool_and_route_weighs_it(server: Serv
             follower.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await follower
+
+
+async def _until_done(stream: object) -> list:
+    """The events of ``stream`` up to and including its SNAPSHOT_DONE."""
+    got: list = []
+    async with asyncio.timeout(20):
+        while not got or got[-1].kind is not ClusterEventKind.SNAPSHOT_DONE:
+            got += (await anext(stream))[1]  # type: ignore[call-overload]
+    return got
+
+
+async def _holds(index: PoolIndex, ns_id: bytes, hashes: list[bytes], cpb: int, n: int) -> None:
+    async with asyncio.timeout(30):
+        while index.prefix_blocks(ns_id, hashes, cpb) < n:
+            await asyncio.sleep(0.05)
+
+
+async def test_a_router_started_after_the_puts_learns_what_the_pool_holds(
+    server: Server,
+) -> None:
+    """A stream asked for a snapshot starts with CLEARED, a STORED event per block held
+    (with the chunks held), SNAPSHOT_DONE numbered as the CLEARED, then the live events; a
+    router's index starting with nothing asks for one, so it knows blocks stored before it
+    started."""
+    ns = dataclasses.replace(namespace(layers=2), model="itest-snapshot")  # (its own blocks)
+    kv = await kvclient.KVClient.connect(server.grpc, ns)
+    async with kv:
+        tokens = prompt(768, 701)
+        await kv.put_layer(tokens, 0, layer_kv(768, 0, 701))
+        hashes = kv.block_hashes(tokens)
+        stream = kv.events(snapshot=True)
+        got = await _until_done(stream)
+        assert got[0].kind is ClusterEventKind.CLEARED and got[-1].seq == got[0].seq
+        assert {e.block_hash: e.chunks for e in got[1:-1]} == {h: (0,) for h in hashes}
+        assert all(e.kind is ClusterEventKind.STORED and e.node_id for e in got[1:-1])
+        await kv.put_layer(tokens, 1, layer_kv(768, 1, 701))
+        _, live = await _next_events(stream, 3)
+        assert {(e.block_hash, e.chunks) for e in live} == {(h, (1,)) for h in hashes}
+        assert all(e.seq > got[0].seq for e in live)
+        await stream.aclose()
+        plain = kv.events()  # a first connect without a snapshot: from the head, as before
+        assert (await _next_events(plain, 0))[1] == []
+        await plain.aclose()
+        index = PoolIndex()
+        follower = asyncio.create_task(index.follow(kv, timeout=60))
+        try:
+            await _holds(index, ns.id, hashes, 2, 3)
+            assert index.prefix_blocks(ns.id, hashes, 2) * 256 == await kv.match_prefix(tokens)
+        finally:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
+
+
+@pytest.mark.skipif(not os.environ.get("KVSTORE_TEST_REDIS"), reason="KVSTORE_TEST_REDIS unset")
+async def test_a_routers_index_is_the_pools_whatever_master_it_follows() -> None:
+    """Masters on one Redis: a router following the master its node does not commit
+    through learns every block (each master's stream carries the whole pool's events), and
+    a router whose master is killed moves to the other and is rebuilt there (CLEARED, the
+    blocks held, SNAPSHOT_DONE), blocks stored before and after the kill included."""
+    url = os.environ["KVSTORE_TEST_REDIS"].rsplit("/", 1)[0] + "/11"
+    with redis.Redis.from_url(url, socket_timeout=5) as r:
+        r.flushdb()
+    masters = [start_server("master", "--grpc-port", "0", "--metrics-port", "0",
+                            "--redis", url) for _ in range(2)]  # fmt: skip
+    both = f"{masters[0].grpc},{masters[1].grpc}"
+    node = start_server("node", "--master", both, "--data-port", "0", "--metrics-port", "0",
+                        "--host-mem", "64MiB")  # fmt: skip
+    ns = namespace(layers=1)
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        kv = await kvclient.KVClient.connect(both, ns)  # puts commit through masters[0]
+        other = await kvclient.KVClient.connect(masters[1].grpc, ns)
+        moving = await kvclient.KVClient.connect(both, ns)
+        async with kv, other, moving:
+            a, b, c = prompt(512, 801), prompt(512, 802), prompt(512, 803)
+            await kv.put_layer(a, 0, layer_kv(512, 0, 801))
+            watcher, mover = PoolIndex(), PoolIndex()
+            tasks = [
+                asyncio.create_task(watcher.follow(other, timeout=120, retry_s=0.2)),
+                asyncio.create_task(mover.follow(moving, timeout=120, retry_s=0.2)),
+            ]
+            for index in (watcher, mover):
+                await _holds(index, ns.id, kv.block_hashes(a), 1, 2)  # stored before it
+            await kv.put_layer(b, 0, layer_kv(512, 0, 802))
+            for index in (watcher, mover):
+                await _holds(index, ns.id, kv.block_hashes(b), 1, 2)  # live, through the other
+            cleared = mover.cleared
+            masters[0].kill()
+            await kv.put_layer(c, 0, layer_kv(512, 0, 803))  # now through masters[1]
+            await _holds(mover, ns.id, kv.block_hashes(c), 1, 2)
+            assert mover.cleared == cleared + 1  # it moved, and was rebuilt:
+            for tokens in (a, b):
+                assert mover.prefix_blocks(ns.id, kv.block_hashes(tokens), 1) == 2
+    finally:
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        rc, out = node.stop()
+        for m in masters:
+            m.stop()
+    assert rc == 0, out

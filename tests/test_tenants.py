@@ -200,6 +200,17 @@ async def test_a_tenants_event_stream_shows_its_own_namespaces(
                 if named:  # its one namespace is shown under the id the client named
                     assert {e.ns_id for e in stored} <= {NS.id}
             await stream.aclose()
+        for all_namespaces in (True, False):  # a snapshot passes the same filter
+            snap = b.events(all_namespaces=all_namespaces, snapshot=True, timeout=30)
+            got: list = []
+            while not got or got[-1].kind is not ClusterEventKind.SNAPSHOT_DONE:
+                got += (await asyncio.wait_for(anext(snap), 20))[1]
+            await snap.aclose()
+            stored = [e for e in got if e.kind is ClusterEventKind.STORED]
+            assert wanted <= {e.block_hash for e in stored}
+            assert not {e.block_hash for e in stored} & unwanted
+            if not all_namespaces:
+                assert {e.ns_id for e in stored} == {NS.id}
 
 
 QUOTAS = (

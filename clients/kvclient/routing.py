@@ -74,28 +74,35 @@ class RoutingOps(_Base):
         log_id: str = "",
         *,
         all_namespaces: bool = False,
+        snapshot: bool = False,
         timeout: float | None = None,
     ) -> AsyncGenerator[tuple[str, list[ClusterEvent]], None]:
         """The cluster event stream of this client's namespace (every namespace with
         ``all_namespaces``): ``(log_id, events)`` batches, in order; the first names the
         log; resuming after ``after_seq`` of ``log_id`` gives exactly the events missed,
-        or CLEARED first when they are no longer kept. ``timeout`` (default: the master's
-        stream limit) bounds the whole stream."""
+        or CLEARED first when they are no longer kept. With ``snapshot`` a stream that
+        starts afresh (a first connect too) sends, after CLEARED, a STORED event for each
+        node's chunks of every block held, then SNAPSHOT_DONE, then the live events.
+        ``timeout`` (default: the master's stream limit) bounds the whole stream."""
         after_seq = args.nonneg_int(after_seq, "after_seq")
         log_id = args.text(log_id, "log_id")
         ns = b"" if args.flag(all_namespaces, "all_namespaces") else self.ns.id
         limit = 3600.0 if timeout is None else args.seconds(timeout)
-        stream = self._master.events(ns, after_seq, log_id, timeout=limit)
+        snapshot = args.flag(snapshot, "snapshot")
+        stream = self._master.events(ns, after_seq, log_id, snapshot=snapshot, timeout=limit)
         async for batch in stream:
             yield batch
 
 
 class PoolIndex:
     """A router's own index of the pool, kept by the cluster event stream: per block, the
-    nodes that hold chunks of it (and which), rebuilt after a CLEARED.
+    nodes that hold chunks of it (and which). It asks for a snapshot, so it starts with
+    what the pool holds and is rebuilt whenever its stream starts afresh (a resume that
+    cannot continue, another master, a reader that fell behind).
 
     ``apply`` folds events in; ``follow`` runs the stream (reconnecting after an error,
-    resuming after the last event seen) until cancelled or ``timeout`` passes.
+    resuming after the last event seen, or afresh while a rebuild is not whole) until
+    cancelled or ``timeout`` passes.
     """
 
     def __init__(self) -> None:
@@ -104,16 +111,25 @@ class PoolIndex:
         self.log_id = ""
         self.last_seq = 0
         self.cleared = 0
+        self.rebuilding = False
+        """From a CLEARED until the index is whole again: SNAPSHOT_DONE, or the first event
+        numbered past the CLEARED (a master that sends no snapshot). A stream that breaks
+        meanwhile starts afresh."""
 
     def apply(self, log_id: str, events: Sequence[ClusterEvent]) -> None:
         """Fold one batch of the stream in."""
         self.log_id = log_id
         for ev in events:
+            if self.rebuilding and ev.seq > self.last_seq:
+                self.rebuilding = False  # (live events: the master sent no snapshot)
             self.last_seq = ev.seq
             key = (ev.ns_id, ev.block_hash)
             if ev.kind is ClusterEventKind.CLEARED:
                 self.blocks.clear()
                 self.cleared += 1
+                self.rebuilding = True
+            elif ev.kind is ClusterEventKind.SNAPSHOT_DONE:
+                self.rebuilding = False
             elif ev.kind is ClusterEventKind.STORED:
                 held = self.blocks.setdefault(key, {})
                 epoch, mask = held.get(ev.node_id, (ev.epoch, 0))
@@ -156,14 +172,16 @@ class PoolIndex:
         timeout: float | None = None,
     ) -> None:
         """Run ``kv.events`` into this index until cancelled (or ``timeout`` seconds),
-        resuming after the last event seen whenever the stream breaks."""
+        resuming after the last event seen whenever the stream breaks (afresh, with a
+        snapshot, at first and while a rebuild is not whole)."""
         loop = asyncio.get_running_loop()
         end = None if timeout is None else loop.time() + timeout
         while end is None or loop.time() < end:
             try:
                 left = None if end is None else max(0.1, end - loop.time())
+                after, of = (0, "") if self.rebuilding else (self.last_seq, self.log_id)
                 async for log_id, events in kv.events(
-                    self.last_seq, self.log_id, all_namespaces=all_namespaces, timeout=left
+                    after, of, all_namespaces=all_namespaces, snapshot=True, timeout=left
                 ):
                     self.apply(log_id, events)
             except KVStoreError as exc:

@@ -719,16 +719,19 @@ class MasterClient:
         after_seq: int = 0,
         log_id: str = "",
         *,
+        snapshot: bool = False,
         timeout: float | None = None,
     ) -> AsyncGenerator[tuple[str, list[ClusterEvent]], None]:
         """The cluster event stream (``kvstore/master/events.py``): ``(log_id, events)`` per
-        stream message, in order, starting with one that names the log (its events empty,
-        or one CLEARED when resuming after ``after_seq`` of ``log_id`` is not possible);
-        later empty batches are keep-alives. ``ns_id`` empty: every namespace. ``timeout``
-        (default ``timeout_s``) bounds the whole stream (KVTimeout past it)."""
+        stream message, in order, starting with one that names the log; then CLEARED when
+        resuming after ``after_seq`` of ``log_id`` is not possible (or, with ``snapshot``,
+        on a first connect), followed with ``snapshot`` by a STORED event per block held
+        and SNAPSHOT_DONE; later empty batches are keep-alives. ``ns_id`` empty: every
+        namespace. ``timeout`` (default ``timeout_s``) bounds the whole stream (KVTimeout
+        past it)."""
         if self._stub is None:
             raise InvalidArgument("events need a gRPC channel, not an in-process master client")
-        req = pb.EventsRequest(ns_id=ns_id, after_seq=after_seq, log_id=log_id)
+        req = pb.EventsRequest(ns_id=ns_id, after_seq=after_seq, log_id=log_id, snapshot=snapshot)
         call = self._stub.Events(req, timeout=timeout or self.timeout_s, metadata=self._metadata)
         try:
             async for msg in call:

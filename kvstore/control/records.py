@@ -355,7 +355,8 @@ class ClusterEventKind(enum.Enum):
     STORED = 1  # node_id (epoch) now holds chunks of the block
     REMOVED = 2  # node_id no longer holds the block
     NODE_DEAD = 3  # every block node_id held under epoch is gone
-    CLEARED = 4  # the consumer missed events: drop its index, rebuild from what follows
+    CLEARED = 4  # drop the index: rebuild it from what follows (the snapshot, if asked for)
+    SNAPSHOT_DONE = 5  # the STORED events since CLEARED are the whole index as of its seq
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,17 @@ reconnects asks for the events after the last sequence number it saw *of the sam
 (``log_id``, new each time a master starts): it gets exactly the ones it missed, or, when
 those are no longer kept (or the log is another one), one CLEARED event first — drop your
 index, it is rebuilt by what follows (vLLM's ``AllBlocksCleared``). A consumer that falls
-more than ``capacity`` events behind while reading gets CLEARED the same way. The fields
-follow vLLM's KV events where they fit (``BlockStored``/``BlockRemoved`` with ``medium``).
+more than ``capacity`` events behind while reading gets CLEARED the same way. A consumer
+that asks for a snapshot gets, after CLEARED (and on a first connect), a STORED event for
+every block the index holds, numbered as the CLEARED, then SNAPSHOT_DONE: its index is then
+whole, and the live events follow (the master builds them, :mod:`kvstore.master.service`).
+The fields follow vLLM's KV events where they fit (``BlockStored``/``BlockRemoved`` with
+``medium``).
+
+Where several masters share one index (Redis) a master's log follows the store's stream of
+every master's changes, not the commits it applies itself (:meth:`EventLog.record`); when
+it starts following, or follows again after losing its place, :meth:`EventLog.gap` makes
+every position before it one that must clear.
 
 Pure state apart from an :class:`asyncio.Event` that wakes readers. Bounded: memory
 is ``capacity`` events; a read returns at most ``max_events``. The log is appended to on
@@ -28,7 +37,14 @@ import asyncio
 import secrets
 from collections.abc import Callable, Sequence
 
-from kvstore.control.records import BlockAdd, BlockRef, ClusterEvent, ClusterEventKind
+from kvstore.control.records import (
+    BlockAdd,
+    BlockRef,
+    ClusterEvent,
+    ClusterEventKind,
+    EventKind,
+    IndexEvent,
+)
 from kvstore.dataplane.location import tier_of
 
 __all__ = ["ClusterEvent", "ClusterEventKind", "EventLog"]
@@ -64,7 +80,13 @@ class EventLog:
         # Event s at (s - 1) % capacity: a row until a read makes it the event.
         self._ring: list[ClusterEvent | _Row | None] = [None] * capacity
         self._seq = 0
+        self._floor = 1  # the oldest event that may be read (past a gap: see gap())
         self._changed = asyncio.Event()  # set (and replaced) at every append
+
+    @property
+    def capacity(self) -> int:
+        """The most events kept."""
+        return len(self._ring)
 
     @property
     def last_seq(self) -> int:
@@ -74,7 +96,7 @@ class EventLog:
     @property
     def _oldest(self) -> int:
         """The oldest event still kept (``last_seq + 1`` when there is none)."""
-        return max(1, self._seq - len(self._ring) + 1) if self._seq else 1
+        return max(self._floor, self._seq - len(self._ring) + 1)
 
     def commit(
         self, node_id: str, epoch: int, adds: Sequence[BlockAdd], evicts: Sequence[BlockRef]
@@ -98,6 +120,35 @@ class EventLog:
         self._ring[(seq - 1) % len(self._ring)] = (
             seq, _NODE_DEAD, b"", b"", node_id, epoch, (), b"", reason,
         )  # fmt: skip
+        self._wake()
+
+    def record(self, events: Sequence[IndexEvent]) -> None:
+        """Record changes of a shared index in the order its stream gave them (COMMIT as
+        STORED, EVICT as REMOVED, NODE_DEAD; ABORT is no change of who holds what)."""
+        ring, cap, seq = self._ring, len(self._ring), self._seq
+        for e in events:
+            if e.kind is EventKind.COMMIT:
+                row: _Row = (seq + 1, _STORED, e.ns_id, e.block_hash, e.node_id, e.epoch,
+                             e.chunks, e.location, "")  # fmt: skip
+            elif e.kind is EventKind.EVICT:
+                row = (seq + 1, _REMOVED, e.ns_id, e.block_hash, e.node_id, e.epoch, (), b"", "")
+            elif e.kind is EventKind.NODE_DEAD:
+                row = (seq + 1, _NODE_DEAD, b"", b"", e.node_id, e.epoch, (), b"", e.reason)
+            else:
+                continue
+            seq += 1
+            ring[(seq - 1) % cap] = row
+        if seq != self._seq:
+            self._seq = seq
+            self._wake()
+
+    def gap(self) -> None:
+        """Changes from here back to the last event recorded may be missing (a shared
+        index's stream was not followed meanwhile): every reader and every position before
+        here must clear. Takes one number, which no event carries."""
+        self._seq += 1
+        self._floor = self._seq + 1
+        self._ring[(self._seq - 1) % len(self._ring)] = None
         self._wake()
 
     def _wake(self) -> None:
@@ -163,3 +214,8 @@ class EventLog:
         """The CLEARED event a consumer is sent first (numbered with the cursor it starts
         from, so resuming after it continues the log)."""
         return ClusterEvent(seq, ClusterEventKind.CLEARED, reason="events missed; rebuild")
+
+    @staticmethod
+    def snapshot_done(seq: int) -> ClusterEvent:
+        """The event that ends a snapshot sent after the CLEARED numbered ``seq``."""
+        return ClusterEvent(seq, ClusterEventKind.SNAPSHOT_DONE)

@@ -46,7 +46,15 @@ from kvstore.control.records import (
     Tier,
     mask_of,
 )
-from kvstore.errors import CapacityError, Closed, KVStoreError, KVTimeout, NodeIdTaken, StaleEpoch
+from kvstore.errors import (
+    CapacityError,
+    Closed,
+    InvalidArgument,
+    KVStoreError,
+    KVTimeout,
+    NodeIdTaken,
+    StaleEpoch,
+)
 
 __all__ = ["BoundedSubscription", "IndexStore", "MemoryIndexStore", "Subscription", "id_taken"]
 
@@ -98,6 +106,10 @@ class IndexStore(abc.ABC):
     commit_waits: ClassVar[bool] = True
     """Whether what a commit calls (:meth:`apply`, :meth:`nodes`) may suspend: False for a
     store whose commit never waits, which a deadline could then never interrupt."""
+
+    shares_events: ClassVar[bool] = False
+    """Whether other masters change this index too (a shared store): a master's cluster
+    event stream then follows :meth:`subscribe_all` rather than the commits it applies."""
 
     @abc.abstractmethod
     async def register_node(self, record: NodeRecord) -> NodeRecord:
@@ -181,6 +193,23 @@ class IndexStore(abc.ABC):
         :class:`Subscription` to those blocks whose snapshot is taken atomically with its
         start. At most ``maxlen`` undelivered events are buffered. Raises :class:`Closed`
         on a closed store."""
+
+    @abc.abstractmethod
+    def blocks(
+        self, ns_id: bytes, batch: int
+    ) -> AsyncIterator[list[tuple[bytes, bytes, dict[str, Holding]]]]:
+        """Every block with a live holder, of namespace ``ns_id`` (empty: of every
+        namespace), in lists of at most ``batch``: ``(ns id, block hash, node id ->
+        holding)``. Not atomic: a block stored or removed while it runs may be in it or not
+        (a reader follows it with the changes made since it started). A block may come
+        twice."""
+
+    def subscribe_all(self, maxlen: int) -> AbstractAsyncContextManager[Subscription]:
+        """``async with store.subscribe_all(maxlen) as sub:`` -- every change published
+        from the moment it starts, by any master (COMMIT, EVICT, NODE_DEAD, ABORT), in
+        order; missed changes end it (:class:`CapacityError`). Stores that
+        :attr:`shares_events` have it."""
+        raise InvalidArgument(f"{type(self).__name__} does not share its events")
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -405,6 +434,21 @@ class MemoryIndexStore(IndexStore):
         self._check_open()
         return self._locate_now(ns_id, block_hashes)
 
+    async def blocks(
+        self, ns_id: bytes, batch: int
+    ) -> AsyncIterator[list[tuple[bytes, bytes, dict[str, Holding]]]]:
+        """See :meth:`IndexStore.blocks`: the keys held when it starts, then each part of
+        them as it is then, yielding to the loop between parts."""
+        self._check_open()
+        keys = [k for k in self._blocks if not ns_id or k[0] == ns_id]
+        for i in range(0, len(keys), max(1, batch)):
+            part = keys[i : i + max(1, batch)]
+            held = self._locate_now_keys(part)
+            out = [(ns, h, live) for (ns, h), live in zip(part, held, strict=True) if live]
+            if out:
+                yield out
+            await asyncio.sleep(0)
+
     async def locate_object(self, key: str) -> list[ObjectHolder]:
         """See :meth:`IndexStore.locate_object`."""
         self._check_open()
@@ -490,9 +534,12 @@ class MemoryIndexStore(IndexStore):
         return rec is not None and rec.alive and rec.epoch == epoch
 
     def _locate_now(self, ns_id: bytes, block_hashes: Sequence[bytes]) -> list[dict[str, Holding]]:
+        return self._locate_now_keys([(ns_id, h) for h in block_hashes])
+
+    def _locate_now_keys(self, keys: Sequence[_BlockKey]) -> list[dict[str, Holding]]:
         out: list[dict[str, Holding]] = []
-        for block_hash in block_hashes:
-            holders = self._blocks.get((ns_id, block_hash))
+        for key in keys:
+            holders = self._blocks.get(key)
             if not holders:
                 out.append({})
                 continue

@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any, TypeVar
@@ -474,6 +475,8 @@ class RedisIndexStore(IndexStore):
     purged ``purge_step`` entries per Lua call; ``max_dead_records`` dead records are kept.
     """
 
+    shares_events = True  # (several masters may apply commits to one Redis)
+
     def __init__(
         self,
         url: str,
@@ -525,6 +528,7 @@ class RedisIndexStore(IndexStore):
         }
         self._subs: set[_RedisSubscription] = set()
         self._watchers: dict[tuple[str, str], set[_RedisSubscription]] = {}
+        self._everything: set[_RedisSubscription] = set()  # (subscribe_all's)
         self._pos = 0
         self._reader: asyncio.Task[None] | None = None
         self._advanced = asyncio.Event()
@@ -671,6 +675,49 @@ class RedisIndexStore(IndexStore):
         )
         return IndexCounts(blocks=int(blocks or 0), objects=int(objects or 0))
 
+    async def blocks(
+        self, ns_id: bytes, batch: int
+    ) -> AsyncIterator[list[tuple[bytes, bytes, dict[str, Holding]]]]:
+        """See :meth:`IndexStore.blocks`: SSCAN of each namespace's set of blocks (the
+        namespaces by SCAN when ``ns_id`` is empty), each part's live holders by the locate
+        script. SSCAN may give a member twice; it gives every member present throughout."""
+        if ns_id:
+            spaces = [_hex(ns_id)]
+        else:
+            match = f"{_glob_escape(self.prefix)}:ns:*"
+            keys = await self._call(lambda: self._scan_all(match))
+            spaces = sorted(k.decode().rsplit(":", 1)[1] for k in keys)
+        count = max(1, batch)
+        for space in spaces:
+            key, cursor = f"{self.prefix}:ns:{space}", 0
+            while True:
+                sscan = functools.partial(self._redis.sscan, key, cursor, count=count)
+                cursor, members = await self._call(sscan)
+                hashes = [bytes.fromhex(m if isinstance(m, str) else m.decode()) for m in members]
+                raw_ns = bytes.fromhex(space)
+                for i in range(0, len(hashes), count):
+                    part = hashes[i : i + count]
+                    held = await self.locate(raw_ns, part)
+                    out = [(raw_ns, h, live) for h, live in zip(part, held, strict=True) if live]
+                    if out:
+                        yield out
+                if int(cursor) == 0:
+                    break
+
+    async def _scan_all(self, match: str) -> list[bytes]:
+        return [k async for k in self._redis.scan_iter(match=match, count=1000)]
+
+    @contextlib.asynccontextmanager
+    async def subscribe_all(self, maxlen: int) -> AsyncIterator[Subscription]:
+        """See :meth:`IndexStore.subscribe_all`: every entry the shared reader reads after
+        the position it joins at."""
+        sub = _RedisSubscription(self, max(1, maxlen), frozenset())
+        try:
+            sub.begin(await self._attach(sub, everything=True), [])
+            yield sub
+        finally:
+            sub.close()
+
     # -- events ---------------------------------------------------------------------------
 
     async def abort(self, ns_id: bytes, block_hashes: Sequence[bytes], reason: str) -> None:
@@ -763,9 +810,10 @@ class RedisIndexStore(IndexStore):
 
     # -- the shared stream reader -------------------------------------------------------------
 
-    async def _attach(self, sub: _RedisSubscription) -> int:
-        """Register ``sub`` with the reader, starting an idle reader at the stream's head;
-        returns the reader's position then (never past the stream's head)."""
+    async def _attach(self, sub: _RedisSubscription, *, everything: bool = False) -> int:
+        """Register ``sub`` with the reader (for its keys' events, or ``everything``),
+        starting an idle reader at the stream's head; returns the reader's position then
+        (never past the stream's head)."""
         if self._reader is None:
             head = await self._head()
             if self._reader is None:  # nobody started one while we waited
@@ -774,6 +822,8 @@ class RedisIndexStore(IndexStore):
                     self._read_events(), name=f"kvstore-redis-events-{self.prefix}"
                 )
         self._subs.add(sub)
+        if everything:
+            self._everything.add(sub)
         for key in sub.keys:
             self._watchers.setdefault(key, set()).add(sub)
         return self._pos
@@ -792,6 +842,7 @@ class RedisIndexStore(IndexStore):
 
     def _detach(self, sub: _RedisSubscription) -> None:
         self._subs.discard(sub)
+        self._everything.discard(sub)
         for key in sub.keys:
             watchers = self._watchers.get(key)
             if watchers is not None:
@@ -845,8 +896,13 @@ class RedisIndexStore(IndexStore):
                 if sub.start is None or sub.start < n - 1:
                     sub.overflow()
         self._pos = n
+        everything = self._everything
         for raw in json.loads(payload):
-            targets = self._subs if raw[0] == "node_dead" else self._watchers.get((raw[1], raw[2]))
+            if raw[0] == "node_dead":
+                targets: Collection[_RedisSubscription] = self._subs
+            else:
+                watchers = self._watchers.get((raw[1], raw[2]))
+                targets = watchers | everything if watchers else everything
             if targets:
                 event = _event(raw)
                 for sub in targets:

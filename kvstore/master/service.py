@@ -13,6 +13,7 @@ anything else is INTERNAL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -30,6 +31,7 @@ from kvstore.control import wire
 from kvstore.control.auth import AuthConfig
 from kvstore.control.records import (
     ClusterEvent,
+    ClusterEventKind,
     CommitBatch,
     NodeInfo,
     NodeRecord,
@@ -39,6 +41,7 @@ from kvstore.control.records import (
 from kvstore.core import routing
 from kvstore.core.tenancy import TenantScope
 from kvstore.dataplane.handshake import Ticket, ticket_root
+from kvstore.dataplane.location import tier_of
 from kvstore.errors import (
     CapacityError,
     Closed,
@@ -92,6 +95,13 @@ _LIVE_BATCH = 256
 _EVENTS_KEEPALIVE_S = 10.0
 """An Events stream with nothing to say sends an empty message this often (so a consumer
 can tell a quiet pool from a dead master)."""
+_FEED_LINGER_S = 60.0
+"""On a shared index store, how long the event log goes on following the store's stream
+after the last Events stream ended (a router that reconnects meanwhile resumes exactly)."""
+_FEED_JOIN_S = 10.0
+"""How long an Events stream waits for the event log to join a shared store's stream."""
+_FEED_RETRY_S = 1.0
+"""Pause before the event log follows a shared store's stream again after losing it."""
 
 
 def status_for(exc: KVStoreError) -> grpc.StatusCode:
@@ -230,6 +240,11 @@ class MasterService(pb_grpc.MasterServicer):
         self._passed: dict[str, tuple[NodeRecord, bytes]] = {}
         """Per node: the record and the key that last passed :meth:`_check_session`."""
         self.events = EventLog(event_log)  # the cluster event stream (Events RPC)
+        # On a shared store the log follows the store's stream while Events streams run.
+        self._feed: asyncio.Task[None] | None = None
+        self._feed_joined: asyncio.Future[None] | None = None
+        self._feed_users = 0
+        self._feed_idle: asyncio.TimerHandle | None = None
         # Tier usage from each node's last commit: node id -> (epoch, tiers).
         self._usage: dict[str, tuple[int, tuple[Tier, ...]]] = {}
         self._subs: set[Subscription] = set()
@@ -301,6 +316,7 @@ class MasterService(pb_grpc.MasterServicer):
         is cancelled at once, one applying a batch ends once it has answered it (its node
         sends its next batch by Commit, to a master that answers). Never blocks."""
         self._closing = True
+        self._stop_feed(force=True)
         for sub in list(self._subs):
             sub.close()
         for task, applying in list(self._commit_streams.items()):
@@ -317,7 +333,7 @@ class MasterService(pb_grpc.MasterServicer):
         old = self._records.get(request.node_id)
         record = replace(wire.record_from_register(request), session=_digest(request.session))
         rec = await self.store.register_node(record)  # (NodeIdTaken: another key holds it)
-        if old is not None and old.alive and old.epoch < rec.epoch:
+        if old is not None and old.alive and old.epoch < rec.epoch and self._own_events:
             self.events.node_dead(old.node_id, old.epoch, "re-registered")
         self.membership.register(rec.node_id, rec.epoch, self._clock())
         self._records[rec.node_id] = rec
@@ -482,7 +498,8 @@ class MasterService(pb_grpc.MasterServicer):
     async def _drop(self, node_id: str, epoch: int, reason: str) -> None:
         """Drop a dead epoch's entries from the index and mark its record not alive."""
         await self.store.drop_node(node_id, epoch, reason)
-        self.events.node_dead(node_id, epoch, reason)
+        if self._own_events:
+            self.events.node_dead(node_id, epoch, reason)
         rec = self._records.get(node_id)
         if rec is not None and rec.epoch == epoch:
             self._records[node_id] = replace(rec, alive=False)
@@ -592,7 +609,8 @@ class MasterService(pb_grpc.MasterServicer):
             # Applied now (or by a master before this process): a batch sent again after
             # its answer was lost (a broken link or stream) is recorded and counted once.
             self._recorded[batch.node_id] = (batch.epoch, batch.seq)
-            self.events.commit(batch.node_id, batch.epoch, batch.adds, batch.evicts)
+            if self._own_events:
+                self.events.commit(batch.node_id, batch.epoch, batch.adds, batch.evicts)
             self.counters.commits += 1
         if batch.tiers:  # live usage for Stats and Nodes; the store keeps the heartbeat's
             self._usage[batch.node_id] = (batch.epoch, batch.tiers)
@@ -809,7 +827,8 @@ class MasterService(pb_grpc.MasterServicer):
         self, request: pb.EventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EventsResponse]:
         """Every store and removal from now (or after ``after_seq`` of ``log_id``), in
-        order; CLEARED first when the events asked for are no longer kept."""
+        order; CLEARED first when the events asked for are no longer kept, followed, when
+        ``snapshot`` is asked for, by the index and SNAPSHOT_DONE."""
         try:
             async for batch in self._events(request, self._tenant(context)):
                 yield batch
@@ -824,26 +843,138 @@ class MasterService(pb_grpc.MasterServicer):
         asked = wire.check_ns_id(request.ns_id) if request.ns_id else b""
         ns_id = self.tenancy.pool_id(tenant, asked) if asked else b""
         owns = None if ns_id or not tenant else functools.partial(self.tenancy.owns, tenant)
-        log = self.events
-        cursor, clear = log.start(request.after_seq, wire.check_text(request.log_id, "log_id"))
+        log_id = wire.check_text(request.log_id, "log_id")
         deadline = self._clock() + self._watch_max_s
         self.counters.watches += 1
-        first = [wire.cluster_event_to_pb(log.cleared(cursor))] if clear else []
-        yield pb.EventsResponse(log_id=log.log_id, events=first)  # the log id, at once
+        async with self._following():
+            log = self.events
+            cursor, clear = log.start(request.after_seq, log_id)
+            clear = clear or (request.snapshot and not log_id)
+            yield pb.EventsResponse(log_id=log.log_id)  # the log id, at once
+            while True:
+                if clear:
+                    async for out in self._rebuild(cursor, ns_id, asked, owns, request.snapshot):
+                        yield pb.EventsResponse(log_id=log.log_id, events=out)
+                    clear = False
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    raise KVTimeout(f"event stream ended after its {self._watch_max_s} s limit")
+                if not await log.wait(cursor, min(remaining, _EVENTS_KEEPALIVE_S)):
+                    yield pb.EventsResponse(log_id=log.log_id)  # keep-alive: nothing new
+                    continue
+                events, new_cursor, lost = log.since(cursor, ns_id, _LIVE_BATCH, owns)
+                if lost:  # fell behind the log (or a gap): start afresh from its head
+                    cursor, clear = log.last_seq, True
+                    continue
+                cursor = new_cursor
+                live = events if asked == ns_id else [_renamed(e, ns_id, asked) for e in events]
+                if live:
+                    yield pb.EventsResponse(
+                        log_id=log.log_id, events=[wire.cluster_event_to_pb(e) for e in live]
+                    )
+
+    async def _rebuild(
+        self,
+        cursor: int,
+        ns_id: bytes,
+        asked: bytes,
+        owns: Callable[[bytes], bool] | None,
+        snapshot: bool,
+    ) -> AsyncIterator[list[pb.ClusterEvent]]:
+        """CLEARED numbered ``cursor`` and, with ``snapshot``, a STORED event per live
+        holder of every block the index holds (as the stream's filter passes them, named
+        as it names them), then SNAPSHOT_DONE. The index is read after ``cursor`` was
+        taken: a change made meanwhile is in it, in the events after ``cursor``, or both;
+        every event is one a reader may apply twice."""
+        first = [wire.cluster_event_to_pb(self.events.cleared(cursor))]
+        if not snapshot:
+            yield first
+            return
+        out = first
+        stored = ClusterEventKind.STORED
+        async for part in self.store.blocks(ns_id, _SNAPSHOT_BATCH):
+            for ns, block_hash, holders in part:
+                if owns is not None and not owns(ns):
+                    continue
+                name = asked if ns_id else ns
+                for node_id, held in sorted(holders.items()):
+                    event = ClusterEvent(cursor, stored, name, block_hash, node_id, held.epoch,
+                                         tuple(held.chunks()), tier_of(held.location))  # fmt: skip
+                    out.append(wire.cluster_event_to_pb(event))
+            if len(out) >= _SNAPSHOT_BATCH:
+                yield out
+                out = []
+        out.append(wire.cluster_event_to_pb(self.events.snapshot_done(cursor)))
+        yield out
+
+    # -- the event log on a shared store ----------------------------------------------------
+
+    @property
+    def _own_events(self) -> bool:
+        """Whether the event log records this master's own changes (its store is not shared;
+        a shared store's are recorded from the store's stream, :meth:`_following`)."""
+        return not self.store.shares_events
+
+    @contextlib.asynccontextmanager
+    async def _following(self) -> AsyncIterator[None]:
+        """Around an Events stream: on a shared store, have the event log follow the
+        store's stream of every master's changes. The first stream starts it and waits
+        until it has joined (so what the stream's cursor leaves out, the store's index
+        has); it stops :data:`_FEED_LINGER_S` after the last stream ended."""
+        if self._own_events:
+            yield
+            return
+        self._feed_users += 1
+        if self._feed_idle is not None:
+            self._feed_idle.cancel()
+            self._feed_idle = None
+        try:
+            if self._feed is None or self._feed.done() or self._feed_joined is None:
+                loop = asyncio.get_running_loop()
+                self._feed_joined = loop.create_future()
+                self._feed_joined.add_done_callback(_retrieved)
+                self._feed = loop.create_task(self._follow_store(self._feed_joined),
+                                              name="kvstore-master-event-log")  # fmt: skip
+            try:
+                async with asyncio.timeout(_FEED_JOIN_S):
+                    await asyncio.shield(self._feed_joined)
+            except TimeoutError as exc:
+                raise Unreachable("the index store's stream was not joined in time") from exc
+            yield
+        finally:
+            self._feed_users -= 1
+            if not self._feed_users and self._feed is not None:
+                loop = asyncio.get_running_loop()
+                self._feed_idle = loop.call_later(_FEED_LINGER_S, self._stop_feed)
+
+    def _stop_feed(self, force: bool = False) -> None:
+        """Stop following the store's stream (when no Events stream runs, or ``force``)."""
+        if self._feed_idle is not None:
+            self._feed_idle.cancel()
+            self._feed_idle = None
+        if (force or not self._feed_users) and self._feed is not None:
+            self._feed.cancel()
+            self._feed = self._feed_joined = None
+
+    async def _follow_store(self, joined: asyncio.Future[None]) -> None:
+        """Record every change the shared store publishes in the event log. Each time it
+        (re)joins the store's stream it marks a gap (readers from before it must clear);
+        having lost it (events missed, the store unreachable), it joins again."""
         while True:
-            remaining = deadline - self._clock()
-            if remaining <= 0:
-                raise KVTimeout(f"event stream ended after its {self._watch_max_s} s limit")
-            if not await log.wait(cursor, min(remaining, _EVENTS_KEEPALIVE_S)):
-                yield pb.EventsResponse(log_id=log.log_id)  # keep-alive: nothing new
-                continue
-            events, cursor, lost = log.since(cursor, ns_id, _LIVE_BATCH, owns)
-            out = [log.cleared(events[0].seq - 1 if events else cursor)] if lost else []
-            out += events if asked == ns_id else [_renamed(e, ns_id, asked) for e in events]
-            if out:
-                yield pb.EventsResponse(
-                    log_id=log.log_id, events=[wire.cluster_event_to_pb(e) for e in out]
-                )
+            try:
+                async with self.store.subscribe_all(self.events.capacity) as sub:
+                    self.events.gap()
+                    if not joined.done():
+                        joined.set_result(None)
+                    while True:
+                        self.events.record(await sub.read(4 * _LIVE_BATCH))
+            except KVStoreError as exc:
+                if not joined.done():
+                    joined.set_exception(exc)
+                    return
+                log.warning("the event log lost the index store's stream (%s); joining again",
+                            exc)  # fmt: skip
+            await asyncio.sleep(_FEED_RETRY_S)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -919,6 +1050,12 @@ class MasterService(pb_grpc.MasterServicer):
                 )
             )
         return sorted(infos, key=lambda i: i.node_id)
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """Mark ``fut``'s exception seen (each waiter gets it; none may be left to wait)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _renamed(event: ClusterEvent, pool_id: bytes, ns_id: bytes) -> ClusterEvent:

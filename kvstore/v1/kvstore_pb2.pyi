@@ -375,14 +375,16 @@ class RouteResponse(_message.Message):
     def __init__(self, choice: _Optional[str] = ..., pool_tokens: _Optional[int] = ..., scores: _Optional[_Iterable[_Union[RouteScore, _Mapping]]] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
-    __slots__ = ("ns_id", "after_seq", "log_id")
+    __slots__ = ("ns_id", "after_seq", "log_id", "snapshot")
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     LOG_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     ns_id: bytes
     after_seq: int
     log_id: str
-    def __init__(self, ns_id: _Optional[bytes] = ..., after_seq: _Optional[int] = ..., log_id: _Optional[str] = ...) -> None: ...
+    snapshot: bool
+    def __init__(self, ns_id: _Optional[bytes] = ..., after_seq: _Optional[int] = ..., log_id: _Optional[str] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class ClusterEvent(_message.Message):
     __slots__ = ("seq", "kind", "ns_id", "block_hash", "node_id", "epoch", "chunks", "medium", "reason")
@@ -393,11 +395,13 @@ class ClusterEvent(_message.Message):
         REMOVED: _ClassVar[ClusterEvent.Kind]
         NODE_DEAD: _ClassVar[ClusterEvent.Kind]
         CLEARED: _ClassVar[ClusterEvent.Kind]
+        SNAPSHOT_DONE: _ClassVar[ClusterEvent.Kind]
     KIND_UNSPECIFIED: ClusterEvent.Kind
     STORED: ClusterEvent.Kind
     REMOVED: ClusterEvent.Kind
     NODE_DEAD: ClusterEvent.Kind
     CLEARED: ClusterEvent.Kind
+    SNAPSHOT_DONE: ClusterEvent.Kind
     SEQ_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NS_ID_FIELD_NUMBER: _ClassVar[int]
