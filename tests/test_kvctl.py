@@ -66,6 +66,9 @@ HASHES = block_hashes(NS, TOKENS)
 ALL = tuple(range(8))  # every chunk: 4 layers x 2 shards
 TOKENS_ARG = ",".join(map(str, TOKENS))
 
+REFUSED = "(unavailable: connection refused: nothing listens there)\n"
+"""How kvctl's one line ends for a master address where nothing listens."""
+
 
 @dataclass
 class Run:
@@ -406,7 +409,7 @@ async def test_unreachable_master_exits_1_with_one_line() -> None:
     with dead_port() as port:
         run = await kvctl("--master", f"127.0.0.1:{port}", "--timeout", "2", "status", "--json")
     assert (run.rc, run.out) == (1, "")
-    assert run.err == f"kvctl: cannot reach master at 127.0.0.1:{port} (unavailable)\n"
+    assert run.err == f"kvctl: cannot reach master at 127.0.0.1:{port} {REFUSED}"
 
 
 # -- subprocesses: the import budget and the console script -----------------------------------
@@ -461,7 +464,7 @@ async def test_console_script_exit_code_and_message() -> None:
         )
         out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert (proc.returncode, out) == (1, b"")
-    assert err.decode() == f"kvctl: cannot reach master at 127.0.0.1:{port} (unavailable)\n"
+    assert err.decode() == f"kvctl: cannot reach master at 127.0.0.1:{port} {REFUSED}"
 
 
 def test_long_lookup_table_shows_the_head_and_the_rows_around_the_stop() -> None:
@@ -599,7 +602,7 @@ async def test_top_exit_codes() -> None:
     with dead_port() as port:
         run = await kvctl("--master", f"127.0.0.1:{port}", "--timeout", "2", "top", "--once")
         assert (run.rc, run.out) == (1, "")
-        assert run.err == f"kvctl: cannot reach master at 127.0.0.1:{port} (unavailable)\n"
+        assert run.err == f"kvctl: cannot reach master at 127.0.0.1:{port} {REFUSED}"
         run = await kvctl("--master", f"127.0.0.1:{port}", "top", "--json")
         assert (run.rc, run.err) == (2, "kvctl top: --json needs --once\n")
         run = await kvctl("top", "--interval", "0")

@@ -35,8 +35,10 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     other = make_ca(d, "other-ca")
     server = make_signed(d, "server", ca, "IP:127.0.0.1,DNS:localhost")
     client = make_signed(d, "client", ca, "DNS:engine-1")
+    named = make_signed(d, "named", ca, "DNS:localhost")  # (not 127.0.0.1)
     return {"ca": ca[1], "other_ca": other[1], "server_cert": server[0],
-            "server_key": server[1], "client_cert": client[0], "client_key": client[1]}  # fmt: skip
+            "server_key": server[1], "client_cert": client[0], "client_key": client[1],
+            "named_cert": named[0], "named_key": named[1]}  # fmt: skip
 
 
 def _master(certs: dict[str, Path], *extra: str) -> Server:
@@ -84,6 +86,19 @@ async def test_a_tls_master_serves_verified_clients_and_refuses_the_rest(
     assert by_env.returncode == 0 and '"alive": true' in by_env.stdout, by_env.stderr
     plain = run_kvctl(master, "--timeout", "3", "status")
     assert plain.returncode == 1, plain.stdout
+    # One line on stderr each (gRPC's own log lines kept off it), saying why.
+    assert plain.stderr.count("\n") == 1 and "give --ca-file" in plain.stderr, plain.stderr
+    other = run_kvctl(master, "--timeout", "3", "status", "--ca-file", str(certs["other_ca"]))
+    assert other.returncode == 1 and other.stderr.count("\n") == 1, other.stderr
+    assert "did not verify against the CA given: unable to get local issuer" in other.stderr
+    elsewhere = start_server("master", "--grpc-port", "0", "--metrics-port", "0",
+                             "--tls-cert", str(certs["named_cert"]),
+                             "--tls-key", str(certs["named_key"]))  # fmt: skip
+    try:  # a certificate that names localhost, not 127.0.0.1
+        named = run_kvctl(elsewhere, "--timeout", "3", "status", "--ca-file", str(certs["ca"]))
+    finally:
+        elsewhere.stop()
+    assert "does not name the address given" in named.stderr, named.stderr
     missing = run_kvctl(master, "status", "--ca-file", "/nonexistent/ca.pem")
     assert missing.returncode == 2 and "/nonexistent/ca.pem" in missing.stderr
 
@@ -103,7 +118,8 @@ async def test_mutual_tls_requires_a_client_certificate(certs: dict[str, Path]) 
         both = ["--ca-file", str(certs["ca"]), "--cert-file", str(certs["client_cert"]),
                 "--key-file", str(certs["client_key"])]  # fmt: skip
         assert run_kvctl(master, "status", *both).returncode == 0
-        assert run_kvctl(master, "--timeout", "3", "status", *both[:2]).returncode == 1
+        no_cert = run_kvctl(master, "--timeout", "3", "status", *both[:2])
+        assert no_cert.returncode == 1 and "give --cert-file, --key-file" in no_cert.stderr
     finally:
         node.stop()
         master.stop()

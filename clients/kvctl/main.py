@@ -94,7 +94,10 @@ def main(
     usage or input error: those are the exit codes 1 and 2 with one line on ``stderr``.
     """
     # The library's own warnings (a master down, the next one tried) are not this tool's
-    # output, while it runs: an error ends in its one line on ``stderr``.
+    # output, while it runs: an error ends in its one line on ``stderr``. gRPC's core logs
+    # to stderr itself (a failed TLS handshake: a line of its own before ours); the reason
+    # is in our line (set before grpc is imported, where it is read; a user's value stands).
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     library = logging.getLogger("kvstore")
     level = library.level
     library.setLevel(logging.ERROR)
@@ -128,7 +131,7 @@ def _main(
     try:
         result = _ask_master(args.master, args.timeout, job.fetch, token, tls)
     except KVStoreError as exc:
-        err.write(_describe(exc, args.master, args.timeout) + "\n")
+        err.write(_describe(exc, args.master, args.timeout, tls) + "\n")
         return EXIT_MASTER
     except KeyboardInterrupt:
         return _EXIT_INTERRUPTED
@@ -168,7 +171,7 @@ def _top(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
         top.run(opts, out)
     except KVStoreError as exc:
-        err.write(_describe(exc, args.master, args.timeout) + "\n")
+        err.write(_describe(exc, args.master, args.timeout, tls) + "\n")
         return EXIT_MASTER
     except KeyboardInterrupt:
         return EXIT_OK  # how the live view is left
@@ -224,10 +227,11 @@ async def _with_client(
         return await fetch(client)
 
 
-def _describe(exc: KVStoreError, target: str, timeout_s: float) -> str:
+def _describe(exc: KVStoreError, target: str, timeout_s: float, tls: TlsFiles | None = None) -> str:
     """The one stderr line for a failed master call."""
     if isinstance(exc, Unreachable):
-        return f"kvctl: cannot reach master at {target} (unavailable)"
+        why = unreachable_reason(str(exc), tls)
+        return f"kvctl: cannot reach master at {target} (unavailable{': ' + why if why else ''})"
     from kvctl.commands import WaitTimeout
 
     if isinstance(exc, KVTimeout) and not isinstance(exc, WaitTimeout):
@@ -235,6 +239,35 @@ def _describe(exc: KVStoreError, target: str, timeout_s: float) -> str:
             f"kvctl: master at {target} did not answer within {timeout_s:g} s (deadline exceeded)"
         )
     return f"kvctl: {exc}"
+
+
+def unreachable_reason(message: str, tls: TlsFiles | None) -> str:
+    """Why gRPC could not reach a master, in an operator's words, from the error's message
+    (gRPC's own text: "failed to connect to all addresses; last error: ..."); empty when
+    it names no reason. ``tls``: the files kvctl spoke TLS with (none: plaintext)."""
+    last = message.rpartition("last error: ")[2]
+    if "Connection refused" in last:
+        return "connection refused: nothing listens there"
+    if "Hostname Verification Check failed" in last:
+        return "TLS: the master's certificate does not name the address given"
+    if "CERTIFICATE_VERIFY_FAILED" in last:
+        detail = last.partition("CERTIFICATE_VERIFY_FAILED: ")[2].partition(": OK")[0]
+        said = f": {detail.strip()}" if detail.strip() else ""
+        return f"TLS: the master's certificate did not verify against the CA given{said}"
+    if "WRONG_VERSION_NUMBER" in last:
+        return "TLS: the master does not speak TLS there (leave out --ca-file)"
+    if "Socket closed" in last:
+        if tls is None or not tls.on:
+            return "the master hung up; one serving TLS does so to plaintext (give --ca-file)"
+        if not tls.cert:
+            return (
+                "the master hung up in the TLS handshake; one that requires client "
+                "certificates does so without one (give --cert-file, --key-file)"
+            )
+        return "the master hung up in the TLS handshake"
+    if "handshake failed" in last.lower():
+        return "TLS handshake failed: " + last.rpartition("): ")[2].strip()
+    return ""
 
 
 # -- jobs: parse the command's input (InvalidArgument -> exit 2), nothing sent yet -----------
