@@ -268,6 +268,15 @@ def _load_tls(cfg: Resolved) -> tuple[Any, TlsFiles | None, Any, Any]:
             raise InvalidArgument("--data-tls needs --tls-cert and --tls-key")
         server_credentials(mine)  # (the same checks of the files: key mode, PEM)
         data_tls = server_context(mine.cert, mine.key)
+    if mine.cert and mine.key:
+        from kvstore.transport.tls import check_certificate
+
+        # Expired or not yet valid: refused here, not at each client's handshake. Not
+        # naming the address the ports are on: said, since clients may dial a name it has.
+        serves = cfg.command in ("serve", "master") or bool(cfg.values.get("data_tls"))
+        warning = check_certificate(mine.cert, mine.key, cfg["host"] if serves else "")
+        if warning:
+            print(f"kvstore {cfg.command}: warning: {warning}", file=sys.stderr, flush=True)
     return server_tls, node_tls, data_tls, commit_tls
 
 

@@ -23,13 +23,16 @@ def make_ca(d: Path, name: str) -> tuple[Path, Path]:
     return key, pem
 
 
-def make_signed(d: Path, name: str, ca: tuple[Path, Path], san: str) -> tuple[Path, Path]:
-    """A certificate ``ca`` signed for ``san`` (``IP:127.0.0.1``): (certificate, key),
-    the key chmod 600."""
+def make_signed(
+    d: Path, name: str, ca: tuple[Path, Path], san: str, days: int = 2
+) -> tuple[Path, Path]:
+    """A certificate ``ca`` signed for ``san`` (``IP:127.0.0.1``) valid from now for
+    ``days`` (negative: expired that long ago): (certificate, key), the key chmod 600."""
     key, csr, pem, ext = (d / f"{name}{s}" for s in (".key", ".csr", ".pem", ".ext"))
     _openssl("req", *_EC, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")
     ext.write_text(f"subjectAltName={san}\n")
     _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[1]), "-CAkey", str(ca[0]),
-             "-CAcreateserial", "-out", str(pem), "-days", "2", "-extfile", str(ext))  # fmt: skip
+             "-CAcreateserial", "-out", str(pem), "-days", str(days),
+             "-extfile", str(ext))  # fmt: skip
     key.chmod(0o600)
     return pem, key

@@ -7,6 +7,7 @@ others can read, or a file that is not PEM, stops a server at start in one line.
 from __future__ import annotations
 
 import asyncio
+import selectors
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import torch
 
 import kvclient
 from kvstore.transport import connect
+from kvstore.transport.tls import check_certificate
 from tests.certs import make_ca, make_signed
 from tests.cluster import Server, run_kvctl, start_server, start_servers
 from tests.kvproc import layer_kv, namespace, prompt
@@ -36,9 +38,11 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     server = make_signed(d, "server", ca, "IP:127.0.0.1,DNS:localhost")
     client = make_signed(d, "client", ca, "DNS:engine-1")
     named = make_signed(d, "named", ca, "DNS:localhost")  # (not 127.0.0.1)
+    expired = make_signed(d, "expired", ca, "IP:127.0.0.1", days=-1)
     return {"ca": ca[1], "other_ca": other[1], "server_cert": server[0],
             "server_key": server[1], "client_cert": client[0], "client_key": client[1],
-            "named_cert": named[0], "named_key": named[1]}  # fmt: skip
+            "named_cert": named[0], "named_key": named[1],
+            "expired_cert": expired[0], "expired_key": expired[1]}  # fmt: skip
 
 
 def _master(certs: dict[str, Path], *extra: str) -> Server:
@@ -138,6 +142,7 @@ def test_a_readable_key_or_a_file_that_is_not_pem_stops_the_server(
         (not_pem, certs["server_key"], "not a PEM file"),
         (certs["server_cert"], None, "needs its key"),
         (None, None, "--tls-client-ca needs --tls-cert"),  # (it started in plaintext)
+        (certs["expired_cert"], certs["expired_key"], "certificate has expired"),
     ]
     for cert, key, expected in cases:
         argv = ["--tls-cert", str(cert)] if cert else ["--tls-client-ca", str(certs["ca"])]
@@ -149,6 +154,34 @@ def test_a_readable_key_or_a_file_that_is_not_pem_stops_the_server(
         )  # fmt: skip
         assert run.returncode == 2 and expected in run.stderr, (expected, run.stderr)
         assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_a_certificate_not_naming_the_servers_address_is_said_at_start(
+    certs: dict[str, Path],
+) -> None:
+    """A master whose certificate does not name the address its ports are on starts (a
+    client may dial a name the certificate has), with one line on stderr saying so; one
+    that names it, or a wildcard address, says nothing."""
+    assert check_certificate(str(certs["server_cert"]), str(certs["server_key"]), "127.0.0.1") == ""
+    assert check_certificate(str(certs["named_cert"]), str(certs["named_key"]), "0.0.0.0") == ""
+    assert check_certificate(str(certs["named_cert"]), str(certs["named_key"]), "localhost") == ""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.cli", "master", "--grpc-port", "0", "--metrics-port",
+         "0", "--tls-cert", str(certs["named_cert"]), "--tls-key", str(certs["named_key"])],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            ready = proc.stdout.readline() if sel.select(timeout=60) else ""
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "kvstore ready" in ready, err
+    warning = err.splitlines()[0]
+    assert warning.startswith("kvstore master: warning: TLS certificate "), err
+    assert "does not name 127.0.0.1" in warning, warning
 
 
 async def test_a_tls_data_port_serves_verified_clients_and_drains_over_tls(

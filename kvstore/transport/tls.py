@@ -54,7 +54,14 @@ from kvstore.transport.tcp import (
     parse_tcp_uri,
 )
 
-__all__ = ["BACKEND", "TlsBackend", "TlsConnection", "client_context", "server_context"]
+__all__ = [
+    "BACKEND",
+    "TlsBackend",
+    "TlsConnection",
+    "check_certificate",
+    "client_context",
+    "server_context",
+]
 
 _CHUNK = 256 * 1024
 _EMPTY = memoryview(b"")
@@ -105,6 +112,59 @@ def server_context(cert: str, key: str, client_ca: str = "") -> ssl.SSLContext:
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.num_tickets = 0
     return ctx
+
+
+def check_certificate(cert: str, key: str, host: str = "") -> str:
+    """Check at start what every handshake would find later: a TLS handshake with itself,
+    in memory, trusting ``cert`` alone (the leaf and any intermediates in the file, as
+    partial chains). Raises InvalidArgument when the certificate is expired or not valid
+    yet (no client could verify it). Returns a warning, or "", when it does not name
+    ``host`` (a client that dials that address would refuse it; one dialing a name the
+    certificate lists would not, so it may be meant). A wildcard ``host`` is not checked."""
+    try:
+        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise InvalidArgument(f"TLS certificate {cert} with key {key}: {exc}") from None
+    wildcard = not host or host in ("0.0.0.0", "::", "*")
+    for named in (False,) if wildcard else (False, True):
+        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        client.load_verify_locations(cafile=cert)
+        client.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+        client.check_hostname = named
+        try:
+            _handshake_in_memory(client, server, host if named else None)
+        except ssl.SSLCertVerificationError as exc:
+            why = exc.verify_message or str(exc)
+            if named:
+                return f"TLS certificate {cert} does not name {host}: {why}"
+            raise InvalidArgument(f"TLS certificate {cert}: {why}") from None
+        except ssl.SSLError as exc:
+            raise InvalidArgument(f"TLS certificate {cert}: a handshake fails: {exc}") from None
+    return ""
+
+
+def _handshake_in_memory(
+    client_ctx: ssl.SSLContext, server_ctx: ssl.SSLContext, hostname: str | None
+) -> None:
+    """A whole TLS handshake between two contexts over memory buffers (bounded steps)."""
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    client = client_ctx.wrap_bio(c_in, c_out, server_hostname=hostname)
+    server = server_ctx.wrap_bio(s_in, s_out, server_side=True)
+    done = [False, False]
+    for _ in range(16):  # (TLS 1.3 takes two flights each way)
+        for i, (side, out, peer_in) in enumerate(((client, c_out, s_in), (server, s_out, c_in))):
+            if not done[i]:
+                try:
+                    side.do_handshake()
+                    done[i] = True
+                except ssl.SSLWantReadError:
+                    pass
+            if out.pending:
+                peer_in.write(out.read())
+        if all(done):
+            return
+    raise ssl.SSLError("the handshake did not complete")
 
 
 class _TlsSocket:
