@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -15,12 +16,14 @@ import redis
 
 import kvclient
 from kvclient import Instance, PoolIndex
+from kvstore.control.client import MasterClient
 from kvstore.control.records import BlockAdd, BlockRef, EventKind, IndexEvent
 from kvstore.core.routing import choose
 from kvstore.dataplane import NodeClient
 from kvstore.dataplane.location import SlotLocation, tier_mark, with_disk
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, Unreachable
 from kvstore.master.events import ClusterEventKind, EventLog
+from kvstore.master.server import MasterConfig, MasterServer
 from tests.cluster import Server, serving, start_server
 from tests.kvproc import layer_kv, namespace, prompt
 
@@ -318,3 +321,26 @@ async def test_a_routers_index_is_the_pools_whatever_master_it_follows() -> None
         for m in masters:
             m.stop()
     assert rc == 0, out
+
+
+async def test_a_master_stops_without_waiting_out_its_grace_for_an_event_stream() -> None:
+    """A master that stops ends its open event streams at once (the router moves to
+    another master) rather than holding its stop for their sake."""
+    server = MasterServer(MasterConfig(grpc_port=0))
+    await server.start()
+    client = MasterClient(server.address, timeout_s=5)
+    try:
+        stream = client.events(b"", snapshot=True, timeout=60)
+        assert [e.kind for e in (await anext(stream))[1]] == []  # (the log's id)
+        assert [e.kind for e in (await anext(stream))[1]] == [
+            ClusterEventKind.CLEARED, ClusterEventKind.SNAPSHOT_DONE]  # fmt: skip
+        began = time.monotonic()
+        stopping = asyncio.create_task(server.stop(grace=30.0))
+        with pytest.raises(Unreachable, match="stopping"):
+            async with asyncio.timeout(20):
+                await anext(stream)
+        await asyncio.wait_for(stopping, 20)
+        assert time.monotonic() - began < 5.0, "stop waited out its grace for an event stream"
+    finally:
+        await client.close()
+        await server.stop()

@@ -112,7 +112,7 @@ class EventLog:
             ring[(seq - 1) % cap] = (seq, _STORED, a.ns_id, a.block_hash, node_id, epoch,
                                      tuple(a.chunks), a.location, "")  # fmt: skip
         if adds or evicts:
-            self._wake()
+            self.wake()
 
     def node_dead(self, node_id: str, epoch: int, reason: str) -> None:
         """Record that ``node_id``'s ``epoch`` died (its blocks are gone)."""
@@ -120,7 +120,7 @@ class EventLog:
         self._ring[(seq - 1) % len(self._ring)] = (
             seq, _NODE_DEAD, b"", b"", node_id, epoch, (), b"", reason,
         )  # fmt: skip
-        self._wake()
+        self.wake()
 
     def record(self, events: Sequence[IndexEvent]) -> None:
         """Record changes of a shared index in the order its stream gave them (COMMIT as
@@ -140,7 +140,7 @@ class EventLog:
             ring[(seq - 1) % cap] = row
         if seq != self._seq:
             self._seq = seq
-            self._wake()
+            self.wake()
 
     def gap(self) -> None:
         """Changes from here back to the last event recorded may be missing (a shared
@@ -149,9 +149,10 @@ class EventLog:
         self._seq += 1
         self._floor = self._seq + 1
         self._ring[(self._seq - 1) % len(self._ring)] = None
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Wake every reader waiting in :meth:`wait` (it returns whether an event exists)."""
         self._changed.set()
         self._changed = asyncio.Event()
 

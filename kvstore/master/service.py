@@ -312,11 +312,12 @@ class MasterService(pb_grpc.MasterServicer):
 
     def close_streams(self) -> None:
         """End every open stream, so that stopping does not wait out its grace for them:
-        Watch streams finish with UNAVAILABLE; a CommitStream waiting for its next batch
+        Watch and Events streams finish with UNAVAILABLE; a CommitStream waiting for its next batch
         is cancelled at once, one applying a batch ends once it has answered it (its node
         sends its next batch by Commit, to a master that answers). Never blocks."""
         self._closing = True
         self._stop_feed(force=True)
+        self.events.wake()  # (each Events stream sees _closing and ends)
         for sub in list(self._subs):
             sub.close()
         for task, applying in list(self._commit_streams.items()):
@@ -859,7 +860,10 @@ class MasterService(pb_grpc.MasterServicer):
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     raise KVTimeout(f"event stream ended after its {self._watch_max_s} s limit")
-                if not await log.wait(cursor, min(remaining, _EVENTS_KEEPALIVE_S)):
+                news = await log.wait(cursor, min(remaining, _EVENTS_KEEPALIVE_S))
+                if self._closing:
+                    raise Unreachable("the master is stopping; another master serves events")
+                if not news:
                     yield pb.EventsResponse(log_id=log.log_id)  # keep-alive: nothing new
                     continue
                 events, new_cursor, lost = log.since(cursor, ns_id, _LIVE_BATCH, owns)
