@@ -26,6 +26,7 @@ from kvstore.master.events import ClusterEventKind, EventLog
 from kvstore.master.server import MasterConfig, MasterServer
 from tests.cluster import Server, serving, start_server
 from tests.kvproc import layer_kv, namespace, prompt
+from tests.test_master import bh, commit, register
 
 NS = bytes(16)
 
@@ -341,6 +342,42 @@ async def test_a_master_stops_without_waiting_out_its_grace_for_an_event_stream(
                 await anext(stream)
         await asyncio.wait_for(stopping, 20)
         assert time.monotonic() - began < 5.0, "stop waited out its grace for an event stream"
+    finally:
+        await client.close()
+        await server.stop()
+
+
+async def test_a_reader_behind_the_log_gets_the_index_again_or_what_is_kept() -> None:
+    """A reader the log has left behind (more events came at once than it keeps) is sent
+    CLEARED and, having asked for a snapshot, the index again and SNAPSHOT_DONE, then the
+    live events; one that did not ask gets CLEARED and the events the log still keeps."""
+    server = MasterServer(MasterConfig(grpc_port=0))
+    server.service.events = EventLog(capacity=4)  # (a log that keeps four events)
+    await server.start()
+    client = MasterClient(server.address, timeout_s=5)
+    try:
+        epoch = await register(client, "n")
+        fresh = client.events(b"", snapshot=True, timeout=60)
+        plain = client.events(b"", timeout=60)
+        for stream in (fresh, plain):
+            await anext(stream)  # (the log's id: open)
+        assert [e.kind for e in (await anext(fresh))[1]] == [
+            ClusterEventKind.CLEARED, ClusterEventKind.SNAPSHOT_DONE]  # fmt: skip
+        await client.commit(commit("n", epoch, 1, *((i, (0,)) for i in range(10))))
+        got: list = []
+        async with asyncio.timeout(20):
+            while not got or got[-1].kind is not ClusterEventKind.SNAPSHOT_DONE:
+                got += (await anext(fresh))[1]
+        assert got[0].kind is ClusterEventKind.CLEARED
+        assert {e.block_hash for e in got[1:-1]} == {bh(i) for i in range(10)}
+        _, kept = await _next_events(plain, 5)
+        assert [e.kind for e in kept] == [ClusterEventKind.CLEARED] + [ClusterEventKind.STORED] * 4
+        assert [e.block_hash for e in kept[1:]] == [bh(i) for i in range(6, 10)]
+        await client.commit(commit("n", epoch, 2, (11, (0,))))
+        (live,) = (await anext(fresh))[1]
+        assert live.block_hash == bh(11) and live.seq > got[0].seq
+        for stream in (fresh, plain):
+            await stream.aclose()
     finally:
         await client.close()
         await server.stop()

@@ -312,9 +312,10 @@ class MasterService(pb_grpc.MasterServicer):
 
     def close_streams(self) -> None:
         """End every open stream, so that stopping does not wait out its grace for them:
-        Watch and Events streams finish with UNAVAILABLE; a CommitStream waiting for its next batch
-        is cancelled at once, one applying a batch ends once it has answered it (its node
-        sends its next batch by Commit, to a master that answers). Never blocks."""
+        Watch and Events streams finish with UNAVAILABLE; a CommitStream waiting for its
+        next batch is cancelled at once, one applying a batch ends once it has answered it
+        (its node sends its next batch by Commit, to a master that answers). Never
+        blocks."""
         self._closing = True
         self._stop_feed(force=True)
         self.events.wake()  # (each Events stream sees _closing and ends)
@@ -867,11 +868,12 @@ class MasterService(pb_grpc.MasterServicer):
                     yield pb.EventsResponse(log_id=log.log_id)  # keep-alive: nothing new
                     continue
                 events, new_cursor, lost = log.since(cursor, ns_id, _LIVE_BATCH, owns)
-                if lost:  # fell behind the log (or a gap): start afresh from its head
-                    cursor, clear = log.last_seq, True
+                if lost and request.snapshot:  # fell behind the log, or a gap: the index
+                    cursor, clear = log.last_seq, True  # afresh, then what follows it
                     continue
-                cursor = new_cursor
-                live = events if asked == ns_id else [_renamed(e, ns_id, asked) for e in events]
+                live = [log.cleared(events[0].seq - 1 if events else new_cursor)] if lost else []
+                cursor = new_cursor  # (without a snapshot: CLEARED, then what is still kept)
+                live += events if asked == ns_id else [_renamed(e, ns_id, asked) for e in events]
                 if live:
                     yield pb.EventsResponse(
                         log_id=log.log_id, events=[wire.cluster_event_to_pb(e) for e in live]
