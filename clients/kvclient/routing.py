@@ -94,6 +94,22 @@ class RoutingOps(_Base):
             yield batch
 
 
+_MASKS: dict[tuple[int, ...], int] = {}
+"""Chunk lists seen → their mask (a snapshot's events mostly carry a few: whole blocks)."""
+
+
+def _mask(chunks: tuple[int, ...]) -> int:
+    mask = _MASKS.get(chunks)
+    if mask is None:
+        mask = 0
+        for c in chunks:
+            mask |= 1 << c
+        if len(_MASKS) >= 4096:  # (bounded)
+            _MASKS.clear()
+        _MASKS[chunks] = mask
+    return mask
+
+
 class PoolIndex:
     """A router's own index of the pool, kept by the cluster event stream: per block, the
     nodes that hold chunks of it (and which). It asks for a snapshot, so it starts with
@@ -134,9 +150,7 @@ class PoolIndex:
                 held = self.blocks.setdefault(key, {})
                 epoch, mask = held.get(ev.node_id, (ev.epoch, 0))
                 mask = mask if epoch == ev.epoch else 0
-                for c in ev.chunks:
-                    mask |= 1 << c
-                held[ev.node_id] = (ev.epoch, mask)
+                held[ev.node_id] = (ev.epoch, mask | _mask(ev.chunks))
             elif ev.kind is ClusterEventKind.REMOVED:
                 held = self.blocks.get(key, {})
                 held.pop(ev.node_id, None)

@@ -898,14 +898,20 @@ class MasterService(pb_grpc.MasterServicer):
             return
         out = first
         stored = ClusterEventKind.STORED
+        chunk_lists: dict[int, tuple[int, ...]] = {}  # (masks repeat: a whole block's most)
         async for part in self.store.blocks(ns_id, _SNAPSHOT_BATCH):
             for ns, block_hash, holders in part:
                 if owns is not None and not owns(ns):
                     continue
                 name = asked if ns_id else ns
                 for node_id, held in sorted(holders.items()):
+                    chunks = chunk_lists.get(held.mask)
+                    if chunks is None:
+                        chunks = tuple(held.chunks())
+                        if len(chunk_lists) < _SNAPSHOT_BATCH:
+                            chunk_lists[held.mask] = chunks
                     event = ClusterEvent(cursor, stored, name, block_hash, node_id, held.epoch,
-                                         tuple(held.chunks()), tier_of(held.location))  # fmt: skip
+                                         chunks, tier_of(held.location))  # fmt: skip
                     out.append(wire.cluster_event_to_pb(event))
             if len(out) >= _SNAPSHOT_BATCH:
                 yield out
