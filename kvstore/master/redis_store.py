@@ -902,7 +902,10 @@ class RedisIndexStore(IndexStore):
                 targets: Collection[_RedisSubscription] = self._subs
             else:
                 watchers = self._watchers.get((raw[1], raw[2]))
-                targets = watchers | everything if watchers else everything
+                if not everything:
+                    targets = watchers or ()
+                else:
+                    targets = watchers | everything if watchers else everything
             if targets:
                 event = _event(raw)
                 for sub in targets:
