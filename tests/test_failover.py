@@ -88,6 +88,12 @@ async def test_a_dead_or_frozen_holder_costs_no_tokens(
         streamed = [t async for _, t in kv.stream_layers(tokens, timeout=TIMEOUT_S)]
         assert all(torch.equal(t, r) for t, r in zip(streamed, ref, strict=True))
         assert await kv.match_prefix(tokens) == 2048
+        # A hold on the victim costs node_timeout_s at most, not the call's whole deadline
+        # (the connector matches with a hold: a frozen node stalled every request).
+        assert await kv.match_prefix(tokens, hold_s=5) == 2048
+        began = time.monotonic()  # a node that failed a hold is not asked again at once
+        assert await kv.match_prefix(tokens, hold_s=5) == 2048
+        assert time.monotonic() - began < kv.node_timeout_s
         if not kv._reads.stats.failed_reads:
             # Nothing failed: a stopped process's memory is still READable over ucx://.
             assert fault == "freeze" and transport == "ucx"

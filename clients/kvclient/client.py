@@ -902,11 +902,17 @@ class ClientCore:
         self, uri: str, hashes: list[bytes], hold_s: float
     ) -> tuple[set[bytes], str | None]:
         """Pin ``hashes`` on the node at ``uri``; the ones it pinned (a leading run) and
-        the hold's id."""
+        the hold's id. A node that fails it or does not answer within ``node_timeout_s``
+        pins nothing (the match stands; its blocks are read as unheld), and is not asked
+        again, nor given this client's new blocks, for a while (:meth:`_node_failed`)."""
+        if self._shunned.get(uri, 0.0) > time.monotonic():
+            return set(), None  # (it failed this client moments ago: not asked again yet)
+        node = NodeClient(uri, self._pool, timeout_s=self.node_timeout_s)
         try:
-            held = await self._node(uri).hold(self.ns.id, hashes, hold_s)
-        except TransportError as exc:
+            held = await node.hold(self.ns.id, hashes, hold_s)
+        except (TransportError, KVTimeout) as exc:
             logger.warning("hold on %s failed: %s", uri, exc)
+            self._node_failed(uri)
             return set(), None
         return set(hashes[: held.blocks]), held.hold_id
 
