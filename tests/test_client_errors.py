@@ -104,6 +104,7 @@ ARGUMENTS: dict[str, st.SearchStrategy[Any]] = {
     "after_seq": _either(st.integers(-1, 10)),
     "log_id": _either(_text),
     "all_namespaces": _either(st.booleans()),
+    "snapshot": _either(st.booleans()),
 }
 SKIP = {"close", "connect", "ns", "timeout_s"}
 METHODS = sorted(

@@ -274,3 +274,32 @@ async def test_a_node_that_failed_a_put_takes_no_new_blocks_from_that_client(
         for tokens, seed in ((second, 99), (first, 98)):
             assert await kv.put_layer(tokens, 0, layer_kv(1024, 0, seed)) == 1024
             assert (await kv.get_layer(tokens, 0)).shape[1] == 1024
+
+
+async def test_an_objects_last_writer_wins_when_a_node_joins() -> None:
+    """Objects put while one node serves, put again with other values by a fresh client once
+    a second node has joined (placement moves many keys to the empty node), read back as
+    the newer values: the put removes the older copy it did not overwrite, and a read
+    never takes an older version than the newest listed."""
+    master = start_server("master", "--grpc-port", "0", "--metrics-port", "0")
+    args = ("node", "--master", master.grpc, "--data-port", "0", "--metrics-port", "0",
+            "--host-mem", "64MiB")  # fmt: skip
+    nodes = [start_server(*args, "--node-id", "node-a")]  # (listed first: ids sort)
+    keys = [f"key-{i}" for i in range(20)]
+    try:
+        async with await _connect(master, wait=False, replicas=1) as kv:
+            for k in keys:
+                await kv.put_object(k, b"v1-" + k.encode())
+        nodes.append(start_server(*args, "--node-id", "node-b"))
+        async with await _connect(master, replicas=1) as kv:  # (waits for both nodes)
+            for k in keys:
+                await kv.put_object(k, b"v2-" + k.encode())
+            assert [await kv.get_object(k) for k in keys] == [b"v2-" + k.encode() for k in keys]
+            holders = [await kv._master.lookup_object(k) for k in keys]
+            second = nodes[1].addresses["node"]
+            assert any(h.node_id == second for hs in holders for h in hs)  # (keys moved)
+            assert all(len(hs) == 1 for hs in holders)  # the older copies were removed
+    finally:
+        for node in nodes:
+            node.stop()
+        master.stop()

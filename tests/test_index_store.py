@@ -432,6 +432,10 @@ async def test_objects_are_located_per_holder(store: IndexStore) -> None:
     await store.apply(CommitBatch("a", ea, 2, object_removes=("k", "unknown")))
     assert [h.node_id for h in await store.locate_object("k")] == ["b"]
     assert (await store.counts()).objects == 1
+    version = 1_764_900_000_123_456_789  # (a writer's clock in ns: past a double's precision)
+    await store.apply(CommitBatch("a", ea, 3, object_adds=(ObjectAdd("k", 6, version),)))
+    got = {h.node_id: (h.nbytes, h.version) for h in await store.locate_object("k")}
+    assert got == {"a": (6, version), "b": (4, 0)}
 
 
 # -- subscriptions ------------------------------------------------------------------------------

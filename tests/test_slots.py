@@ -429,6 +429,30 @@ def test_objects_put_commit_get_remove() -> None:
     assert arena.stats().free_page_bytes == arena.capacity_bytes and store.used_bytes == 0
 
 
+def test_an_objects_newer_version_stands_whatever_comes_after_it() -> None:
+    """Two writes of one key keep the newer version, in whichever order they commit: an
+    older one committed after it is dropped (its bytes freed) and says so."""
+    arena = Arena(64 * KiB, page_bytes=4 * KiB)
+    store = ObjectStore(arena, max_object_bytes=8 * KiB, max_total_bytes=32 * KiB)
+
+    def put(value: bytes, version: int) -> bool:
+        with store.put("cfg", len(value), version) as write:
+            write.view.copy_(torch.frombuffer(bytearray(value), dtype=torch.uint8))
+            published = write.commit()
+            assert write.commit() is published  # (idempotent)
+        return published
+
+    assert put(b"new", 20) and not put(b"old", 10)
+    got = store.get("cfg")
+    assert got is not None and bytes(got.numpy()) == b"new"
+    assert store.version("cfg") == 20 and store.items() == [("cfg", 3, 20)]
+    assert put(b"newer", 30) and put(b"again", 30)  # (a version as new replaces)
+    assert store.version("cfg") == 30 and store.version("none") is None
+    store.validate()
+    assert store.remove("cfg")
+    assert arena.stats().free_page_bytes == arena.capacity_bytes and store.used_bytes == 0
+
+
 def test_object_write_aborts_on_exit_and_limits_hold() -> None:
     arena = Arena(64 * KiB, page_bytes=4 * KiB)
     store = ObjectStore(arena, max_object_bytes=8 * KiB, max_total_bytes=16 * KiB)

@@ -1,10 +1,20 @@
 """``put_object`` / ``get_object`` / ``exists`` / ``remove`` of :class:`~kvclient.KVClient`:
 small named values beside the KV (engine metadata, say), placed like
-blocks (HRW on the key's hash), never evicted automatically, the last writer wins."""
+blocks (HRW on the key's hash), never evicted automatically, the last writer wins.
+
+The last writer is the one whose put started last by its host's clock: every value carries
+its writer's version (``time.time_ns()`` at the put), a node keeps the newer of two values
+of a key, the master lists holders newest version first, and a read takes the newest
+version only. Placement moves as nodes join and fill, so two puts of a key may land on
+different nodes: a put then removes the key from the holders it did not write (best
+effort), and a read never falls back to an older version, which would be a stale value.
+Clocks of different writers are trusted to within the time between their puts of a key.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -57,10 +67,16 @@ class ObjectOps(_Base):
                 f"object of {view.nbytes} bytes exceeds max_object_bytes={self.max_object_bytes}"
             )
 
+        version = time.time_ns()
+
         async def run() -> None:
             nodes = await self._live_nodes()
-            for node in self._place(hkey, nodes):
-                await self._node(node.data_uri).put_object(key, view)
+            placed = {n.data_uri for n in self._place(hkey, nodes)}
+            for uri in placed:
+                await self._node(uri).put_object(key, view, version)
+            for holder in await self._master.lookup_object(key):
+                if holder.data_uri not in placed and holder.version <= version:
+                    await self._forget_object(holder.data_uri, key)
 
         try:
             await self._deadline(run(), timeout, "put_object")
@@ -73,7 +89,11 @@ class ObjectOps(_Base):
         self._object_key(key)
 
         async def run() -> bytes | None:
-            for holder in await self._master.lookup_object(key):
+            holders = await self._master.lookup_object(key)
+            newest = max((h.version for h in holders), default=0)
+            for holder in holders:
+                if holder.version < newest:
+                    continue  # (an older value: stale while a newer one is known)
                 try:
                     value = await self._node(holder.data_uri).get_object(key)
                     if value is not None:
@@ -83,6 +103,14 @@ class ObjectOps(_Base):
             return None
 
         return await self._deadline(run(), timeout, "get_object")  # type: ignore[no-any-return]
+
+    async def _forget_object(self, uri: str, key: str) -> None:
+        """Remove ``key`` from the node at ``uri``, which holds an older value of it (a
+        failure is logged: a read never takes the older value while a newer is listed)."""
+        try:
+            await self._node(uri).remove_object(key)
+        except (TransportError, KVTimeout) as exc:
+            logger.warning("removing the older %r from %s failed: %s", key, uri, exc)
 
     async def exists(self, key: str, *, timeout: float | None = None) -> bool:
         """Whether a live node holds ``key``."""

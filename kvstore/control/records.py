@@ -145,10 +145,12 @@ class BlockRef:
 
 @dataclass(frozen=True)
 class ObjectAdd:
-    """Commit item: the node now holds the ``put_object`` value ``key`` (``nbytes`` long)."""
+    """Commit item: the node now holds the ``put_object`` value ``key`` (``nbytes`` long)
+    of writer version ``version`` (0: none given)."""
 
     key: str
     nbytes: int
+    version: int = 0
 
 
 @dataclass(frozen=True)
@@ -171,12 +173,14 @@ class CommitBatch:
 
 @dataclass(frozen=True)
 class ObjectHolder:
-    """A live holder of a ``put_object`` value (``data_uri`` is empty inside the store)."""
+    """A live holder of a ``put_object`` value (``data_uri`` is empty inside the store) and
+    the version of the value it holds."""
 
     node_id: str
     epoch: int
     nbytes: int
     data_uri: str = ""
+    version: int = 0
 
 
 @dataclass(frozen=True)

@@ -273,7 +273,7 @@ def commit_from_pb(req: pb.CommitRequest) -> CommitBatch:
             req.seq,
             tuple(BlockAdd(a.ns_id, a.block_hash, tuple(a.chunks), a.location) for a in req.adds),
             tuple(BlockRef(e.ns_id, e.block_hash) for e in req.evicts),
-            tuple(ObjectAdd(o.key, o.nbytes) for o in req.object_adds),
+            tuple(ObjectAdd(o.key, o.nbytes, o.version) for o in req.object_adds),
             tuple(req.object_removes),
             tiers_from_pb(req.tiers),
         )
@@ -311,7 +311,7 @@ def check_commit(batch: CommitBatch) -> CommitBatch:
         for a in batch.adds
     )
     evicts = tuple(BlockRef(check_ns_id(e.ns_id), _check_hash(e.block_hash)) for e in batch.evicts)
-    objects = tuple(ObjectAdd(check_key(o.key), o.nbytes) for o in batch.object_adds)
+    objects = tuple(ObjectAdd(check_key(o.key), o.nbytes, o.version) for o in batch.object_adds)
     removes = tuple(check_key(k) for k in batch.object_removes)
     tiers = tiers_from_pb(batch.tiers)
     return CommitBatch(batch.node_id, batch.epoch, batch.seq, adds, evicts, objects, removes, tiers)
@@ -390,7 +390,9 @@ def commit_to_pb(batch: CommitBatch) -> pb.CommitRequest:
             for a in batch.adds
         ],
         evicts=[pb.BlockRef(ns_id=e.ns_id, block_hash=e.block_hash) for e in batch.evicts],
-        object_adds=[pb.ObjectAdd(key=o.key, nbytes=o.nbytes) for o in batch.object_adds],
+        object_adds=[
+            pb.ObjectAdd(key=o.key, nbytes=o.nbytes, version=o.version) for o in batch.object_adds
+        ],
         object_removes=list(batch.object_removes),
         tiers=tiers_to_pb(batch.tiers),
     )
@@ -432,7 +434,7 @@ def holders_from_pb(msg: pb.BlockHolders) -> list[Holder]:
 
 def object_holder_from_pb(msg: pb.ObjectHolder) -> ObjectHolder:
     """An object holder record from its message."""
-    return ObjectHolder(msg.node_id, msg.epoch, msg.nbytes, msg.data_uri)
+    return ObjectHolder(msg.node_id, msg.epoch, msg.nbytes, msg.data_uri, msg.version)
 
 
 def route_instances_from_pb(msgs: Sequence[pb.RouteInstance]) -> list[Instance]:

@@ -692,12 +692,14 @@ _PENDING, _LIVE, _RETIRED, _FREED = range(4)
 class StoredObject:
     """One ``put_object`` value in the arena. Attributes are read-only outside the store."""
 
-    __slots__ = ("key", "nbytes", "offset", "pins", "state")
+    __slots__ = ("key", "nbytes", "offset", "pins", "state", "version")
 
-    def __init__(self, key: str, offset: int, nbytes: int) -> None:
+    def __init__(self, key: str, offset: int, nbytes: int, version: int = 0) -> None:
         self.key = key
         self.offset = offset
         self.nbytes = nbytes
+        self.version = version
+        """Its writer's version (the client's clock at the put, in ns; 0: none given)."""
         self.pins = 0
         self.state = _PENDING
 
@@ -709,11 +711,12 @@ class ObjectWrite:
     without committing aborts. ``commit`` and ``abort`` are idempotent and never block.
     """
 
-    __slots__ = ("_obj", "_store", "view")
+    __slots__ = ("_committed", "_obj", "_store", "view")
 
     def __init__(self, store: ObjectStore, obj: StoredObject, view: torch.Tensor) -> None:
         self._store = store
         self._obj = obj
+        self._committed: bool | None = None  # (what commit answered)
         self.view = view
         """``uint8`` view of the reserved bytes (``nbytes`` long)."""
 
@@ -722,14 +725,17 @@ class ObjectWrite:
         """The object's key."""
         return self._obj.key
 
-    def commit(self) -> None:
-        """Publish the value under its key, replacing (and freeing once unpinned) any older
-        one. Raises :class:`InvalidArgument` if the write was aborted."""
+    def commit(self) -> bool:
+        """Publish the value under its key, replacing (and freeing once unpinned) the one
+        it held, unless that one has a newer version: then this one is dropped (the last
+        writer wins by version, not by arrival). Whether it was published. Raises
+        :class:`InvalidArgument` if the write was aborted."""
         obj = self._obj
         if obj.state == _PENDING:
-            self._store._commit(obj)
-        elif obj.state != _LIVE and obj.state != _RETIRED:
+            self._committed = self._store._commit(obj)
+        elif self._committed is None:
             raise InvalidArgument(f"object write for {obj.key!r} was aborted")
+        return self._committed
 
     def abort(self) -> None:
         """Give the reserved bytes back; no-op once committed or aborted."""
@@ -783,12 +789,19 @@ class ObjectStore:
     def __contains__(self, key: object) -> bool:
         return key in self._objects
 
-    def items(self) -> list[tuple[str, int]]:
-        """``(key, nbytes)`` of every published value (re-registration). O(objects)."""
-        return [(key, obj.nbytes) for key, obj in self._objects.items()]
+    def items(self) -> list[tuple[str, int, int]]:
+        """``(key, nbytes, version)`` of every published value (re-registration).
+        O(objects)."""
+        return [(key, obj.nbytes, obj.version) for key, obj in self._objects.items()]
 
-    def put(self, key: str, nbytes: int) -> ObjectWrite:
-        """Reserve ``nbytes`` for ``key``; the value is invisible until ``commit``.
+    def version(self, key: str) -> int | None:
+        """The version of ``key``'s published value; None if absent."""
+        obj = self._objects.get(key)
+        return None if obj is None else obj.version
+
+    def put(self, key: str, nbytes: int, version: int = 0) -> ObjectWrite:
+        """Reserve ``nbytes`` for ``key`` (a value of writer version ``version``); the
+        value is invisible until ``commit``.
 
         May call ``make_room`` (evicting slots) until the arena has room. Raises
         :class:`InvalidArgument` for a bad key or size and :class:`CapacityError` if the
@@ -809,7 +822,7 @@ class ObjectStore:
         while (offset := self.arena.alloc_extent(nbytes)) is None:
             if self._make_room is None or self._make_room() is None:
                 raise CapacityError(f"no room for a {nbytes}-byte object")
-        obj = StoredObject(key, offset, nbytes)
+        obj = StoredObject(key, offset, nbytes, version)
         self._hidden[offset] = obj
         self.used_bytes += size
         return ObjectWrite(self, obj, self.arena.view(offset, nbytes))
@@ -853,13 +866,17 @@ class ObjectStore:
         """Release and return every lease whose ``expires_at <= now``."""
         return self._leases.expire(self._clock() if now is None else now)
 
-    def _commit(self, obj: StoredObject) -> None:
+    def _commit(self, obj: StoredObject) -> bool:
         del self._hidden[obj.offset]
-        obj.state = _LIVE
         old = self._objects.get(obj.key)
+        if old is not None and old.version > obj.version:  # (a newer write came first)
+            self._free(obj)
+            return False
+        obj.state = _LIVE
         self._objects[obj.key] = obj
         if old is not None:
             self._retire(old)
+        return True
 
     def _abort(self, obj: StoredObject) -> None:
         del self._hidden[obj.offset]

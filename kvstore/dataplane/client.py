@@ -226,11 +226,12 @@ class NodeClient:
 
     # ---------------------------------------------------------------- objects
 
-    async def put_object(self, key: str, value: Buffer) -> None:
-        """Store ``value`` under ``key`` (a byte buffer)."""
+    async def put_object(self, key: str, value: Buffer, version: int = 0) -> None:
+        """Store ``value`` under ``key`` (a byte buffer) as the writer's ``version`` (the
+        node keeps it unless it holds a newer one)."""
         view = memoryview(value).cast("B")
         async with self._use() as conn:
-            ready = expect(await self._ask(conn, PutObject(key, view.nbytes)), Ready)
+            ready = expect(await self._ask(conn, PutObject(key, view.nbytes, version)), Ready)
             expect(await self._ask(conn, Data(), [view] if ready.sending() else []), Ack)
 
     async def get_object(self, key: str) -> bytes | None:

@@ -535,18 +535,26 @@ class Unheld(Message):
 @dataclass(frozen=True, slots=True)
 class PutObject(Message):
     """Store an object value of ``nbytes`` under ``key``: answered :class:`Ready`, then the
-    value follows in a :class:`Data` frame."""
+    value follows in a :class:`Data` frame. ``version``: the writer's (its clock at the
+    put, in ns; absent: 0); a node keeps the newer of two values of one key."""
 
     OP: ClassVar[str] = "put_object"
     key: str
     nbytes: int
+    version: int = 0
 
     def header(self) -> dict[str, Any]:
-        return {"op": "put_object", "key": self.key, "nbytes": self.nbytes}
+        out: dict[str, Any] = {"op": "put_object", "key": self.key, "nbytes": self.nbytes}
+        if self.version:
+            out["version"] = self.version
+        return out
 
     @classmethod
     def parse(cls, header: dict[str, Any]) -> Self:
-        return cls(_key(header), _count(header, "nbytes"))
+        version = _count(header, "version") if "version" in header else 0
+        if version >= 1 << 64:
+            raise ProtocolError(f"object version {version} is over 64 bits")
+        return cls(_key(header), _count(header, "nbytes"), version)
 
 
 @dataclass(frozen=True, slots=True)

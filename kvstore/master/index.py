@@ -608,7 +608,8 @@ class MemoryIndexStore(IndexStore):
             del self._node_blocks[node]
 
     def _add_object(self, node: str, epoch: int, obj: ObjectAdd) -> None:
-        self._objects.setdefault(obj.key, {})[node] = ObjectHolder(node, epoch, obj.nbytes)
+        held = ObjectHolder(node, epoch, obj.nbytes, version=obj.version)
+        self._objects.setdefault(obj.key, {})[node] = held
         self._node_objects.setdefault(node, set()).add(obj.key)
 
     def _remove_object(self, node: str, key: str) -> None:

@@ -8,7 +8,7 @@ Key layout (``P`` is ``namespace_prefix``, ``{ns}``/``{hash}`` lowercase hex)::
 
     P:b:{ns}:{hash}   hash   node id -> "{epoch}:{mask hex}" (mask as little-endian bytes)
     P:ns:{ns}         set    {hash} of every block with at least one entry
-    P:o:{key}         hash   node id -> "{epoch}:{nbytes}" (``put_object`` values)
+    P:o:{key}         hash   node id -> "{epoch}:{nbytes}:{version}" (``put_object`` values)
     P:n:{id}          hash   epoch, alive, draining, seq (last applied), data_uri, transport,
                              nixl, tiers (JSON), version, host
     P:nb:{id} P:no:{id}  set "{ns}:{hash}" / object keys the node has entries for (purge)
@@ -204,7 +204,7 @@ end
 for _, obj in ipairs(b.object_adds) do
   local ok = P .. ':o:' .. obj[1]
   if redis.call('EXISTS', ok) == 0 then redis.call('HINCRBY', count, 'objects', 1) end
-  redis.call('HSET', ok, node, epoch .. ':' .. obj[2])
+  redis.call('HSET', ok, node, epoch .. ':' .. obj[2] .. ':' .. obj[3])
   redis.call('SADD', nob, obj[1])
 end
 redis.call('HSET', P .. ':n:' .. node, 'seq', ARGV[4])
@@ -372,6 +372,14 @@ def _int_arg(value: int, what: str) -> str:
     if not 0 <= value < _MAX_INT:
         raise InvalidArgument(f"{what} {value} out of range [0, 2**53)")
     return str(value)
+
+
+def _version_arg(version: int) -> str:
+    """An object's version (a writer's clock in ns: past a double's precision, so it goes
+    to Lua as a string, never through cjson's numbers)."""
+    if not 0 <= version < 1 << 64:
+        raise InvalidArgument(f"object version {version} out of range [0, 2**64)")
+    return str(version)
 
 
 def _mask_hex(mask_hex: str) -> int:
@@ -643,7 +651,10 @@ class RedisIndexStore(IndexStore):
                 for a in batch.adds
             ],
             "object_removes": list(batch.object_removes),
-            "object_adds": [[o.key, _int_arg(o.nbytes, "nbytes")] for o in batch.object_adds],
+            "object_adds": [
+                [o.key, _int_arg(o.nbytes, "nbytes"), _version_arg(o.version)]
+                for o in batch.object_adds
+            ],
         }
         args = [self.prefix, batch.node_id, _int_arg(batch.epoch, "epoch")]
         args += [_int_arg(batch.seq, "seq"), self._maxlen, json.dumps(body, ensure_ascii=False)]
@@ -664,8 +675,9 @@ class RedisIndexStore(IndexStore):
         flat = await self._script("object", [self.prefix, key])
         holders = []
         for i in range(0, len(flat), 2):
-            epoch, nbytes = flat[i + 1].split(b":", 1)
-            holders.append(ObjectHolder(flat[i].decode(), int(epoch), int(nbytes)))
+            epoch, nbytes, *version = flat[i + 1].split(b":", 2)  # (no version: written before)
+            holders.append(ObjectHolder(flat[i].decode(), int(epoch), int(nbytes),
+                                        version=int(version[0]) if version else 0))  # fmt: skip
         return sorted(holders, key=lambda h: h.node_id)
 
     async def counts(self) -> IndexCounts:

@@ -657,15 +657,20 @@ class MasterService(pb_grpc.MasterServicer):
     async def LookupObject(
         self, request: pb.LookupObjectRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupObjectResponse:
-        """Live holders of an object; none is a miss (empty list), not an error."""
+        """Live holders of an object, those of the newest version first; none is a miss
+        (empty list), not an error."""
         key = self.tenancy.object_key(self._tenant(context), wire.check_key(request.key))
         holders = await self.store.locate_object(key)
         uris = await self._uris(h.node_id for h in holders)
         found = [
             pb.ObjectHolder(
-                node_id=h.node_id, data_uri=uris[h.node_id], nbytes=h.nbytes, epoch=h.epoch
+                node_id=h.node_id,
+                data_uri=uris[h.node_id],
+                nbytes=h.nbytes,
+                epoch=h.epoch,
+                version=h.version,
             )
-            for h in holders
+            for h in sorted(holders, key=lambda h: (-h.version, h.node_id))
             if h.node_id in uris
         ]
         if found:

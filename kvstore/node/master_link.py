@@ -136,7 +136,7 @@ class MasterLink:
             ]
             if self.tiers.disk is not None:
                 adds += self.tiers.disk.adds()
-            objs = [ObjectAdd(k, n) for k, n in self.objects.items()]
+            objs = [ObjectAdd(k, n, v) for k, n, v in self.objects.items()]
             # Streamed in bounded batches: a node holding more entries than one Commit may
             # carry (MAX_COMMIT_ITEMS) must still be able to rejoin.
             step = self.REPORT_BATCH

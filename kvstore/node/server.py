@@ -833,9 +833,9 @@ class StorageNode:
     # ------------------------------------------------------------------ objects
 
     async def _on_put_object(self, conn: Connection, request: PutObject) -> None:
-        key, nbytes = request.key, request.nbytes
+        key, nbytes, version = request.key, request.nbytes, request.version
         timeout = self.config.io_timeout_s
-        write = self.objects.put(key, nbytes)
+        write = self.objects.put(key, nbytes, version)
         try:
             await self._send(conn, Ready((SEND,)))
             frame = await conn.recv_header(timeout=timeout)
@@ -846,8 +846,8 @@ class StorageNode:
         except BaseException:
             write.abort()
             raise
-        write.commit()
-        await self.link.commit([], object_adds=[ObjectAdd(key, nbytes)])
+        if write.commit():  # (else a newer value of the key stands, committed already)
+            await self.link.commit([], object_adds=[ObjectAdd(key, nbytes, version)])
         self.metrics.transfer_bytes.labels(op="put", transport="tcp").inc(nbytes)
         await self._send(conn, Ack(1))
 

@@ -126,12 +126,14 @@ class BlockRef(_message.Message):
     def __init__(self, ns_id: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
 
 class ObjectAdd(_message.Message):
-    __slots__ = ("key", "nbytes")
+    __slots__ = ("key", "nbytes", "version")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     key: str
     nbytes: int
-    def __init__(self, key: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    version: int
+    def __init__(self, key: _Optional[str] = ..., nbytes: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("node_id", "epoch", "seq", "adds", "evicts", "object_adds", "object_removes", "tiers", "session")
@@ -451,16 +453,18 @@ class LookupObjectRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
 class ObjectHolder(_message.Message):
-    __slots__ = ("node_id", "data_uri", "nbytes", "epoch")
+    __slots__ = ("node_id", "data_uri", "nbytes", "epoch", "version")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_URI_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     data_uri: str
     nbytes: int
     epoch: int
-    def __init__(self, node_id: _Optional[str] = ..., data_uri: _Optional[str] = ..., nbytes: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    version: int
+    def __init__(self, node_id: _Optional[str] = ..., data_uri: _Optional[str] = ..., nbytes: _Optional[int] = ..., epoch: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class LookupObjectResponse(_message.Message):
     __slots__ = ("holders",)
