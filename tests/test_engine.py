@@ -7,15 +7,16 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 import kvclient
-from kvclient.errors import BadShape, Cancelled, KVTimeout
+from kvclient.errors import BadShape, Cancelled, Closed, KVTimeout
 from kvctl.main import main as kvctl
 from kvstore.core.kvgen import realistic_kv
 from tests import cluster
@@ -346,3 +347,55 @@ def test_k_and_v_apart_short_out_and_streams_into_the_callers_memory(server: Ser
             kv.start_stream_layers_paged(tokens, paged[:2], ids, layout="kv_first")
         with pytest.raises(BadShape):
             kv.put_layer(tokens, 0, (layers[0][0], layers[0][1][:, :4]))
+
+
+def test_calls_on_a_frozen_master_end_as_asked_and_close_ends_them_closed() -> None:
+    """With the master frozen (SIGSTOP): a sync call's KVTimeout is the call's own (its
+    deadline named), not one of the loop's with the client's limit and a grace; and calls
+    in flight when the client is closed (sync calls from other threads, an async client's
+    task) end with Closed, not a bare cancellation that escapes ``except Exception``."""
+    srv = start_server("serve", "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0",
+                       "--host-mem", "64MiB")  # fmt: skip
+    tokens = _tokens(31, 512)
+    try:
+        kv = kvclient.SyncKVClient.connect(srv.grpc, _ns(), timeout_s=3)
+        srv.proc.send_signal(signal.SIGSTOP)
+        with pytest.raises(KVTimeout, match="match_prefix did not complete within 1 s"):
+            kv.match_prefix(tokens, timeout=1)
+        errors: dict[str, BaseException] = {}
+
+        def call(name: str, fn: Callable[[], object]) -> None:
+            try:
+                fn()
+            except BaseException as exc:  # (what each call ended with)
+                errors[name] = exc
+
+        calls = {"get_object": lambda: kv.get_object("k"), "match": lambda: kv.match_prefix(tokens)}
+        threads = [threading.Thread(target=call, args=item) for item in calls.items()]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # (both wait on the frozen master)
+        kv.close()
+        for t in threads:
+            t.join(10)
+        assert {n: type(e) for n, e in errors.items()} == {n: Closed for n in calls}
+        srv.proc.send_signal(signal.SIGCONT)
+        assert asyncio.run(_closed_under(srv)) is Closed
+    finally:
+        srv.proc.send_signal(signal.SIGCONT)
+        srv.stop()
+
+
+async def _closed_under(srv: Server) -> type:
+    """What an async client's task waiting on ``srv``'s master, frozen, ends with when the
+    client is closed."""
+    kv = await kvclient.KVClient.connect(srv.grpc, _ns(), timeout_s=3)
+    srv.proc.send_signal(signal.SIGSTOP)
+    task = asyncio.create_task(kv.get_object("k"))
+    await asyncio.sleep(0.3)
+    await kv.close()
+    try:
+        await asyncio.wait_for(task, 10)
+    except BaseException as exc:
+        return type(exc)
+    return type(None)

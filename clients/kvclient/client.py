@@ -398,6 +398,17 @@ class ClientCore:
             if isinstance(exc, KVStoreError):
                 raise
             raise KVTimeout(f"{what} did not complete within {limit:.3g} s") from exc
+        except asyncio.CancelledError:
+            self._closed_during(what)
+            raise
+
+    def _closed_during(self, what: str) -> None:
+        """Raise :class:`Closed` where a call's wait was cancelled because :meth:`close`
+        ended what it waited on (its connections, the master's channel), not because its
+        caller's own task was cancelled (that stays a cancellation)."""
+        me = asyncio.current_task()
+        if self._closed and (me is None or not me.cancelling()):
+            raise Closed(f"{what}: the client was closed while it was in flight") from None
 
     async def _run_codec(self, nbytes: int | None, fn: Callable[..., T], *args: Any) -> T:
         """Run quantize/dequantize work of ``nbytes`` chunk bytes on host memory: on the
@@ -674,13 +685,8 @@ class ClientCore:
         except BaseException as exc:
             task.cancel()
             await asyncio.wait([task], timeout=min(2.0, self.timeout_s))
-            me = asyncio.current_task()
-            if (
-                isinstance(exc, asyncio.CancelledError)
-                and self._closed
-                and (me is None or not me.cancelling())
-            ):  # (close() cancelled the put, not this caller's own cancellation)
-                raise Closed(f"{what}: the client was closed while it was in flight") from None
+            if isinstance(exc, asyncio.CancelledError):
+                self._closed_during(what)  # (close() cancelled the put: Closed)
             raise
 
     async def _send_chunks(

@@ -214,9 +214,13 @@ class LoopThread:
         cf = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return cf.result(timeout)
+        except KVStoreError:
+            raise  # the call's own error (its KVTimeout too: that is a TimeoutError as well)
         except concurrent.futures.TimeoutError as exc:
             cf.cancel()
             raise KVTimeout(f"call did not complete within {timeout} s") from exc
+        except concurrent.futures.CancelledError:
+            raise Closed("the call was cancelled: its client was closed") from None
 
     @property
     def alive(self) -> bool:

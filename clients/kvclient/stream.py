@@ -148,8 +148,12 @@ class StreamOps(_Base):
         yet read, or on the timeout.
         """
         hashes, sink_of = self._stream_sinks(token_ids, shard, device, out)
-        async for layer, value in self._stream(hashes, timeout, shard, sink_of):
-            yield layer, value
+        try:
+            async for layer, value in self._stream(hashes, timeout, shard, sink_of):
+                yield layer, value
+        except asyncio.CancelledError:
+            self._closed_during("stream_layers")  # (close() ended what it waited on)
+            raise
 
     def _stream_sinks(
         self, token_ids: Sequence[int] | Any, shard: int, device: Any, out: Sequence[KV] | None
