@@ -233,6 +233,19 @@ def test_paged_round_trip_equals_contiguous(server: Server, layout: str, engine_
         assert torch.equal(dst2, dst)
         with pytest.raises(BadShape):
             kv.put_layer_paged(tokens, 2, src[..., :64], ids, layout=layout)
+        # Every layer at once: a bad cache among them raises before any layer is read, so
+        # nothing is written into the engine's other caches behind the raise.
+        for layer in range(4):
+            kv.put_layer_paged(tokens, layer, src, ids, layout=layout)
+        caches = [torch.full_like(src, 7.0) for _ in range(3)] + [src.float()]
+        with pytest.raises(BadShape):
+            kv.start_get_layers_paged(tokens, caches, ids, layout=layout)
+        time.sleep(1.0)  # (what a read started behind the raise would have written by now)
+        assert all(torch.all(c == 7.0) for c in caches[:3])
+        caches[3] = torch.full_like(src, 7.0)
+        for h in kv.start_get_layers_paged(tokens, caches, ids, layout=layout):
+            assert h.wait(timeout=30).tokens == 1024
+        assert torch.equal(tokens_of(caches[2], 1024), contiguous)
         # The blocking puts start their encode on this thread and bind their arguments
         # as the async methods do (keywords, defaults, and a TypeError for a bad call).
         again = paged_from(layer_kv)

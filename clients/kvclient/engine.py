@@ -248,14 +248,15 @@ class EngineOps(_Base):
                 shared.append(asyncio.ensure_future(ask))
             return await asyncio.shield(shared[0])
 
-        handles = []
+        # Every layer's arguments are checked before any layer's read starts: a bad cache
+        # raises with nothing written into the others (they are the engine's memory).
+        runs = []
         for layer, cache in enumerate(caches):
-            n, run = self._get_paged(
+            runs.append(self._get_paged(
                 token_ids, layer, cache, block_ids, layout, shard, timeout, load_all=True,
                 skip_tokens=skip_tokens, lookup=lookup, hashes=hashes,
-            )  # fmt: skip
-            handles.append(self._result_handle(run, len(n), layer))
-        return handles
+            ))  # fmt: skip
+        return [self._result_handle(run, len(n), layer) for layer, (n, run) in enumerate(runs)]
 
     def start_put_layer(
         self,
