@@ -326,6 +326,8 @@ async def _run(
     metrics = Metrics()
     if command == "master":
         metrics.master_only()
+    elif command == "node":
+        metrics.node_only()
     exits = contextlib.AsyncExitStack()
     async with exits:
         parts: list[str] = []

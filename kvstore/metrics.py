@@ -173,6 +173,13 @@ class Metrics:
             if isinstance(collector, MetricWrapperBase) and all(collector is not m for m in mine):
                 self.registry.unregister(collector)
 
+    def node_only(self) -> None:
+        """Export only what a node owns, for a process that runs no master: the master's
+        own metrics (node states, RPC times) are unregistered, which a node would
+        otherwise list with no sample at all."""
+        for collector in (self.nodes, self.rpc_seconds):
+            self.registry.unregister(collector)
+
     def count_transfer(self, op: str, transport: str, nbytes: int, started: float) -> None:
         """Count one data-plane exchange of ``nbytes`` that started at ``started``
         (``time.perf_counter``)."""

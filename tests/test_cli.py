@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import redis
@@ -481,6 +482,10 @@ def test_a_master_whose_redis_is_down_logs_one_traceback_not_one_a_second() -> N
 
         with pytest.raises(Unreachable, match="redis"):
             asyncio.run(ask())
+        run = subprocess.run([str(Path(sys.executable).with_name("kvctl")), "--master", grpc_at,
+                              "--timeout", "5", "status"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert run.returncode == 1 and "the master answered: redis at" in run.stderr, run.stderr
         master.terminate()
         _, err = master.communicate(timeout=30)
     finally:
@@ -490,3 +495,4 @@ def test_a_master_whose_redis_is_down_logs_one_traceback_not_one_a_second() -> N
                 proc.communicate(timeout=10)
     assert err.count("lease sweep failed") == 1, err[-3000:]
     assert err.count("ERROR") == 1, err[-3000:]  # (no other line of the sweep's since)
+    assert "Traceback" not in err and "unreachable" in err, err[-3000:]  # (one line of ours)

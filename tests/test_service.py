@@ -216,6 +216,25 @@ def test_a_master_alone_exports_only_the_metrics_it_owns() -> None:
     assert not names & node_owned, names & node_owned
 
 
+def test_a_node_alone_exports_no_metric_of_the_masters() -> None:
+    """``kvstore node`` runs no master: no master metric on its /metrics (it listed the
+    master's node states and RPC times with no sample)."""
+    master = start_server("master", "--grpc-port", "0", "--metrics-port", "0")
+    try:
+        node = start_server("node", "--master", master.grpc, "--data-port", "0",
+                            "--metrics-port", "0", "--host-mem", "32MiB")  # fmt: skip
+        try:
+            url = f"http://{node.addresses['metrics']}/metrics"
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+        finally:
+            node.stop()
+    finally:
+        master.stop()
+    names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE kvstore")}
+    assert {"kvstore_pool_bytes", "kvstore_transfer_bytes_total", "kvstore_blocks"} <= names
+    assert not names & {"kvstore_nodes", "kvstore_rpc_seconds"}, names
+
+
 async def test_killed_server_gives_typed_error_within_timeout(transport: str) -> None:
     srv = serve(transport, "64MiB")
     ns = namespace(1)

@@ -244,7 +244,11 @@ def _describe(exc: KVStoreError, target: str, timeout_s: float, tls: TlsFiles | 
 def unreachable_reason(message: str, tls: TlsFiles | None) -> str:
     """Why gRPC could not reach a master, in an operator's words, from the error's message
     (gRPC's own text: "failed to connect to all addresses; last error: ..."); empty when
-    it names no reason. ``tls``: the files kvctl spoke TLS with (none: plaintext)."""
+    it names no reason. ``tls``: the files kvctl spoke TLS with (none: plaintext). A
+    master that answered UNAVAILABLE itself (its Redis down) has its reason said."""
+    if "last error: " not in message:  # (no connection failure: the master answered so)
+        said = message.partition(": ")[2].removesuffix(" (UNAVAILABLE)").strip()
+        return f"the master answered: {said}" if said else ""
     last = message.rpartition("last error: ")[2]
     if "Connection refused" in last:
         return "connection refused: nothing listens there"

@@ -92,8 +92,8 @@ def print_status(stats: MasterStats, out: TextIO) -> None:
         ),
         ("blocks", str(stats.blocks)),
         ("objects", str(stats.objects)),
-        ("hits", str(stats.hits)),
-        ("misses", str(stats.misses)),
+        ("hits", f"{stats.hits} (this master's, since it started)"),
+        ("misses", f"{stats.misses} (this master's, since it started)"),
     ]
     for key, value in rows:
         table.add_row(key, value)
@@ -150,8 +150,8 @@ def print_stats(report: StatsReport, out: TextIO) -> None:
         ("nodes", f"{stats.nodes} ({stats.live_nodes} live)"),
         ("blocks", str(stats.blocks)),
         ("objects", str(stats.objects)),
-        ("hits", f"{stats.hits} (prefix blocks found + objects found)"),
-        ("misses", f"{stats.misses} (prefix blocks not found + objects not found)"),
+        ("hits", f"{stats.hits} (prefix blocks + objects found, by this master)"),
+        ("misses", f"{stats.misses} (prefix blocks + objects not found, by this master)"),
         ("hit ratio", "-" if ratio is None else f"{100 * ratio:.1f}%"),
     ]:
         counters.add_row(key, value)

@@ -86,8 +86,8 @@ class Heartbeats:
                             metadata=bearer(self._master.token),
                         )
                     except grpc.RpcError as exc:
-                        logger.warning("heartbeat to %s failed: %s", self.targets[current],
-                                       exc.code())  # fmt: skip
+                        logger.warning("heartbeat to %s failed: %s (%s)", self.targets[current],
+                                       exc.details(), exc.code().name)  # fmt: skip
                         current = (current + 1) % len(channels)
                         continue
                     self._answered(reply)

@@ -27,7 +27,7 @@ from kvstore.control import wire
 from kvstore.control.auth import AuthConfig, AuthInterceptor
 from kvstore.control.commit_port import CommitPort
 from kvstore.dataplane.handshake import ticket_root
-from kvstore.errors import Closed, InvalidArgument, TransportError
+from kvstore.errors import Closed, InvalidArgument, KVStoreError, TransportError
 from kvstore.master.index import IndexStore, MemoryIndexStore
 from kvstore.master.membership import Membership
 from kvstore.master.service import MasterService, status_for
@@ -176,6 +176,7 @@ class MasterServer:
             raise Closed("MasterServer.listen() needs a started server")
         server, bound = await self._serve_on(host, port, tls)
         self._extra.append(server)
+        log.info("master serving on %s too", grpc_address(host, bound))
         return bound
 
     async def _serve_on(
@@ -240,9 +241,10 @@ class MasterServer:
         await self.stop()
 
     async def _sweep_forever(self) -> None:
-        """Sweep leases every interval. A failure is logged with its traceback once, then
-        in one line a minute while it lasts (the store down: one sweep a second), and its
-        end is said."""
+        """Sweep leases every interval. A failure is logged once (in one line when it is
+        one of ours, a store that cannot be reached; with its traceback when not, a bug),
+        then in one line a minute while it lasts (the store down: one sweep a second), and
+        its end is said."""
         interval = self.membership.sweep_interval_s
         failing_since: float | None = None
         said = 0.0
@@ -256,7 +258,10 @@ class MasterServer:
                 now = time.monotonic()
                 if failing_since is None:
                     failing_since = said = now
-                    log.exception("lease sweep failed")
+                    if isinstance(exc, KVStoreError):
+                        log.error("lease sweep failed: %s", exc)
+                    else:
+                        log.exception("lease sweep failed")
                 elif now - said >= 60.0:
                     said = now
                     log.error("lease sweep still failing after %.0f s: %s",
