@@ -410,8 +410,14 @@ async def test_a_node_holds_and_serves_many_times_its_memory_from_disk(tmp_path:
         # A scan of disk blocks read once displaces nothing warm: staged cold, they are the
         # next victims, and a second read stages warm.
         assert disk_tier.counters["staged_cold"] >= 50
+        warm = disk_tier.counters["staged_warm"]
         await _read_all(rig, keys[:2])
-        assert disk_tier.counters["staged_warm"] >= 1
+        assert disk_tier.counters["staged_warm"] > warm
+        # A block staged warm is in host memory and still on disk: the index says both
+        # (it said "host", which tells an operator a restart would lose it).
+        await rig.node.link.commit([])
+        staged = [k for k in keys[:2] if rig.node.tiers.lookup((NS.id, k)) is not None]
+        assert staged and set(await _tiers(rig, staged)) == {"host+disk"}
 
 
 async def test_a_block_in_use_keeps_a_disk_copy_when_its_segment_goes(tmp_path: Path) -> None:

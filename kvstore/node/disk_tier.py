@@ -447,8 +447,10 @@ class DiskTier:
             host.table.mark_landed(slot, index)
         self.counters["staged_warm" if warm else "staged_cold"] += 1
         self.metrics.tier_moves.labels(to=host.name).inc()
-        if warm:
-            self.tiers.moved(slot)  # the index learns where it is now
+        if warm:  # the index learns where it is now: host memory, and still the disk
+            where = self.tiers.location(slot, host)
+            slot.location = with_disk(where, slot.landed_mask == rec.mask)
+            self.tiers.moved(slot)
         else:
             self._cold_since.pop(key, None)
             self._cold_since[key] = time.monotonic()
