@@ -375,6 +375,10 @@ def test_calls_on_a_frozen_master_end_as_asked_and_close_ends_them_closed() -> N
         srv.proc.send_signal(signal.SIGSTOP)
         with pytest.raises(KVTimeout, match="match_prefix did not complete within 1 s"):
             kv.match_prefix(tokens, timeout=1)
+        began = time.monotonic()  # a put's deadline holds: its ABORT goes on behind it
+        with pytest.raises(KVTimeout, match="put_layer did not complete within 1 s"):
+            kv.put_layer(tokens, 0, realistic_kv(512, H, D, torch.bfloat16), timeout=1)
+        assert time.monotonic() - began < 1.9  # (it took 3 s: 2 more for the ABORT)
         errors: dict[str, BaseException] = {}
 
         def call(name: str, fn: Callable[[], object]) -> None:

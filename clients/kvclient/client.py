@@ -201,6 +201,8 @@ class ClientCore:
         self._nodes_ahead: asyncio.Task[None] | None = None
         self._codec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvclient-codec")
         self._inflight: dict[asyncio.Task[Any], list[bytes]] = {}
+        self._aborting: set[asyncio.Task[None]] = set()
+        """ABORTs of failed puts on their way to the master (:meth:`_abort_soon`)."""
         self._node_clients: dict[str, NodeClient] = {}
         self._spec = ChunkSpec.of(ns)
         self._reads = ChunkReader(
@@ -293,6 +295,8 @@ class ClientCore:
             # here (watchers stop at the first abort, a second one is harmless).
             hashes = list(dict.fromkeys(h for hs in inflight.values() for h in hs))
             await self._abort(hashes, "client closed with puts in flight")
+        if self._aborting:  # (each bounded by _abort's own deadline)
+            await asyncio.wait(list(self._aborting), timeout=self.timeout_s)
         if self._nodes_ahead is not None:
             self._nodes_ahead.cancel()
             await asyncio.wait([self._nodes_ahead], timeout=self.timeout_s)
@@ -659,8 +663,9 @@ class ClientCore:
         what: str,
     ) -> set[int]:
         """Run a put as a task registered in flight, under the call's deadline. If it
-        fails, times out or is cancelled — by the caller or by :meth:`close` — the task
-        publishes an ABORT for its blocks to their watchers before it ends. Raises
+        fails, times out or is cancelled — by the caller or by :meth:`close` — an ABORT for
+        its blocks goes to their watchers, in the background (:meth:`_abort_soon`): the
+        caller waits for the put to stop touching its tensors, not for the master. Raises
         :class:`Closed` on a closed client, and when :meth:`close` cut the put off."""
         if self._closed:
             raise Closed("client is closed")
@@ -669,7 +674,7 @@ class ClientCore:
             try:
                 return set(await put())
             except BaseException:
-                await asyncio.shield(self._abort(hashes, f"{what} failed or was cancelled"))
+                self._abort_soon(hashes, f"{what} failed or was cancelled")
                 raise
 
         limit = self._limit(timeout)
@@ -698,6 +703,14 @@ class ClientCore:
         return await self._writes.send(
             hashes, index, chunks, [self._place(h, nodes) for h in hashes]
         )
+
+    def _abort_soon(self, hashes: list[bytes], reason: str) -> None:
+        """:meth:`_abort` as a task of its own (kept until done; :meth:`close` waits for
+        those still going), so that a put that failed because the master did not answer
+        does not keep its caller past the put's deadline for the ABORT too."""
+        task = asyncio.ensure_future(self._abort(hashes, reason))
+        self._aborting.add(task)
+        task.add_done_callback(self._aborting.discard)
 
     async def _abort(self, hashes: list[bytes], reason: str) -> None:
         """Tell watchers that this writer gave up (best effort, short deadline)."""
