@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import kvclient
 from kvclient.errors import KVStoreError
 from tests.cluster import Server, serving
+from tests.test_kvctl import dead_port
 
 pytestmark = pytest.mark.slow
 
@@ -330,3 +331,14 @@ async def test_connect_options_of_the_wrong_kind_are_invalid_arguments(
     ``replicas=2.0`` at the first put; every option is checked where the client is made."""
     with pytest.raises(kvclient.errors.InvalidArgument):
         await kvclient.KVClient.connect(server.grpc, NS, **options)
+
+
+def test_unknown_options_and_a_sync_timeout_of_the_wrong_kind_are_invalid_arguments() -> None:
+    """Found by trying the client: an unknown option raised TypeError, and only after the
+    master was dialled (here nothing listens: a dial would raise Unreachable), and the sync
+    client's ``timeout_s="x"`` a ValueError."""
+    with dead_port() as port:
+        with pytest.raises(kvclient.errors.InvalidArgument, match="unknown options \\['bogus'\\]"):
+            asyncio.run(kvclient.KVClient.connect(f"127.0.0.1:{port}", NS, bogus=1))
+        with pytest.raises(kvclient.errors.InvalidArgument, match="timeout_s"):
+            kvclient.SyncKVClient.connect(f"127.0.0.1:{port}", NS, timeout_s="x")

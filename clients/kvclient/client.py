@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import inspect
 import logging
 import time
 from collections import OrderedDict
@@ -264,6 +265,10 @@ class ClientCore:
         :class:`~kvstore.errors.Unauthorized` when it does not take the token.
         """
         target = master if isinstance(master, str) else ",".join(master)
+        known = inspect.signature(cls.__init__).parameters
+        unknown = sorted(o for o in options if o not in known or o in ("self", "master", "ns"))
+        if unknown:  # (refused before anything is dialled)
+            raise InvalidArgument(f"KVClient.connect got unknown options {unknown}")
         if token is None:
             token = token_from_env()
         # (MasterClient refuses a token gRPC metadata cannot carry: check_token)

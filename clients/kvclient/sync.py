@@ -22,6 +22,7 @@ from typing import Any
 from kvstore.core.hashing import Namespace
 from kvstore.errors import Miss
 
+from . import args
 from .client import KVClient
 from .handles import LoopThread, prefix_len, shared_loop
 
@@ -65,7 +66,7 @@ class SyncKVClient:
     def connect(cls, master: str | Sequence[str], ns: Namespace, **options: Any) -> SyncKVClient:
         """Connect like :meth:`KVClient.connect` (same arguments), blocking."""
         runner = shared_loop()
-        limit = float(options.get("timeout_s", 10.0)) + _GRACE_S
+        limit = args.seconds(options.get("timeout_s", 10.0), "timeout_s") + _GRACE_S
         client = runner.run(KVClient.connect(master, ns, **options), limit)
         return cls(client, runner)
 
