@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import kvclient
 from kvclient.errors import KVStoreError
+from kvstore.control.records import ClusterEventKind
 from tests.cluster import Server, serving
 from tests.test_kvctl import dead_port
 
@@ -342,3 +343,23 @@ def test_unknown_options_and_a_sync_timeout_of_the_wrong_kind_are_invalid_argume
             asyncio.run(kvclient.KVClient.connect(f"127.0.0.1:{port}", NS, bogus=1))
         with pytest.raises(kvclient.errors.InvalidArgument, match="timeout_s"):
             kvclient.SyncKVClient.connect(f"127.0.0.1:{port}", NS, timeout_s="x")
+
+
+def test_the_sync_client_has_every_method_of_the_async_one(
+    sync_client: kvclient.SyncKVClient,
+) -> None:
+    """``SyncKVClient`` has every public method of ``KVClient`` (it had no ``events``), and
+    its event stream blocks for each batch: the log's id, then (a snapshot asked for) the
+    index from CLEARED to SNAPSHOT_DONE."""
+    public = {n for n in dir(kvclient.KVClient) if not n.startswith("_")}
+    assert public <= set(dir(kvclient.SyncKVClient)), public - set(dir(kvclient.SyncKVClient))
+    stream = sync_client.events(snapshot=True, timeout=30)
+    try:
+        log_id, first = next(stream)
+        assert log_id and first == []
+        got: list = []
+        while not got or got[-1].kind is not ClusterEventKind.SNAPSHOT_DONE:
+            got += next(stream)[1]
+        assert got[0].kind is ClusterEventKind.CLEARED
+    finally:
+        stream.close()

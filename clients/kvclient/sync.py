@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from kvstore.control.records import ClusterEvent
 from kvstore.core.hashing import Namespace
 from kvstore.errors import Miss
 
@@ -122,6 +123,38 @@ class SyncKVClient:
                 yield item
         except TimeoutError as exc:
             raise Miss("stream timed out", layer=None) from exc
+        finally:
+            self._runner.run(agen.aclose(), _GRACE_S)
+
+    def events(
+        self,
+        after_seq: int = 0,
+        log_id: str = "",
+        *,
+        all_namespaces: bool = False,
+        snapshot: bool = False,
+        timeout: float | None = None,
+    ) -> Iterator[tuple[str, list[ClusterEvent]]]:
+        """Blocking twin of :meth:`KVClient.events` (same contract): each ``(log_id,
+        events)`` batch as it comes (a keep-alive at least every 10 s)."""
+        limit = 3600.0 if timeout is None else args.seconds(timeout)
+        deadline = time.monotonic() + limit
+        agen = self._client.events(after_seq, log_id, all_namespaces=all_namespaces,
+                                   snapshot=snapshot, timeout=limit)  # fmt: skip
+
+        async def step() -> tuple[str, list[ClusterEvent]] | None:
+            try:
+                return await anext(agen)
+            except StopAsyncIteration:
+                return None
+
+        try:
+            while True:
+                left = max(0.0, deadline - time.monotonic()) + _GRACE_S
+                item = self._runner.run(step(), left)
+                if item is None:
+                    return
+                yield item
         finally:
             self._runner.run(agen.aclose(), _GRACE_S)
 
