@@ -60,7 +60,8 @@ __all__ = [
 logger = logging.getLogger("kvclient.connector")
 
 DEFAULT_HOLD_S = 10.0
-"""How long a match pins its slots for the load that follows (released once loaded)."""
+"""How long a match pins its slots for the load that follows: at most this, released
+earlier when the request finishes (the scheduler does not see its workers' loads end)."""
 
 _MAX_REQUESTS = 65536
 """Requests a connector tracks at once; past it, new requests are not cached."""
