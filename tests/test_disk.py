@@ -601,6 +601,65 @@ async def test_a_drain_copies_the_blocks_held_only_on_disk(tmp_path: Path) -> No
         assert node.pinned_slots == 0
 
 
+async def test_a_drain_puts_its_copies_where_there_is_room_not_over_anothers_blocks(
+    tmp_path: Path,
+) -> None:
+    """Found by trying the product: a drain weighed targets by free memory, so a node
+    restarted on a full disk (its memory empty, its blocks on disk only) took most copies,
+    wrote them to its disk, and its own oldest blocks went, while a third node had room for
+    all of them. Weighed by room (a disk node's free disk), the copies go to the node with
+    room, and no block of the pool is lost; each block is copied once, and passes after
+    done copy nothing."""
+    master = MasterServer(MasterConfig(grpc_port=0))
+    await master.start()
+    in_process = MasterClient.in_process(master.service)
+    base = NodeConfig(master=master.address, data_port=0, host_mem=16 * 2**20, sweep_s=0.1,
+                      disk_path=str(tmp_path / "full"), disk_size=8 * 2**20)  # fmt: skip
+    nodes: list[StorageNode] = []
+    try:
+        full = StorageNode(base, master=in_process)
+        await full.start()
+        theirs = blocks(28)  # ~7 of its 8 MiB of disk
+        kept = await _put_all(Rig(master, full), theirs)
+        assert full.disk is not None and await full.disk.flush(TIMEOUT)
+        await full.stop(grace=1.0)
+        nodes.append(full := StorageNode(base, master=in_process))  # (on disk only now)
+        nodes.append(
+            roomy := StorageNode(
+                replace(
+                    base,
+                    host_mem=4 * 2**20,
+                    disk_path=str(tmp_path / "roomy"),
+                    disk_size=64 * 2**20,
+                ),
+                master=in_process,
+            )
+        )
+        nodes.append(leaving := StorageNode(replace(base, disk_path="", disk_size=0),
+                                            master=in_process))  # fmt: skip
+        for node in nodes:
+            await node.start()
+        assert full.disk is not None and len(full.disk.store) == 28
+        keys = blocks(24)
+        sent = await _put_all(Rig(master, leaving), keys)
+        done = await leaving.drain_and_wait(30.0)
+        assert done["drain_state"] == "done" and done["drain_moved_chunks"] == 48, done
+        for _ in range(3):  # (passes go on while the mark is set)
+            await leaving.migration.one_pass()
+        assert leaving.migration.counters()["drain_moved_chunks"] == 48
+        for node in (full, roomy):
+            assert node.disk is not None and await node.disk.flush(TIMEOUT)
+        assert len(full.disk.store) == 28  # nothing of its own dropped for the copies
+        got = await _read_all(Rig(master, full), theirs)
+        assert set(got) == set(kept) and all(torch.equal(got[k], kept[k]) for k in kept)
+        ours = await _read_all(Rig(master, roomy), keys)
+        assert set(ours) == set(sent) and all(torch.equal(ours[k], sent[k]) for k in sent)
+    finally:
+        for node in nodes:
+            await node.stop(grace=1.0)
+        await master.stop(grace=0.5)
+
+
 @pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 not installed")
 async def test_ucx_readers_of_disk_blocks_get_them_staged_and_leased(tmp_path: Path) -> None:
     """A ``ucx://`` node's blocks held only on disk: a reader's one-sided READ has no

@@ -303,6 +303,17 @@ class NodeInfo:
         node with a large disk would otherwise take nearly every block of the pool)."""
         return sum(max(0, t.capacity_bytes - t.used_bytes) for t in self.tiers if t.name != "disk")
 
+    @property
+    def room_bytes(self) -> int:
+        """How much more it can keep without letting a block of its own go (a drain's
+        placement weight): its disk's free bytes where it has a disk tier (its memory
+        caches the disk there: every block is written to it, and a full disk drops its
+        oldest blocks for new ones), else its memory tiers' free bytes."""
+        for t in self.tiers:
+            if t.name == "disk":
+                return max(0, t.capacity_bytes - t.used_bytes)
+        return self.free_bytes
+
 
 class WatchKind(str, enum.Enum):  # noqa: UP042 (str() stays "WatchKind.X", as shipped)
     """Kinds of :class:`WatchEvent` on a ``Watch`` stream (equal to their names as str)."""

@@ -12,8 +12,9 @@ time. The receiving node checks every chunk as it arrives (header against the na
 key, checksum) and commits it to the master, exactly as for a writer's put.
 
 Where a block goes: the first node, in the block's rendezvous order over the nodes that
-take new blocks (:func:`~kvstore.core.placement.rank_nodes`, as a writer ranks them), that
-does not already hold those chunks — so a block keeps as many copies as it had (with
+take new blocks (:func:`~kvstore.core.placement.rank_nodes`, weighted by each node's room:
+its free disk where it has one, else its free memory, :attr:`NodeInfo.room_bytes`; a writer
+weighs free memory), that does not already hold those chunks — so a block keeps as many copies as it had (with
 ``replicas=2``, its other copy is not counted twice). A chunk the receiver refuses as bad is
 checked here; if it is bad here too it is dropped (it was poison, not worth keeping), else
 it is tried again in a later pass, at most :data:`MAX_TRIES` times. A receiver that fails
@@ -124,8 +125,8 @@ class Migration:
         self.left = 0
         self.failed = 0
         self.dropped = 0
-        self._copied: dict[SlotKey, tuple[Slot, int]] = {}
-        """Per block: its slot and the mask of chunks copied away from it."""
+        self._copied: dict[SlotKey, int] = {}
+        """Per block: the mask of its chunks copied away."""
         self._disk_done: set[SlotKey] = set()
         """Blocks held only on disk whose every chunk was copied away (or given up)."""
         self._tries: dict[tuple[SlotKey, int], int] = {}
@@ -227,7 +228,9 @@ class Migration:
         if disk is None:
             return []
         index, known, holder = disk.store.index, self.namespace_of, self.tiers.holder
-        keys = [k for k in disk.store if k not in self._disk_done]
+        copied = self._copied  # (a block copied from memory before it left for the disk)
+        keys = [k for k in disk.store if k not in self._disk_done
+                and (k not in index or index[k].mask & ~copied.get(k, 0))]  # fmt: skip
         keys = [k for k in keys if known(k[0]) is not None and holder(k) is None]
         keys.sort(key=lambda k: -index[k].seq if k in index else 0)
         return keys
@@ -318,7 +321,9 @@ class Migration:
     async def _plan(
         self, todo: list[tuple[Slot, list[int]]], targets: dict[str, NodeInfo]
     ) -> list[_Batch]:
-        cands = [Candidate(n.node_id, weight_for_free(n.free_bytes)) for n in targets.values()]
+        # (room, not free memory: a copy onto a node whose disk is full would push that
+        # node's own blocks out of the pool while another node had room for it)
+        cands = [Candidate(n.node_id, weight_for_free(n.room_bytes)) for n in targets.values()]
         by_ns: dict[bytes, list[tuple[Slot, list[int]]]] = {}
         for item in todo:
             by_ns.setdefault(item[0].key[0], []).append(item)
@@ -353,15 +358,16 @@ class Migration:
         return [b for rows in batches.values() for b in rows]
 
     def _copied_mask(self, slot: Slot) -> int:
-        """The chunks of ``slot`` copied away (none if its key's slot was replaced)."""
-        seen = self._copied.get(slot.key)
-        return seen[1] if seen is not None and seen[0] is slot else 0
+        """The chunks of ``slot``'s block copied away, from whichever slot held them (a
+        key names the same bytes: a block that left memory and was staged again into
+        another slot is not copied again)."""
+        return self._copied.get(slot.key, 0)
 
     def _mark_copied(self, slot: Slot, chunks: Sequence[int]) -> None:
         mask = self._copied_mask(slot)
         for c in chunks:
             mask |= 1 << c
-        self._copied[slot.key] = (slot, mask)
+        self._copied[slot.key] = mask
 
     async def _send(self, batch: _Batch) -> None:
         """One node-to-node put of ``batch``; counts what was copied."""
