@@ -14,12 +14,15 @@ key, checksum) and commits it to the master, exactly as for a writer's put.
 Where a block goes: the first node, in the block's rendezvous order over the nodes that
 take new blocks (:func:`~kvstore.core.placement.rank_nodes`, weighted by each node's room:
 its free disk where it has one, else its free memory, :attr:`NodeInfo.room_bytes`; a writer
-weighs free memory), that does not already hold those chunks — so a block keeps as many copies as it had (with
-``replicas=2``, its other copy is not counted twice). A chunk the receiver refuses as bad is
-checked here; if it is bad here too it is dropped (it was poison, not worth keeping), else
-it is tried again in a later pass, at most :data:`MAX_TRIES` times. A receiver that fails
-an exchange is left out for :data:`BENCH_S`. Chunks that land during the drain (another
-layer of a block, from a writer whose grant predates the mark) are copied by the next pass.
+weighs free memory), that does not already hold those chunks — so a block keeps as many
+copies as it had (with ``replicas=2``, its other copy is not counted twice). A chunk the
+receiver refuses as bad is checked here; if it is bad here too it is dropped (it was
+poison, not worth keeping), else it is tried again in a later pass, at most
+:data:`MAX_TRIES` times. A receiver that fails an exchange is left out for
+:data:`BENCH_S`. Chunks that land during the drain (another layer of a block, from a writer
+whose grant predates the mark) are copied by the next pass. A block's copied chunks are
+counted per block, not per slot: one that left memory and was staged again is not copied
+again.
 
 Progress (:meth:`Migration.counters`, in the node's ``stats`` and heartbeats): ``state`` is
 ``idle`` (not draining), ``moving``, ``waiting`` (no node takes new blocks: ``reason``
