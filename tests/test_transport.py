@@ -1203,6 +1203,15 @@ def test_parse_rejects_garbage(data: bytes, match: str) -> None:
         parse_prefix(data)
 
 
+def test_a_header_nested_too_deeply_is_a_protocol_error() -> None:
+    """Found by trying the product: 3,000 ``[`` as a header (any peer, before the
+    handshake) raised RecursionError, which the ports logged as a traceback and answered
+    with a bare close."""
+    header = b"[" * 4000
+    with pytest.raises(ProtocolError, match="nested too deeply"):
+        parse_prefix(b"KVF1\0\0\0\0" + len(header).to_bytes(4, "little") + header)
+
+
 def test_parse_fixed_checks_limits_before_allocating() -> None:
     limits = FrameLimits(max_header_bytes=64, max_buffers=2)
     with pytest.raises(ProtocolError, match="3 buffers"):

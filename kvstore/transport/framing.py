@@ -196,6 +196,8 @@ def parse_rest(
         header = _decode_json(str(rest[8 * nbuf :], "utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"frame header is not UTF-8 JSON: {exc}") from exc
+    except RecursionError:  # (a header of 3,000 "[": any peer, before any handshake)
+        raise ProtocolError("frame header is JSON nested too deeply") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"frame header must be a JSON object, got {type(header).__name__}")
     return Frame(header=header, sizes=sizes)
