@@ -249,6 +249,26 @@ def test_an_owner_reaching_its_quota_evicts_its_own_before_an_unlimited_one() ->
     table.validate()
 
 
+def test_an_owner_with_no_quota_evicts_its_own_not_one_within_its_quota() -> None:
+    """Found by trying the product: a tenant without a quota flooded the pool and evicted
+    a tenant within its quota (no one was "over", so the plain LRU chose). Blocks of an
+    owner without a quota (no tenant's among them) now go before those of one within its
+    quota, and after those of one over its quota."""
+    table, _ = small_table()  # 16 slots of 4 KiB
+    table.set_quotas({"a": 8 * 4096, "b": 2 * 4096})
+    mine = [table.allocate(key(i), 4096, 1024, 4, owner="a").slot.key for i in range(6)]
+    over = [table.allocate(key(50 + i), 4096, 1024, 4, owner="b").slot.key for i in range(3)]
+    flood = [table.allocate(key(100 + i), 4096, 1024, 4, owner="c").slot.key
+             for i in range(7)]  # fmt: skip
+    gone = []
+    for i in range(12):
+        gone += table.allocate(key(200 + i), 4096, 1024, 4, owner="c").evicted
+    assert gone[:1] == over[:1]  # "b" is over its quota: its oldest first
+    assert set(gone).isdisjoint(mine) and set(flood) <= set(gone)
+    assert table.owner_bytes()["a"] == 6 * 4096
+    table.validate()
+
+
 def test_an_over_quota_owner_with_nothing_evictable_lets_the_plain_lru_choose() -> None:
     # The over-quota owner's slots are all pinned (landing): its heap empties while the
     # victim is sought, and the oldest of everyone else's goes. Found by review: this

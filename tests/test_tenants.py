@@ -280,6 +280,31 @@ async def test_a_tenants_flood_evicts_its_own_blocks_not_another_tenants_within_
         assert _metric(node, "kvstore_tenant_bytes", "team-a") >= 4 << 20
 
 
+async def test_a_tenant_without_a_quota_floods_its_own_blocks_out_not_a_quota_holders(
+    tmp_path: Path,
+) -> None:
+    """Found by trying the product: with a quota for team-a only, team-b (none) flooded
+    the node and evicted every block of team-a's, within its quota."""
+    quota = '[[tenant]]\nname = "team-a"\nquota = "8MiB"\n'
+    pool = _pool(write_auth_file(tmp_path, extra=quota), "24MiB")
+    master, node = next(pool)
+    try:
+        kept = prompt(2048, seed=411)  # 8 blocks, about 4 MiB: within team-a's quota
+        async with await _connect(master, CLIENT) as a, await _connect(master, CLIENT_B) as b:
+            assert await a.put_layer(kept, 0, layer_kv(2048, 0, 411)) == 2048
+            deadline = time.monotonic() + 20
+            while _metric(node, "kvstore_tenant_quota_bytes", "team-a") == 0:
+                assert time.monotonic() < deadline, "the node never learnt the quota"
+                await asyncio.sleep(0.2)
+            for i in range(16):  # more than the whole node holds
+                tokens = prompt(1024, seed=600 + i)
+                assert await b.put_layer(tokens, 0, layer_kv(1024, 0, i)) == 1024
+            assert await a.match_prefix(kept) == 2048
+            assert await b.match_prefix(prompt(1024, seed=600)) == 0  # B's own went
+    finally:
+        next(pool, None)  # (past its yield: stops the node and the master)
+
+
 def test_pool_ids_differ_by_tenant_and_secret_and_name_their_tenant() -> None:
     from kvstore.core.tenancy import TenantScope
 

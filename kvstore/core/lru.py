@@ -46,10 +46,15 @@ class OwnerLRU(Generic[S]):
         if self._entries > 2 * len(self._evictable) + 1024:
             self._rebuild()
 
-    def pop(self, prefer: Callable[[str], bool] | None = None) -> S | None:
+    def pop(self, *prefer: Callable[[str], bool]) -> S | None:
         """Remove and return the least recently used evictable slot, taken among the owners
-        ``prefer`` says yes to when any of them has one; None when nothing is evictable."""
-        best = self._oldest(prefer) if prefer is not None else None
+        the first of ``prefer`` says yes to that has one, else among all; None when nothing
+        is evictable."""
+        best = None
+        for wanted in prefer:
+            best = self._oldest(wanted)
+            if best is not None:
+                break
         if best is None:
             best = self._oldest(None)
         if best is None:

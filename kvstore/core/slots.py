@@ -530,7 +530,9 @@ class SlotTable:
     def _pop_lru(self, writer: str = "", stride: int = 0) -> Slot | None:
         """The next victim: the least recently used evictable slot of an owner over its
         quota (``writer`` counts as over once ``stride`` more bytes would put it over),
-        else the least recently used of all."""
+        else of an owner with no quota (blocks of no tenant included), else the least
+        recently used of all: an owner within its quota loses blocks only when nobody over
+        or without one has any left."""
         if not self._quotas:
             return self._lru.pop()
         used, quotas = self._used, self._quotas
@@ -540,7 +542,10 @@ class SlotTable:
             extra = stride if owner == writer else 0
             return quota is not None and used(owner) + extra > quota
 
-        return self._lru.pop(over)
+        def unlimited(owner: str) -> bool:
+            return owner not in quotas
+
+        return self._lru.pop(over, unlimited)
 
     # ---- quotas ----------------------------------------------------------------------
 
