@@ -225,6 +225,25 @@ async def test_idle_sockets_cannot_keep_a_put_out(guarded: Server) -> None:
         assert all(_closed_by_peer(s, IDLE_S + 5) for s in idle)
 
 
+async def test_sockets_held_idle_after_a_request_cannot_keep_a_put_out(guarded: Server) -> None:
+    """Found by trying the product: a peer that sent one request on each of ``CAP``
+    connections (a tenant's, authenticated) and then held them idle kept every other
+    client out until the idle timeout, and could reopen them. A connection that has waited
+    at least the header timeout for its next request is displaced, longest first."""
+    await _settled(guarded)
+    held = [await connect(guarded.data, timeout=5) for _ in range(CAP)]
+    try:
+        for conn in held:
+            assert (await _stats(conn)).get("op") == "stats"
+        await asyncio.sleep(HEADER_S + 0.2)  # (each idle past the header timeout)
+        kv = await _client(guarded)
+        async with kv:
+            await _put_and_get(kv, seed=2)
+    finally:
+        for conn in held:
+            await conn.close()
+
+
 async def test_a_refused_client_gets_a_typed_error_and_served_clients_go_on(
     guarded: Server,
 ) -> None:

@@ -41,10 +41,11 @@ guard is off unless set; the storage node sets them all, see ``NodeConfig``):
   timer per frame; a connection without guards never reads the clock.
 * ``max_connections``: at the bound, a new connection first displaces the oldest one that has
   not started a single frame within ``header_timeout`` of being accepted (idle sockets opened
-  to fill the bound); else it is refused. With ``refusal`` set, the refused peer is sent
-  ``refusal(CapacityError(...))`` as a frame before the close, so its client raises a typed
-  error that names the limit rather than seeing a bare reset; connections already served are
-  never touched.
+  to fill the bound), else the one that has waited longest, at least ``header_timeout``, for
+  its next request (sockets held idle after a request); else it is refused. With
+  ``refusal`` set, the refused peer is sent ``refusal(CapacityError(...))`` as a frame before
+  the close, so its client raises a typed error that names the limit rather than seeing a
+  bare reset; a connection with a request under way is never touched.
 * Memory: a backend grows what it holds for a prefix with the bytes that actually arrived,
   never with the lengths a prefix announces (:mod:`.framing` bounds those).
 """
@@ -654,6 +655,20 @@ class Connection(abc.ABC):
             and self._buffered() == 0
         )
 
+    def _idle_since_before(self, before: float) -> bool:
+        """Whether this connection has waited for its next request since ``before`` (loop
+        time) or longer, with nothing of it arrived: displaceable at a listener's bound (a
+        client's pool finds the close before it reuses the socket)."""
+        since = self._idle_since
+        return (
+            not self.closed
+            and since is not None
+            and since <= before
+            and self._awaiting_header
+            and self._header_began is None
+            and self._buffered() == 0
+        )
+
     async def _locked_send(self, prefix: bytes, views: list[memoryview]) -> None:
         async with self._send_lock:
             self._raise_if_closed()
@@ -852,20 +867,31 @@ class Listener(abc.ABC):
         self._tasks[conn] = loop.create_task(self._serve(conn), name=f"serve {conn.peer}")
 
     def _displace(self, now: float) -> bool:
-        """Close the oldest connection that never started a frame within ``header_timeout``
-        of being accepted; False when there is none."""
+        """Close, to make room: the oldest connection that never started a frame within
+        ``header_timeout`` of being accepted, else the one that has waited longest for its
+        next request, at least ``header_timeout`` (a peer that sent one request, even an
+        authenticated one, then holds its socket idle: one tenant could otherwise keep
+        every other out); False when there is none."""
         if self.header_timeout is None:
             return False
         before = now - self.header_timeout
         for conn in self._tasks:  # in the order accepted: the first one found is the oldest
             if conn._opened_at > before:
-                return False
+                break
             if conn._never_started(before):
                 self.displaced += 1
                 logger.info("displacing %s: no request since it connected", conn.peer)
                 conn._shut(Closed, "displaced: no request within the header timeout")
                 return True
-        return False
+        idle = [c for c in self._tasks if c._idle_since_before(before)]
+        if not idle:
+            return False
+        conn = min(idle, key=lambda c: c._idle_since or 0.0)
+        self.displaced += 1
+        waited = now - (conn._idle_since or now)
+        logger.info("displacing %s: no request for %.0f s", conn.peer, waited)
+        conn._shut(Closed, "displaced: idle while the listener was at its limit")
+        return True
 
     def _refuse(self, conn: Connection) -> None:
         """Refuse ``conn``: a refusal frame when one is configured and few are in flight,
