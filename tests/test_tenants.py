@@ -333,6 +333,15 @@ def test_pool_ids_differ_by_tenant_and_secret_and_name_their_tenant() -> None:
             f'[[token]]\ntoken = "{"t" * 20}"\nrole = "client"\ntenant = "{"x" * 129}"\n',
             "at most 128 characters",
         ),
+        # Found by trying the product: a quota under a mistyped name left the tenant meant
+        # with none, and names of spaces were taken.
+        (
+            f'[[token]]\ntoken = "{"t" * 20}"\nrole = "client"\ntenant = "team-a"\n'
+            '[[tenant]]\nname = "team-aa"\nquota = "1GiB"\n',
+            "'team-aa' has a quota but no token names that tenant",
+        ),
+        ('[[tenant]]\nname = "   "\nquota = 1\n', "name must be a tenant name"),
+        (f'[[token]]\ntoken = "{"t" * 20}"\nrole = "client"\ntenant = "  "\n', "names its tenant"),
     ],
 )
 def test_a_bad_tenant_table_is_named_in_one_error(tenants: str, needle: str) -> None:

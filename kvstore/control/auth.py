@@ -164,7 +164,14 @@ class AuthConfig:
             if key in identities:
                 raise InvalidArgument(f"{where}: token {i + 1} is listed twice (or is the secret)")
             identities[key] = identity
-        return cls(secret, identities, _quotas(doc.get("tenant", []), where))
+        quotas = _quotas(doc.get("tenant", []), where)
+        named = {i.tenant for i in identities.values() if i.tenant}
+        stray = sorted(t for t in quotas if t not in named)
+        if entries and stray:  # (a typo would leave the tenant meant with no quota at all)
+            raise InvalidArgument(
+                f"{where}: [[tenant]] {stray[0]!r} has a quota but no token names that tenant"
+            )
+        return cls(secret, identities, quotas)
 
     def identify(self, token: str) -> Identity | None:
         """The identity of ``token``, or None."""
@@ -184,7 +191,12 @@ def _quotas(entries: Any, where: str) -> dict[str, int]:
         if not isinstance(entry, dict) or set(entry) != {"name", "quota"}:
             raise InvalidArgument(f"{at}: a table of name and quota")
         name, quota = entry["name"], entry["quota"]
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_TENANT_LEN or name in quotas:
+        if (
+            not isinstance(name, str)
+            or not name.strip()
+            or len(name) > MAX_TENANT_LEN
+            or name in quotas
+        ):
             raise InvalidArgument(f"{at}: name must be a tenant name, listed once")
         try:
             quotas[name] = parse_size(quota)
@@ -205,7 +217,7 @@ def _entry(entry: Any, where: str) -> tuple[Identity, str]:
         raise InvalidArgument(f"{where}: role must be client or admin, got {role!r}")
     if not isinstance(tenant, str) or not isinstance(name, str):
         raise InvalidArgument(f"{where}: tenant and name are strings")
-    if role == "client" and not tenant:
+    if role == "client" and not tenant.strip():
         raise InvalidArgument(f"{where}: a client token names its tenant")
     if len(tenant) > MAX_TENANT_LEN:
         raise InvalidArgument(f"{where}: a tenant name is at most {MAX_TENANT_LEN} characters")
