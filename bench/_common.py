@@ -524,7 +524,11 @@ def meter(pid: int) -> Iterator[dict[str, float]]:
     s1, m1, c1 = proc_stat(pid), proc_stat(pid, pid), resource.getrusage(resource.RUSAGE_SELF)
     rec["s"] = t1 - t0
     rec["server_cpu"] = (s1 - s0).cpu_s
-    rec["server_main_cpu"] = (m1 - m0).cpu_s
+    # The main thread's time from the same two readings as the whole's where schedstat has
+    # it (its own readings come a moment later: a part could then exceed its whole).
+    both = pid in s0.thread_ns and pid in s1.thread_ns
+    main = (s1.thread_ns[pid] - s0.thread_ns[pid]) / 1e9 if both else (m1 - m0).cpu_s
+    rec["server_main_cpu"] = min(main, rec["server_cpu"])
     rec["server_faults"] = (s1 - s0).minor_faults
     rec["client_cpu"] = (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
     rec["client_faults"] = c1.ru_minflt - c0.ru_minflt

@@ -440,7 +440,8 @@ def plot(res: Results, path: str) -> None:
     panels = []
     for (title, paths), d in itertools.product(ways, ends):
         pts = [p for p in res.points if _ran(res, p, d)]
-        series = {k: [res.by[(p.name, k, d)].gbps for p in pts] for k in paths}
+        ran = [k for k in paths if all((p.name, k, d) in res.by for p in pts)]  # (layers: d 1)
+        series = {k: [res.by[(p.name, k, d)].gbps for p in pts] for k in ran}
         series["memcpy (1 thread, depth 1)"] = [res.by[(p.name, "memcpy", 1)].gbps for p in pts]
         panels.append(BarPanel(f"{title}, depth {d}", "GB/s", [p.name for p in pts], series))
     save_bar_plot(path, panels, suptitle="bench/transfer.py: depth = exchanges in flight",

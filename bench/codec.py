@@ -17,8 +17,10 @@ stderr. Compile times are cold (Inductor's on-disk caches in a fresh directory) 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -292,7 +294,9 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not args.warm_cache:  # every first call compiles from scratch, C++ included
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvstore-bench-")
+        cache = tempfile.mkdtemp(prefix="kvstore-bench-")
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)  # (not left in /tmp)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     if args.fused_only:
         print(machine_markdown())
         for table in fused_tables(args.quick):
@@ -318,6 +322,11 @@ def main() -> int:
         for what, gbs, ms in rows:
             base = copy_layer if "layer" in what else copy_chunk
             speed.add(what, f"{gbs:.2f}", f"{ms:.3f}", f"{gbs / base:.2f}x")
+        speed.notes.append(
+            "verify_chunk rows count the encoded chunk's bytes (what it reads), not fp16 KV "
+            "bytes: their GB/s and their ratio to copy_ are of those bytes (an int8 chunk is "
+            "about half its fp16 KV)."
+        )
         sections.append(speed)
         bar.advance(task)
         sections.append(hashing_table(args.quick))

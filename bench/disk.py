@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import BarPanel, Table, best_of, open_direct, print_report, progress, save_bar_plot
 
 from kvstore.core.sizes import format_size, parse_size
+from kvstore.errors import InvalidArgument
 from kvstore.node.disk import ALIGN, SEGMENT_BYTES, DiskStore, Record
 
 T = TypeVar("T")
@@ -306,9 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=".", help="where the data goes (a temp dir in it)")
     p.add_argument("--plot", default=None, help="write a PNG of the GB/s here")
     args = p.parse_args(argv)
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
-    total = parse_size(args.total)
-    args.thread_counts = [int(t) for t in args.threads.split(",")]
+    try:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+        total = parse_size(args.total)
+        args.thread_counts = [int(t) for t in args.threads.split(",")]
+    except (InvalidArgument, ValueError) as exc:
+        p.error(str(exc))
+    if min(args.thread_counts) < 1 or args.reps < 1 or args.chunks < 1 or total < 1:
+        p.error("--threads, --reps, --chunks and --total must be at least 1")
     if any(s % (args.chunks * ALIGN) for s in sizes):
         p.error(f"every size must be a multiple of {args.chunks} x {ALIGN} bytes")
     pool = memoryview(bytearray(os.urandom(POOL_BYTES)))

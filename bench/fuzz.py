@@ -446,9 +446,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-s", type=float, default=20.0)
     parser.add_argument("--json", default="")
     args = explain(parser, __doc__).parse_args(argv)
+    targets = [frame_target(), header_target(), handshake_target(), chunk_target()]
+    if args.cases < len(targets) + 1:  # (split evenly over the parsers, proto's included)
+        parser.error(f"--cases must be at least {len(targets) + 1}, one per parser")
     logging.getLogger("kvstore").setLevel(logging.ERROR)  # (fuzzed reports log warnings)
     rng = random.Random(args.seed)
-    targets = [frame_target(), header_target(), handshake_target(), chunk_target()]
     proto, close_proto = proto_target()
     targets.append(proto)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -470,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(t.cases for t in targets)
     crashes = {f"{t.name}: {k}": (n, t.samples[k]) for t in targets for k, n in t.crashes.items()}
     table.notes.append(
-        f"{total:,} cases in {fuzz_s:.0f} s; peak RSS grew {rss_growth_mib:.1f} MiB over the run."
+        f"{total:,} cases ({args.cases // len(targets):,} per parser) in {fuzz_s:.1f} s; "
+        f"peak RSS grew {rss_growth_mib:.1f} MiB over the run."
     )
     table.notes.append(
         "refused: the input was refused with a KVStoreError, or earlier by JSON or protobuf "
@@ -490,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         lt.add("exit status, slots pinned at stop", f"{live.exit_status}, {live.pinned}")
         lt.notes += [f"failure: {f}" for f in live.honest_failures[:5]]
         tables.append(lt)
+    else:
+        table.notes.append("the live server under fuzz was skipped (--server-s 0)")
     print_report("Fuzzed parsers", "bench/fuzz.py", argv, tables)
     result = {
         "cases": total,

@@ -68,6 +68,7 @@ from _common import (
     BarPanel,
     BenchError,
     KeptConnection,
+    ProcStat,
     SpawnedServer,
     Table,
     expect,
@@ -187,17 +188,20 @@ class CpuWatch:
 
     def __init__(self, server_pids: Sequence[int]) -> None:
         self.pids = list(server_pids)
-        self._at = (0.0, 0.0)
+        self._at: tuple[list[ProcStat], float] = ([], 0.0)
 
-    def _now(self) -> tuple[float, float]:
-        return sum(proc_stat(p).cpu_s for p in self.pids), time.process_time()
+    def _now(self) -> tuple[list[ProcStat], float]:
+        return [proc_stat(p) for p in self.pids], time.process_time()
 
     def start(self) -> None:
         self._at = self._now()
 
     def stop(self) -> tuple[float, float]:
+        """(server, client) CPU seconds since :meth:`start`; the server's from each
+        thread's schedstat (a difference of two readings), not clock ticks."""
         now = self._now()
-        return now[0] - self._at[0], now[1] - self._at[1]
+        server = sum((b - a).cpu_s for a, b in zip(self._at[0], now[0], strict=True))
+        return server, now[1] - self._at[1]
 
 
 # ----------------------------------------------------------------------- kvstore's side

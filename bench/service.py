@@ -499,7 +499,9 @@ def run(args: argparse.Namespace) -> Results:
     """Start everything, fill the pool, measure, stop everything (also on failure)."""
     with contextlib.ExitStack() as stack, progress() as bar:
         task = bar.add_task("starting kvstore serve", total=None)
-        serve = stack.enter_context(Serve.start("--host-mem", args.host_mem))
+        # (mapped: the node maps its memory on a thread after its ready line; the fill and
+        # --no-fill puts must neither race that thread nor be billed for it)
+        serve = stack.enter_context(Serve.start("--host-mem", args.host_mem, mapped=True))
         bar.update(task, description="starting baseline servers")
         raw, echo = SpawnedServer.start(serve_raw_tcp), SpawnedServer.start(serve_grpc_echo)
         stack.callback(raw.stop)
