@@ -16,8 +16,8 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from kvstore.control.records import ClusterEvent
 from kvstore.core.hashing import Namespace
@@ -28,6 +28,8 @@ from .client import KVClient
 from .handles import LoopThread, prefix_len, shared_loop
 
 __all__ = ["SyncKVClient"]
+
+T = TypeVar("T")
 
 _GRACE_S = 2.0
 """Slack on top of a call's own deadline before the loop thread is given up on."""
@@ -105,26 +107,11 @@ class SyncKVClient:
     ) -> Iterator[tuple[int, Any]]:
         """Blocking twin of :meth:`KVClient.stream_layers` (same contract)."""
         limit = self._client._limit(timeout)
-        deadline = time.monotonic() + limit
         agen = self._client.stream_layers(token_ids, limit, shard=shard, device=device, out=out)
-
-        async def step() -> tuple[int, Any] | None:
-            try:
-                return await anext(agen)
-            except StopAsyncIteration:
-                return None
-
         try:
-            while True:
-                left = max(0.0, deadline - time.monotonic()) + _GRACE_S
-                item = self._runner.run(step(), left)
-                if item is None:
-                    return
-                yield item
+            yield from self._blocking(agen, limit)
         except TimeoutError as exc:
             raise Miss("stream timed out", layer=None) from exc
-        finally:
-            self._runner.run(agen.aclose(), _GRACE_S)
 
     def events(
         self,
@@ -138,13 +125,19 @@ class SyncKVClient:
         """Blocking twin of :meth:`KVClient.events` (same contract): each ``(log_id,
         events)`` batch as it comes (a keep-alive at least every 10 s)."""
         limit = 3600.0 if timeout is None else args.seconds(timeout)
-        deadline = time.monotonic() + limit
         agen = self._client.events(after_seq, log_id, all_namespaces=all_namespaces,
                                    snapshot=snapshot, timeout=limit)  # fmt: skip
+        yield from self._blocking(agen, limit)
 
-        async def step() -> tuple[str, list[ClusterEvent]] | None:
+    def _blocking(self, agen: AsyncGenerator[T, None], limit: float) -> Iterator[T]:
+        """The items of ``agen`` (run on the loop thread) as they come, each waited for up
+        to what is left of ``limit`` seconds plus a grace (a stuck loop raises TimeoutError);
+        ``agen`` is closed however this ends."""
+        deadline = time.monotonic() + limit
+
+        async def step() -> tuple[T] | None:
             try:
-                return await anext(agen)
+                return (await anext(agen),)
             except StopAsyncIteration:
                 return None
 
@@ -154,7 +147,7 @@ class SyncKVClient:
                 item = self._runner.run(step(), left)
                 if item is None:
                     return
-                yield item
+                yield item[0]
         finally:
             self._runner.run(agen.aclose(), _GRACE_S)
 
