@@ -566,16 +566,27 @@ async def test_blocks_on_disk_survive_a_sigkill_of_their_node(tmp_path: Path) ->
         master.stop()
 
 
+@asynccontextmanager
+async def _one_master() -> AsyncIterator[tuple[MasterServer, MasterClient, list[StorageNode]]]:
+    """A master in this process, its in-process client, and a list for the test's nodes:
+    each stopped, then the master, however the test ends."""
+    master = MasterServer(MasterConfig(grpc_port=0))
+    await master.start()
+    nodes: list[StorageNode] = []
+    try:
+        yield master, MasterClient.in_process(master.service), nodes
+    finally:
+        for node in nodes:
+            await node.stop(grace=1.0)
+        await master.stop(grace=0.5)
+
+
 async def test_a_drain_copies_the_blocks_held_only_on_disk(tmp_path: Path) -> None:
     """A node restarted on its disk (its namespaces read back from it, none put since)
     drains: every block, nearly all of them on disk only, is copied to the other node."""
-    master = MasterServer(MasterConfig(grpc_port=0))
-    await master.start()
-    in_process = MasterClient.in_process(master.service)
-    base = NodeConfig(master=master.address, data_port=0, host_mem=4 * 2**20, sweep_s=0.1,
-                      disk_path=str(tmp_path / "disk"), disk_size=64 * 2**20)  # fmt: skip
-    nodes: list[StorageNode] = []
-    try:
+    async with _one_master() as (master, in_process, nodes):
+        base = NodeConfig(master=master.address, data_port=0, host_mem=4 * 2**20, sweep_s=0.1,
+                          disk_path=str(tmp_path / "disk"), disk_size=64 * 2**20)  # fmt: skip
         first = StorageNode(base, master=in_process)
         await first.start()
         keys = blocks(24)
@@ -593,10 +604,6 @@ async def test_a_drain_copies_the_blocks_held_only_on_disk(tmp_path: Path) -> No
         assert done["drain_moved_chunks"] == 48 and done["drain_failed"] == 0, done
         got = await _read_all(Rig(master, other), keys)
         assert set(got) == set(sent) and all(torch.equal(got[k], sent[k]) for k in sent)
-    finally:
-        for node in nodes:
-            await node.stop(grace=1.0)
-        await master.stop(grace=0.5)
     for node in nodes:
         assert node.pinned_slots == 0
 
@@ -610,13 +617,10 @@ async def test_a_drain_puts_its_copies_where_there_is_room_not_over_anothers_blo
     all of them. Weighed by room (a disk node's free disk), the copies go to the node with
     room, and no block of the pool is lost; each block is copied once, and passes after
     done copy nothing."""
-    master = MasterServer(MasterConfig(grpc_port=0))
-    await master.start()
-    in_process = MasterClient.in_process(master.service)
-    base = NodeConfig(master=master.address, data_port=0, host_mem=16 * 2**20, sweep_s=0.1,
-                      disk_path=str(tmp_path / "full"), disk_size=8 * 2**20)  # fmt: skip
-    nodes: list[StorageNode] = []
-    try:
+    async with _one_master() as (master, in_process, nodes):
+        base = NodeConfig(master=master.address, data_port=0, host_mem=16 * 2**20,
+                          sweep_s=0.1, disk_path=str(tmp_path / "full"),
+                          disk_size=8 * 2**20)  # fmt: skip
         full = StorageNode(base, master=in_process)
         await full.start()
         theirs = blocks(28)  # ~7 of its 8 MiB of disk
@@ -654,10 +658,6 @@ async def test_a_drain_puts_its_copies_where_there_is_room_not_over_anothers_blo
         assert set(got) == set(kept) and all(torch.equal(got[k], kept[k]) for k in kept)
         ours = await _read_all(Rig(master, roomy), keys)
         assert set(ours) == set(sent) and all(torch.equal(ours[k], sent[k]) for k in sent)
-    finally:
-        for node in nodes:
-            await node.stop(grace=1.0)
-        await master.stop(grace=0.5)
 
 
 @pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 not installed")
